@@ -1,0 +1,129 @@
+"""Paged KV token allocation over request rows.
+
+Pages come from the `kv` pool (page 0 is the padding sink) and go to the owner of the
+row they extend, read from the `req` pool. Whole steps are batched: every row of a
+prefill batch, or every row of a decode batch, in one pool transfer and a handful of
+vectorised numpy operations. A row continues its partly filled last page before taking
+new pages, and a tail is freed from the first page boundary at or after its start, so a
+partial page never leaves its owner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.scheduler.allocators.request_rows import RowTable
+from services.scheduler.ownership.errors import OwnershipError
+from services.scheduler.ownership.slot_pool import SlotPool
+
+
+def pages_for(lens: np.ndarray | int, page_size: int) -> np.ndarray | int:
+    return -(-lens // page_size)
+
+
+class PagedKV:
+    def __init__(self, pages: SlotPool, table: RowTable) -> None:
+        self.pool = pages
+        self.table = table
+        self.page_size = table.page_size
+        # How many rows reference each page. Derivable from the row table (and rechecked
+        # against it by `integrity_problems`); kept so the pool can refuse, at the moment
+        # it happens, to free a page a row still uses (a tail freed without alignment).
+        self.refs = np.zeros(pages.capacity + 1, dtype=np.int64)
+        pages.free_guard = self._refuse_referenced
+
+    @property
+    def free_tokens(self) -> int:
+        return self.pool.free_count * self.page_size
+
+    def pages_needed(self, rows: np.ndarray, new_lens: np.ndarray) -> int:
+        ps = self.page_size
+        return int((pages_for(new_lens, ps) - pages_for(self.table.lens[rows], ps)).sum())
+
+    def extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+        """Grow each row to `new_lens`; all rows or none. Returns the token indices of the
+        new positions, row after row."""
+        table, ps = self.table, self.page_size
+        old = table.lens[rows]
+        if np.any(new_lens < old) or np.any(new_lens > table.max_context):
+            raise ValueError(
+                f"extend: new lengths must lie in [current, {table.max_context}]: "
+                f"rows {rows.tolist()} from {old.tolist()} to {new_lens.tolist()}"
+            )
+        old_pages = pages_for(old, ps)
+        need = pages_for(new_lens, ps) - old_pages
+        total = int(need.sum())
+        if total:
+            pages = self.pool.alloc(total, np.repeat(table.owner_ids(rows), need), "extend")
+            starts = np.cumsum(need) - need
+            cols = np.arange(total) - np.repeat(starts - old_pages, need)
+            table.pages[np.repeat(rows, need), cols] = pages
+            self.refs[pages] += 1
+        table.lens[rows] = new_lens
+        ext = new_lens - old
+        n_tok = int(ext.sum())
+        tok_rows = np.repeat(rows, ext)
+        pos = np.arange(n_tok) - np.repeat(np.cumsum(ext) - ext - old, ext)
+        return table.pages[tok_rows, pos // ps] * ps + pos % ps
+
+    def decode(self, rows: np.ndarray) -> np.ndarray:
+        """Grow each row by one position; a new page only where the last one is full."""
+        table, ps = self.table, self.page_size
+        old = table.lens[rows]
+        if np.any(old >= table.max_context):
+            full = rows[old >= table.max_context]
+            raise ValueError(f"decode: rows {full.tolist()} are at max_context {table.max_context}")
+        col = old // ps
+        if ps == 1:
+            pages = self.pool.alloc(len(rows), table.owner_ids(rows), "decode")
+            table.pages[rows, col] = pages
+            self.refs[pages] += 1
+        else:
+            need = old % ps == 0
+            grow = rows[need]
+            if len(grow):
+                pages = self.pool.alloc(len(grow), table.owner_ids(grow), "decode")
+                table.pages[grow, col[need]] = pages
+                self.refs[pages] += 1
+        table.lens[rows] = old + 1
+        return table.pages[rows, col] * ps + old % ps
+
+    def free_tail(self, row: int, start: int, reason: str = "free_tail") -> None:
+        """Drop positions [start, len) of `row`: whole pages from the first page boundary
+        at or after `start` go back to the free list; a partial page stays with the row."""
+        table, ps = self.table, self.page_size
+        length = int(table.lens[row])
+        if not 0 <= start <= length:
+            raise ValueError(f"free_tail: start {start} outside [0, {length}] of row {row}")
+        first, end = pages_for(start, ps), pages_for(length, ps)
+        if end > first:
+            giver = int(table.rows.owner_of(row))
+            pages = table.pages[row, first:end].copy()
+            self.refs[pages] -= 1
+            table.pages[row, first:end] = 0
+            try:
+                self.pool.free(pages, giver, reason)
+            except OwnershipError as err:
+                self.refs[pages] += 1
+                table.pages[row, first:end] = pages
+                raise OwnershipError(f"row {row}: {err}") from err
+        table.lens[row] = start
+
+    def _refuse_referenced(self, pages: np.ndarray) -> None:
+        used = pages[self.refs[pages] > 0]
+        if len(used):
+            raise self.pool.ledger.fault(self.pool, used, "free of pages a row still uses")
+
+    def integrity_problems(self) -> list[str]:
+        """Recount page references from the row table and compare with `refs`."""
+        table, ps = self.table, self.page_size
+        counts = np.zeros_like(self.refs)
+        for row in np.flatnonzero(table.rows.owner_view[1:]) + 1:
+            np.add.at(counts, table.pages[row, : pages_for(int(table.lens[row]), ps)], 1)
+        bad = np.flatnonzero(counts[1:] != self.refs[1:]) + 1
+        if len(bad) == 0:
+            return []
+        return [
+            f"pool kv: pages {bad.tolist()} are referenced by {counts[bad].tolist()} rows, "
+            f"recorded {self.refs[bad].tolist()}"
+        ]

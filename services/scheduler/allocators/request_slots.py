@@ -1,0 +1,83 @@
+"""Everything one running request holds, reserved in one step or not at all.
+
+A request needs a row, a working Mamba slot and two ping-pong track slots. Admission
+checks every pool first and only then takes; if taking still fails half-way (a bug),
+what was taken is given back before the error propagates (lesson 11). Release gives
+everything back and retires both owners, which fails loudly if anything was dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.allocators.group_reservation import GroupReservation
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.allocators.track_buffer import PingPongTrack
+from services.scheduler.ownership.errors import PoolExhausted
+from services.scheduler.ownership.invariants import Claim
+from services.scheduler.ownership.lease import Lease, new_lease
+from services.scheduler.ownership.owners import Owner, OwnerKind
+
+MAMBA_SLOTS_PER_REQUEST = 3  # 1 working + 2 ping-pong track slots
+
+
+@dataclass(slots=True)
+class RequestSlots:
+    owner: Owner  # request:<rid>
+    row: Lease
+    working: Lease
+    track: PingPongTrack
+    borrowed: int = 0  # positions [0, borrowed) use KV pages owned by someone else
+
+    def claims(self, pools: Pools) -> list[Claim]:
+        row = self.row.slot
+        length = int(pools.rows.lens[row])
+        return [
+            (self.owner, "req", [row]),
+            (self.owner, "mamba", [self.working.slot]),
+            (self.owner, "kv", pools.rows.row_pages(row, self.borrowed, length)),
+            (self.track.owner, "mamba", self.track.claims()),
+        ]
+
+
+def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -> RequestSlots:
+    """Row + working slot + two track slots for request `rid`, all or nothing."""
+    from_pool = 2 + (1 if reservation is None or reservation.remaining == 0 else 0)
+    if not pools.req.can_alloc(1):
+        raise PoolExhausted("req", 1, pools.req.free_count)
+    if not pools.mamba.can_alloc(from_pool):
+        raise PoolExhausted("mamba", from_pool, pools.mamba.free_count)
+    ledger = pools.ledger
+    owner = ledger.new_owner(OwnerKind.REQUEST, rid)
+    track_owner = ledger.new_owner(OwnerKind.TRACK, rid)
+    taken: list[Lease] = []
+    try:
+        row = new_lease(pools.req, owner, pools.req.alloc_one(owner, "admit"))
+        taken.append(row)
+        slot = reservation.take(owner) if reservation else pools.mamba.alloc_one(owner, "admit")
+        working = new_lease(pools.mamba, owner, slot)
+        taken.append(working)
+        track_slots = pools.mamba.alloc(2, track_owner, "admit")
+        taken.append(new_lease(pools.mamba, track_owner, track_slots))
+    except BaseException:
+        _give_back(pools, taken, (owner, track_owner))
+        raise
+    pools.rows.lens[row.held] = 0
+    track = PingPongTrack(pools.mamba, track_owner, track_slots.tolist())
+    return RequestSlots(owner, row, working, track)
+
+
+def release(pools: Pools, req: RequestSlots) -> None:
+    """Free the request's own KV, its row, its working slot and its track slots."""
+    row = req.row.slot
+    pools.kv.free_tail(row, req.borrowed, "finish")
+    pools.rows.pages[row, :] = 0
+    track = new_lease(pools.mamba, req.track.owner, req.track.checked_slots())
+    _give_back(pools, [track, req.working, req.row], (req.owner, req.track.owner))
+
+
+def _give_back(pools: Pools, leases: list[Lease], owners: tuple[Owner, ...]) -> None:
+    for lease in leases:
+        lease.release("release")
+    for owner in owners:
+        pools.ledger.retire(owner)

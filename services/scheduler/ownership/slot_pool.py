@@ -1,0 +1,186 @@
+"""One pool of slots, each with exactly one owner: the only code that changes an owner.
+
+Storage is an `array.array` for the scalar path (a Python int per access, no numpy
+scalar boxing) with a zero-copy numpy view of the same buffer for the batched path, so a
+single Mamba slot and a 256-row decode step both go through the one owner table. The
+free list is a stack: O(1) pop and push, and bulk pops and pushes as slices.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.scheduler.ownership.errors import PoolExhausted
+from services.scheduler.ownership.owners import KIND_MASK, SINK_ID, Owner, OwnerKind
+
+if TYPE_CHECKING:
+    from services.scheduler.ownership.ledger import Ledger
+
+OwnerArg = Owner | int | np.ndarray  # an owner, an owner id, or an int64 array of ids per slot
+
+
+def _ids(owner: OwnerArg) -> int | np.ndarray:
+    return owner.id if isinstance(owner, Owner) else owner
+
+
+class SlotPool:
+    """Slots `1..capacity` of one pool; slot 0 is the padding sink and never moves."""
+
+    def __init__(self, ledger: Ledger, pool_id: int, name: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"pool {name}: capacity must be >= 1, got {capacity}")
+        self.ledger = ledger
+        self.pool_id = pool_id
+        self.name = name
+        self.capacity = capacity
+        self._owner = array("q", [0]) * (capacity + 1)
+        self._owner[0] = SINK_ID
+        self.owner_view = np.frombuffer(self._owner, dtype=np.int64)
+        # Free stack, popped from the end; the lowest slot goes out first. It is resized by
+        # pop/append, so numpy views of it are only ever temporaries (see _stack_tail).
+        self._stack = array("q", range(capacity, 0, -1))
+        self._mark = np.zeros(capacity + 1, dtype=np.int64)  # scratch for duplicate checks
+        self._events = ledger.events.raw
+        # Called with the slots about to be freed; raises if something still references
+        # them (the row table guards KV pages this way). None for pools without referrers.
+        self.free_guard: Callable[[np.ndarray], None] | None = None
+
+    # ---- counts, all derived from the owner table or the free stack ----
+    @property
+    def free_count(self) -> int:
+        return len(self._stack)
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= len(self._stack)
+
+    def held_by_kind(self) -> dict[OwnerKind, int]:
+        counts = np.bincount(self.owner_view[1:] & KIND_MASK, minlength=len(OwnerKind))
+        return {kind: int(counts[kind]) for kind in OwnerKind}
+
+    def owner_of(self, slot: int) -> int:
+        return self._owner[slot]
+
+    def owned_by(self, owner: Owner) -> np.ndarray:
+        return np.flatnonzero(self.owner_view == owner.id)
+
+    def owns(self, owner: Owner, slots: int | np.ndarray) -> bool:
+        return bool(np.all(self.owner_view[slots] == owner.id))
+
+    # ---- scalar path ----
+    def alloc_one(self, receiver: Owner, reason: str = "alloc") -> int:
+        try:
+            slot = self._stack.pop()
+        except IndexError:
+            raise PoolExhausted(self.name, 1, 0) from None
+        owner = self._owner
+        if owner[slot]:
+            raise self.ledger.fault(self, [slot], "the free list holds an owned slot")
+        rid = owner[slot] = receiver.id
+        self._events.append((self.pool_id, slot, 0, rid, reason))
+        return slot
+
+    def transfer_one(self, slot: int, giver: Owner, receiver: Owner, reason: str) -> None:
+        owner, gid = self._owner, giver.id
+        try:
+            if owner[slot] != gid or slot <= 0:
+                raise self._not_owner(slot, giver, reason)
+        except IndexError:
+            raise self._not_owner(slot, giver, reason) from None
+        rid = owner[slot] = receiver.id
+        self._events.append((self.pool_id, slot, gid, rid, reason))
+
+    def free_one(self, slot: int, giver: Owner, reason: str = "free") -> None:
+        owner, gid = self._owner, giver.id
+        try:
+            if owner[slot] != gid or slot <= 0:
+                raise self._not_owner(slot, giver, reason)
+        except IndexError:
+            raise self._not_owner(slot, giver, reason) from None
+        if self.free_guard is not None:
+            self.free_guard(np.array([slot]))
+        owner[slot] = 0
+        self._stack.append(slot)
+        self._events.append((self.pool_id, slot, gid, 0, reason))
+
+    # ---- batched path ----
+    def alloc(self, n: int, receiver: OwnerArg, reason: str = "alloc") -> np.ndarray:
+        """All or nothing: `n` slots from the free list, or PoolExhausted and no change."""
+        free = len(self._stack)
+        if n > free:
+            raise PoolExhausted(self.name, n, free)
+        slots = self._stack_tail(n)[::-1].copy()
+        if self.owner_view[slots].any():
+            raise self.ledger.fault(self, slots, "the free list holds an owned slot")
+        ids = _ids(receiver)
+        self.owner_view[slots] = ids  # raises before any change if `ids` does not fit
+        del self._stack[free - n :]
+        self._events.append((self.pool_id, slots, 0, ids, reason))
+        return slots
+
+    def transfer(self, slots: np.ndarray, giver: OwnerArg, receiver: OwnerArg, reason: str) -> None:
+        self._check_giver(slots, giver, reason)
+        ids = _ids(receiver)
+        self.owner_view[slots] = ids
+        self._events.append((self.pool_id, slots.copy(), _ids(giver), ids, reason))
+
+    def free(self, slots: np.ndarray, giver: OwnerArg, reason: str = "free") -> None:
+        if len(slots) == 0:
+            return
+        self._check_giver(slots, giver, reason)
+        if self.free_guard is not None:
+            self.free_guard(slots)
+        self.owner_view[slots] = 0
+        self._stack.frombytes(slots[::-1].astype(np.int64).tobytes())
+        self._events.append((self.pool_id, slots.copy(), _ids(giver), 0, reason))
+
+    def _stack_tail(self, n: int) -> np.ndarray:
+        """A temporary view of the top `n` stack entries (copy before the stack changes)."""
+        return np.frombuffer(
+            self._stack, dtype=np.int64, count=n, offset=8 * (len(self._stack) - n)
+        )
+
+    def _check_giver(self, slots: np.ndarray, giver: OwnerArg, reason: str) -> None:
+        """Every slot owned by its giver, none listed twice, none the sink."""
+        if len(slots) == 0:
+            return
+        if int(slots.min()) <= 0 or int(slots.max()) > self.capacity:
+            raise self._not_owner(slots[(slots <= 0) | (slots > self.capacity)], giver, reason)
+        wrong = self.owner_view[slots] != _ids(giver)
+        if wrong.any():
+            raise self._not_owner(slots[wrong], giver, reason)
+        mark = self._mark
+        order = np.arange(len(slots))
+        mark[slots] = order
+        dup = mark[slots] != order
+        if dup.any():
+            raise self.ledger.fault(
+                self, slots[dup], f"{reason} by {self.ledger.name(giver)} lists slots twice"
+            )
+
+    def _not_owner(self, slots: int | np.ndarray, giver: OwnerArg, reason: str) -> Exception:
+        slots = np.atleast_1d(slots)
+        if int(slots.min()) <= 0 or int(slots.max()) > self.capacity:
+            what = f"{reason} names a slot outside 1..{self.capacity}"
+        else:
+            what = f"{reason} by {self.ledger.name(giver)}, who does not own them"
+        return self.ledger.fault(self, slots, what)
+
+    # ---- integrity ----
+    def free_list_problems(self) -> list[str]:
+        """The free stack must hold exactly the slots whose owner is FREE, once each."""
+        stacked = np.sort(np.frombuffer(self._stack, dtype=np.int64))
+        free = np.flatnonzero(self.owner_view == 0)
+        if np.array_equal(stacked, free):
+            return []
+        dup = stacked[1:][stacked[1:] == stacked[:-1]]
+        missing = np.setdiff1d(free, stacked)
+        owned = np.setdiff1d(stacked, free)
+        return [
+            f"pool {self.name}: free list disagrees with owners "
+            f"(listed twice {dup.tolist()}, free but not listed {missing.tolist()}, "
+            f"listed but owned {owned.tolist()})"
+        ]
