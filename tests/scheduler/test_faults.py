@@ -14,8 +14,9 @@ from services.scheduler.ownership.owners import OwnerKind
 
 @pytest.fixture
 def pools() -> Pools:
-    return Pools(PoolConfig(kv_pages=32, page_size=4, mamba_slots=12, max_running_requests=4,
-                            max_context=64))
+    return Pools(
+        PoolConfig(kv_pages=32, page_size=4, mamba_slots=12, max_running_requests=4, max_context=64)
+    )
 
 
 def test_double_free_names_slot_and_last_event(pools):

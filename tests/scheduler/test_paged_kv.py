@@ -10,8 +10,15 @@ from tests.scheduler.helpers import assert_clean, assert_no_overlap, assert_page
 
 
 def make(page_size: int, pages: int = 64, rows: int = 8, context: int = 256) -> Pools:
-    return Pools(PoolConfig(kv_pages=pages, page_size=page_size, mamba_slots=8,
-                            max_running_requests=rows, max_context=context))
+    return Pools(
+        PoolConfig(
+            kv_pages=pages,
+            page_size=page_size,
+            mamba_slots=8,
+            max_running_requests=rows,
+            max_context=context,
+        )
+    )
 
 
 def new_row(pools: Pools, name: str):
@@ -33,7 +40,7 @@ def test_token_indices_cover_pages_above_the_sink(page_size):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_extend_continues_the_partial_page(page_size):
     pools = make(page_size)
-    owner, row = new_row(pools, "a")
+    _owner, row = new_row(pools, "a")
     first = pools.kv.extend(np.array([row]), np.array([3]))
     free_before = pools.kv_pages.free_count
     second = pools.kv.extend(np.array([row]), np.array([3 + page_size]))
@@ -47,7 +54,7 @@ def test_extend_continues_the_partial_page(page_size):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_decode_takes_a_page_only_when_the_last_is_full(page_size):
     pools = make(page_size)
-    owner, row = new_row(pools, "a")
+    _owner, row = new_row(pools, "a")
     pools.kv.extend(np.array([row]), np.array([1]))
     taken = []
     for _ in range(2 * page_size):
@@ -77,7 +84,7 @@ def test_batched_extend_and_decode_keep_rows_apart(page_size):
 
 def test_batched_extend_is_all_or_nothing():
     pools = make(4, pages=5)
-    (oa, a), (ob, b) = new_row(pools, "a"), new_row(pools, "b")
+    (_oa, a), (_ob, b) = new_row(pools, "a"), new_row(pools, "b")
     before = pools.rows.pages.copy()
     with pytest.raises(PoolExhausted):
         pools.kv.extend(np.array([a, b]), np.array([12, 12]))

@@ -30,7 +30,7 @@ class PagedKV:
         # against it by `integrity_problems`); kept so the pool can refuse, at the moment
         # it happens, to free a page a row still uses (a tail freed without alignment).
         self.refs = np.zeros(pages.capacity + 1, dtype=np.int64)
-        pages.free_guard = self._refuse_referenced
+        pages.set_free_guard(self._refuse_referenced)
 
     @property
     def free_tokens(self) -> int:
@@ -70,23 +70,17 @@ class PagedKV:
         """Grow each row by one position; a new page only where the last one is full."""
         table, ps = self.table, self.page_size
         old = table.lens[rows]
-        if np.any(old >= table.max_context):
+        if old.max(initial=0) >= table.max_context:
             full = rows[old >= table.max_context]
             raise ValueError(f"decode: rows {full.tolist()} are at max_context {table.max_context}")
-        col = old // ps
-        if ps == 1:
-            pages = self.pool.alloc(len(rows), table.owner_ids(rows), "decode")
-            table.pages[rows, col] = pages
+        col, offset = np.divmod(old, ps)
+        grow = rows if ps == 1 else rows[offset == 0]
+        if len(grow):
+            pages = self.pool.alloc(len(grow), table.owner_ids(grow), "decode")
+            table.pages[grow, col if ps == 1 else col[offset == 0]] = pages
             self.refs[pages] += 1
-        else:
-            need = old % ps == 0
-            grow = rows[need]
-            if len(grow):
-                pages = self.pool.alloc(len(grow), table.owner_ids(grow), "decode")
-                table.pages[grow, col[need]] = pages
-                self.refs[pages] += 1
         table.lens[rows] = old + 1
-        return table.pages[rows, col] * ps + old % ps
+        return table.pages[rows, col] * ps + offset
 
     def free_tail(self, row: int, start: int, reason: str = "free_tail") -> None:
         """Drop positions [start, len) of `row`: whole pages from the first page boundary

@@ -1,0 +1,9 @@
+"""Benchmarks: each measures custody and its reference in one run (see harness.py)."""
+
+from collections.abc import Callable
+
+from custody.bench import allocators
+
+BENCHMARKS: dict[str, Callable[[int], dict]] = {
+    "allocators": allocators.run,
+}

@@ -1,0 +1,37 @@
+"""The `custody` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from custody.bench import BENCHMARKS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="custody", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="measure custody side by side with its references")
+    bench.add_argument(
+        "name", nargs="?", choices=sorted(BENCHMARKS), help="one benchmark (default: all)"
+    )
+    bench.add_argument("--json", action="store_true", help="print the combined JSON object")
+    bench.add_argument("--repeats", type=int, default=7, help="repeats per figure (median)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    names = [args.name] if args.name else sorted(BENCHMARKS)
+    combined = {}
+    for name in names:
+        result = BENCHMARKS[name](args.repeats)
+        combined[name] = {k: v for k, v in result.items() if k != "table"}
+        if not args.json:
+            print(f"## {name}\n\n{result['table']}\n")
+    if args.json:
+        print(json.dumps(combined[names[0]] if len(names) == 1 else combined, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Handing a finished turn's state to its session, and back to the next turn.
+
+Between turns a session owns its row, its KV pages and its working Mamba slot; while a
+turn runs, the turn's request owns them. Both moves are transfers of every slot, so the
+state is never held (or counted) by both, and the side that gave it up keeps only dead
+leases. Track slots belong to a running request only and are freed at save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.allocators.request_slots import RequestSlots
+from services.scheduler.allocators.track_buffer import PingPongTrack
+from services.scheduler.ownership.errors import PoolExhausted
+from services.scheduler.ownership.invariants import Claim
+from services.scheduler.ownership.lease import Lease, new_lease
+from services.scheduler.ownership.owners import Owner, OwnerKind
+
+
+@dataclass(slots=True)
+class SessionSlots:
+    owner: Owner  # session:<sid>
+    row: Lease
+    working: Lease
+    borrowed: int = 0
+
+    def claims(self, pools: Pools) -> list[Claim]:
+        row = self.row.slot
+        length = int(pools.rows.lens[row])
+        return [
+            (self.owner, "req", [row]),
+            (self.owner, "mamba", [self.working.slot]),
+            (self.owner, "kv", pools.rows.row_pages(row, self.borrowed, length)),
+        ]
+
+
+def save(pools: Pools, req: RequestSlots, session: Owner) -> SessionSlots:
+    """request -> session: row, own KV pages and working slot move; track slots are freed."""
+    row = req.row.slot
+    pages = pools.rows.row_pages(row, req.borrowed, int(pools.rows.lens[row]))
+    pools.kv_pages.transfer(pages, req.owner, session, "save")
+    kept = SessionSlots(
+        session,
+        req.row.move_to(session, "save"),
+        req.working.move_to(session, "save"),
+        req.borrowed,
+    )
+    new_lease(pools.mamba, req.track.owner, req.track.checked_slots()).release("save")
+    pools.ledger.retire(req.owner)
+    pools.ledger.retire(req.track.owner)
+    return kept
+
+
+def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
+    """session -> request `rid`: the reverse of `save`, plus two fresh track slots. All
+    or nothing: the track slots are taken before anything moves."""
+    if not pools.mamba.can_alloc(2):
+        raise PoolExhausted("mamba", 2, pools.mamba.free_count)
+    owner = pools.ledger.new_owner(OwnerKind.REQUEST, rid)
+    track_owner = pools.ledger.new_owner(OwnerKind.TRACK, rid)
+    track = PingPongTrack(pools.mamba, track_owner, pools.mamba.alloc(2, track_owner).tolist())
+    row = sess.row.slot
+    pages = pools.rows.row_pages(row, sess.borrowed, int(pools.rows.lens[row]))
+    pools.kv_pages.transfer(pages, sess.owner, owner, "restore")
+    return RequestSlots(
+        owner,
+        sess.row.move_to(owner, "restore"),
+        sess.working.move_to(owner, "restore"),
+        track,
+        sess.borrowed,
+    )
+
+
+def close(pools: Pools, sess: SessionSlots) -> None:
+    """Free everything a session holds between turns and retire it."""
+    row = sess.row.slot
+    pools.kv.free_tail(row, sess.borrowed, "close")
+    pools.rows.pages[row, :] = 0
+    sess.working.release("close")
+    sess.row.release("close")
+    pools.ledger.retire(sess.owner)
