@@ -64,7 +64,8 @@ class PagedKV:
         n_tok = int(ext.sum())
         tok_rows = np.repeat(rows, ext)
         pos = np.arange(n_tok) - np.repeat(np.cumsum(ext) - ext - old, ext)
-        return table.pages[tok_rows, pos // ps] * ps + pos % ps
+        col = pos // ps
+        return table.flat[table.cells(tok_rows, col)] * ps + (pos - col * ps)
 
     def decode(self, rows: np.ndarray) -> np.ndarray:
         """Grow each row by one position; a new page only where the last one is full."""
@@ -73,14 +74,17 @@ class PagedKV:
         if old.max(initial=0) >= table.max_context:
             full = rows[old >= table.max_context]
             raise ValueError(f"decode: rows {full.tolist()} are at max_context {table.max_context}")
-        col, offset = np.divmod(old, ps)
-        grow = rows if ps == 1 else rows[offset == 0]
+        col = old // ps
+        offset = old - col * ps
+        cells = table.cells(rows, col)
+        fresh = offset == 0
+        grow = cells[fresh]
         if len(grow):
-            pages = self.pool.alloc(len(grow), table.owner_ids(grow), "decode")
-            table.pages[grow, col if ps == 1 else col[offset == 0]] = pages
+            pages = self.pool.alloc(len(grow), table.owner_ids(rows[fresh]), "decode")
+            table.flat[grow] = pages
             self.refs[pages] += 1
         table.lens[rows] = old + 1
-        return table.pages[rows, col] * ps + offset
+        return table.flat[cells] * ps + offset
 
     def free_tail(self, row: int, start: int, reason: str = "free_tail") -> None:
         """Drop positions [start, len) of `row`: whole pages from the first page boundary

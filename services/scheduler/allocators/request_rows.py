@@ -22,11 +22,16 @@ class RowTable:
         self.max_context = max_context
         self.max_pages = -(-max_context // page_size)
         self.pages = np.zeros((rows.capacity + 1, self.max_pages), dtype=np.int64)
+        self.flat = self.pages.reshape(-1)  # same memory; 1-D gathers are the fast path
         self.lens = np.zeros(rows.capacity + 1, dtype=np.int64)
 
     def owner_ids(self, rows: np.ndarray) -> np.ndarray:
         """Owner id of each row, read from the row pool (the single source)."""
         return self.rows.owner_view[rows]
+
+    def cells(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Indices into `flat` of page-table entries (rows[i], cols[i])."""
+        return rows * self.max_pages + cols
 
     def token_indices(self, row: int, start: int, end: int) -> np.ndarray:
         """KV token indices of positions [start, end) of `row`."""

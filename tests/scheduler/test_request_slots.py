@@ -1,0 +1,95 @@
+"""Group reservations, ping-pong track slots, and all-or-nothing admission."""
+
+import numpy as np
+import pytest
+
+from services.scheduler.allocators.group_reservation import GroupReservation
+from services.scheduler.allocators.pools import PoolConfig, Pools
+from services.scheduler.allocators.request_slots import admit, release
+from services.scheduler.ownership.errors import PoolExhausted, StaleHandle
+from services.scheduler.ownership.invariants import check_integrity
+from services.scheduler.ownership.owners import OwnerKind
+
+
+@pytest.fixture
+def pools() -> Pools:
+    return Pools(
+        PoolConfig(kv_pages=32, page_size=4, mamba_slots=12, max_running_requests=4, max_context=64)
+    )
+
+
+def test_group_reservation_hands_out_and_returns_the_rest(pools):
+    with GroupReservation(pools.ledger, pools.mamba, 5, "round1") as group:
+        assert group.remaining == 5 and pools.mamba.free_count == 7
+        assert pools.mamba.held_by_kind()[OwnerKind.ADMISSION] == 5
+        a = admit(pools, "a", group)
+        assert group.remaining == 4
+        assert pools.mamba.owner_of(a.working.slot) == a.owner.id
+    assert pools.mamba.held_by_kind()[OwnerKind.ADMISSION] == 0
+    assert pools.mamba.free_count == 12 - 3
+    release(pools, a)
+    assert check_integrity(pools.ledger, [], idle=True).ok
+
+
+def test_group_reservation_takes_what_there_is(pools):
+    group = GroupReservation(pools.ledger, pools.mamba, 50, "big")
+    assert group.remaining == 12
+    group.close()
+    group.close()  # idempotent
+    assert pools.mamba.free_count == 12
+
+
+def test_admission_rolls_back_a_half_done_reservation(pools):
+    group = GroupReservation(pools.ledger, pools.mamba, 1, "round")
+    group.closed = True  # a bug: a round used after it ended
+    with pytest.raises(RuntimeError, match="closed"):
+        admit(pools, "r", group)
+    assert pools.req.free_count == 4  # the row taken before the failure went back
+    group.closed = False
+    group.close()
+    assert check_integrity(pools.ledger, [], idle=True).ok
+
+
+def test_admission_refuses_before_taking_anything(pools):
+    pools.mamba.alloc(11, pools.ledger.new_owner(OwnerKind.CACHE, "hog"))
+    before = pools.ledger.events.next_seq
+    with pytest.raises(PoolExhausted, match="mamba"):
+        admit(pools, "r")
+    assert pools.ledger.events.next_seq == before
+
+
+def test_ping_pong_never_overwrites_the_latest_snapshot(pools):
+    req = admit(pools, "r")
+    track = req.track
+    first = track.target()
+    track.record(first, 16)
+    second = track.target()
+    assert second != first
+    track.record(second, 32)
+    assert track.target() == first
+    assert track.latest_snapshot().slot == second and track.latest_snapshot().seq_len == 32
+    with pytest.raises(ValueError):
+        track.record(first, 20)  # an older length cannot become the latest
+
+
+def test_donation_moves_the_slot_and_refills_the_track(pools):
+    req = admit(pools, "r")
+    node = pools.ledger.new_owner(OwnerKind.CACHE, "n1")
+    req.track.record(req.track.target(), 8)
+    snap = req.track.donate_latest(node)
+    assert pools.mamba.owner_of(snap.slot) == node.id
+    assert snap.slot not in req.track.slots
+    assert req.track.latest_snapshot() is None
+    assert all(pools.mamba.owner_of(s) == req.track.owner.id for s in req.track.slots)
+    release(pools, req)
+    pools.mamba.free_one(snap.slot, node, "evict")
+    pools.ledger.retire(node)
+    assert check_integrity(pools.ledger, [], idle=True).ok
+
+
+def test_track_refuses_a_slot_it_lost(pools):
+    req = admit(pools, "r")
+    thief = pools.ledger.new_owner(OwnerKind.CACHE, "x")
+    pools.mamba.transfer(np.array(req.track.slots[:1]), req.track.owner, thief, "bug")
+    with pytest.raises(StaleHandle, match="no longer owns"):
+        req.track.target()
