@@ -121,7 +121,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         length = int(self.pools.rows.lens[req.row.slot])
         if length <= req.track.latest_len and req.track.latest >= 0:
             return
-        req.track.record(req.track.target(), length)
+        req.track.record(req.track.begin_snapshot(), length)
         if data.draw(st.booleans()):
             node = self.pools.ledger.new_owner(OwnerKind.CACHE, self._name())
             try:

@@ -61,21 +61,32 @@ def test_admission_refuses_before_taking_anything(pools):
 def test_ping_pong_never_overwrites_the_latest_snapshot(pools):
     req = admit(pools, "r")
     track = req.track
-    first = track.target()
+    first = track.begin_snapshot()
     track.record(first, 16)
-    second = track.target()
+    second = track.begin_snapshot()
     assert second != first
     track.record(second, 32)
-    assert track.target() == first
+    assert track.begin_snapshot() == first
     assert track.latest_snapshot().slot == second and track.latest_snapshot().seq_len == 32
     with pytest.raises(ValueError):
         track.record(first, 20)  # an older length cannot become the latest
 
 
+def test_a_slot_being_written_is_never_handed_out_again(pools):
+    """Pipelined steps: while one step writes a snapshot, the next step gets no slot
+    rather than the latest snapshot's (which the cache may take at any moment)."""
+    track = admit(pools, "r").track
+    track.record(track.begin_snapshot(), 8)
+    writing = track.begin_snapshot()
+    assert track.begin_snapshot() is None
+    track.cancel(writing)
+    assert track.begin_snapshot() == writing
+
+
 def test_donation_moves_the_slot_and_refills_the_track(pools):
     req = admit(pools, "r")
     node = pools.ledger.new_owner(OwnerKind.CACHE, "n1")
-    req.track.record(req.track.target(), 8)
+    req.track.record(req.track.begin_snapshot(), 8)
     snap = req.track.donate_latest(node)
     assert pools.mamba.owner_of(snap.slot) == node.id
     assert snap.slot not in req.track.slots
@@ -92,4 +103,4 @@ def test_track_refuses_a_slot_it_lost(pools):
     thief = pools.ledger.new_owner(OwnerKind.CACHE, "x")
     pools.mamba.transfer(np.array(req.track.slots[:1]), req.track.owner, thief, "bug")
     with pytest.raises(StaleHandle, match="no longer owns"):
-        req.track.target()
+        req.track.begin_snapshot()

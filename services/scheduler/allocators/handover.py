@@ -77,7 +77,7 @@ def close(pools: Pools, sess: SessionSlots) -> None:
     """Free everything a session holds between turns and retire it."""
     row = sess.row.slot
     pools.kv.free_tail(row, sess.borrowed, "close")
-    pools.rows.pages[row, :] = 0
+    pools.kv.forget(row)
     sess.working.release("close")
     sess.row.release("close")
     pools.ledger.retire(sess.owner)

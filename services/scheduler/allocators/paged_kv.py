@@ -107,6 +107,40 @@ class PagedKV:
                 raise OwnershipError(f"row {row}: {err}") from err
         table.lens[row] = start
 
+    def borrow(self, row: int, pages: np.ndarray) -> None:
+        """Start an empty row on pages someone else owns (a matched cache prefix)."""
+        table = self.table
+        if table.lens[row]:
+            raise ValueError(f"borrow: row {row} is not empty ({table.lens[row]} positions)")
+        table.pages[row, : len(pages)] = pages
+        self.refs[pages] += 1
+        table.lens[row] = len(pages) * self.page_size
+
+    def adopt_prefix(self, row: int, tree_pages: np.ndarray, reason: str = "dedup") -> None:
+        """After the row's prefix was inserted into the cache: use the cache's pages for
+        it, and free the row owner's own pages where the cache already held that KV."""
+        n = len(tree_pages)
+        current = self.table.pages[row, :n]
+        differ = current != tree_pages
+        own = current[differ].copy()
+        if len(own) == 0:
+            return
+        self.refs[own] -= 1
+        self.refs[tree_pages[differ]] += 1
+        current[differ] = tree_pages[differ]
+        self.pool.free(own, int(self.table.rows.owner_of(row)), reason)
+
+    def forget(self, row: int) -> None:
+        """Drop an emptied row's references to pages it borrowed; it must own none."""
+        table, ps = self.table, self.page_size
+        pages = table.pages[row, : pages_for(int(table.lens[row]), ps)]
+        own = pages[self.pool.owner_view[pages] == table.rows.owner_of(row)]
+        if len(own):
+            raise self.pool.ledger.fault(self.pool, own, f"row {row} forgotten while owning pages")
+        self.refs[pages] -= 1
+        table.pages[row, :] = 0
+        table.lens[row] = 0
+
     def _refuse_referenced(self, pages: np.ndarray) -> None:
         used = pages[self.refs[pages] > 0]
         if len(used):

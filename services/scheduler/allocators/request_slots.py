@@ -71,7 +71,7 @@ def release(pools: Pools, req: RequestSlots) -> None:
     """Free the request's own KV, its row, its working slot and its track slots."""
     row = req.row.slot
     pools.kv.free_tail(row, req.borrowed, "finish")
-    pools.rows.pages[row, :] = 0
+    pools.kv.forget(row)
     track = new_lease(pools.mamba, req.track.owner, req.track.checked_slots())
     _give_back(pools, [track, req.working, req.row], (req.owner, req.track.owner))
 

@@ -29,27 +29,40 @@ class PingPongTrack:
     pool: SlotPool
     owner: Owner  # track:<rid>
     slots: list[int]  # exactly two
-    latest: int = -1  # entry holding the latest snapshot, -1 when there is none
+    latest: int = -1  # entry holding the latest recorded snapshot, -1 when none
     latest_len: int = 0
+    pending: int = -1  # entry a planned step is writing, -1 when none
 
-    def target(self) -> int:
-        """The slot the next snapshot goes to: never the one holding the latest."""
-        slot = self.slots[1 - self.latest if self.latest >= 0 else 0]
-        if self.pool.owner_of(slot) != self.owner.id:
-            raise StaleHandle(
-                f"{self.owner} would snapshot into slot {slot} it no longer owns\n"
-                + self.pool.ledger.describe(self.pool, [slot])
-            )
-        return slot
+    def begin_snapshot(self) -> int | None:
+        """The slot a step about to be planned may write a snapshot into: neither the one
+        holding the latest snapshot nor one a step in flight is writing. None when both
+        are taken (the step then takes no snapshot; only a cache opportunity is lost)."""
+        for entry in (1 - self.latest, self.latest) if self.latest >= 0 else (0, 1):
+            if entry != self.pending and entry != self.latest:
+                slot = self.slots[entry]
+                if self.pool.owner_of(slot) != self.owner.id:
+                    raise StaleHandle(
+                        f"{self.owner} would snapshot into slot {slot} it no longer owns\n"
+                        + self.pool.ledger.describe(self.pool, [slot])
+                    )
+                self.pending = entry
+                return slot
+        return None
 
     def record(self, slot: int, seq_len: int) -> None:
-        """The snapshot written to `slot` (a value `target()` returned) holds `seq_len`."""
-        if slot not in self.slots:
-            raise ValueError(f"{self.owner}: slot {slot} is not one of {self.slots}")
-        if seq_len <= self.latest_len and self.latest >= 0:
+        """The step that wrote `slot` (a value `begin_snapshot` gave) has run: the
+        snapshot there, at `seq_len`, is now the latest. The length comes from the step
+        that was planned, never from the request's current length (lesson 9)."""
+        if self.pending < 0 or self.slots[self.pending] != slot:
+            raise ValueError(f"{self.owner}: slot {slot} was not being written")
+        if self.latest >= 0 and seq_len <= self.latest_len:
             raise ValueError(f"{self.owner}: snapshot at {seq_len} after one at {self.latest_len}")
-        self.latest = self.slots.index(slot)
-        self.latest_len = seq_len
+        self.latest, self.latest_len, self.pending = self.pending, seq_len, -1
+
+    def cancel(self, slot: int) -> None:
+        """The step that was to write `slot` did not run."""
+        if self.pending >= 0 and self.slots[self.pending] == slot:
+            self.pending = -1
 
     def latest_snapshot(self) -> Snapshot | None:
         return None if self.latest < 0 else Snapshot(self.slots[self.latest], self.latest_len)

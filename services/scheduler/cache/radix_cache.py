@@ -1,0 +1,246 @@
+"""Radix prefix cache over token ids, holding KV pages and Mamba states (page-aligned).
+
+A match ends only where a node holds a state, because a hybrid model needs both the KV
+of the prefix and the Mamba state at its end. A request that matches gets a fresh slot
+and a deferred copy from the node's state; the node stays copy-locked until that copy
+has run. Inserting donates the slot holding a request's latest snapshot (ownership
+moves, nothing is copied). KV eviction takes unlocked leaves, least recently used first;
+Mamba eviction takes the least recently used unlocked state anywhere, turning an inner
+node into a tombstone. No unlocked leaf is ever a tombstone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.node import CacheNode
+from services.scheduler.ownership.invariants import Claim
+from services.scheduler.ownership.owners import Owner, OwnerKind
+
+Donate = Callable[[Owner], int]  # moves a state slot to the given owner, returns the slot
+
+
+@dataclass(frozen=True)
+class Match:
+    node: CacheNode  # the root when nothing matched
+    length: int
+    pages: np.ndarray  # KV pages of positions [0, length)
+
+
+class RadixCache:
+    def __init__(self, pools: Pools) -> None:
+        self.pools = pools
+        self.ledger = pools.ledger
+        self.page_size = pools.config.page_size
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        empty = np.zeros(0, dtype=np.int64)
+        self.root = CacheNode(self._new_owner(), empty, empty, None, 0, kv_lock=1)
+
+    # ---- lookups ----
+    def match(self, tokens: np.ndarray, limit: int) -> Match:
+        """Longest prefix of `tokens`, at most `limit` long, with KV and a state at its end.
+        Refreshes KV recency along the path and Mamba recency of the state it uses."""
+        node, best, pos = self.root, self.root, 0
+        while pos < limit:
+            child = node.children.get(self._edge(tokens, pos))
+            if child is None or child.end > limit:
+                break
+            if self._common(child.key, tokens[pos:]) < len(child.key):
+                break
+            node, pos = child, child.end
+            if child.mamba:
+                best = child
+        path = best.path()
+        now = next(self._clock)
+        for n in path:
+            n.kv_time = now
+        best.mamba_time = now
+        pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
+        return Match(best, best.end, pages)
+
+    # ---- insertion ----
+    def insert(self, tokens: np.ndarray, pages: np.ndarray, giver: Owner,
+               donate: Donate | None) -> tuple[CacheNode, np.ndarray]:
+        """Cache `tokens` (page-aligned) whose KV is `pages`, with the state at their end
+        given by `donate` when the tree has none there. Positions the tree already holds
+        keep the tree's pages; `giver` keeps its own copies of them, to free (see
+        PagedKV.adopt_prefix). Returns the end node and the tree's pages for `tokens`.
+        Without `donate`, nothing past the existing tree is added (no stateless leaf)."""
+        ps = self.page_size
+        if len(tokens) % ps or len(pages) * ps != len(tokens):
+            raise ValueError(f"insert: {len(tokens)} tokens, {len(pages)} pages of {ps}")
+        node, pos, now = self.root, 0, next(self._clock)
+        while pos < len(tokens):
+            child = node.children.get(self._edge(tokens, pos))
+            if child is None:
+                break
+            child.kv_time = now
+            common = self._common(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            node, pos = child, child.end
+        if pos < len(tokens) and donate is not None:
+            leaf = CacheNode(self._new_owner(), tokens[pos:].copy(), pages[pos // ps :].copy(),
+                             node, len(tokens), kv_time=now, mamba_time=now)
+            leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
+            self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
+            node.children[self._edge(leaf.key, 0)] = leaf
+            node = leaf
+        elif donate is not None and node is not self.root and not node.mamba:
+            node.mamba = donate(node.owner)
+            node.mamba_time = now
+        path = node.path()
+        tree_pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
+        return node, tree_pages
+
+    def _split(self, node: CacheNode, at: int) -> CacheNode:
+        """Cut `node` after `at` tokens; the new upper half is a tombstone."""
+        ps = self.page_size
+        parent = node.parent
+        upper = CacheNode(self._new_owner(), node.key[:at], node.pages[: at // ps], parent,
+                          node.start + at, kv_lock=node.kv_lock, kv_time=node.kv_time)
+        self.pools.kv_pages.transfer(upper.pages, node.owner, upper.owner, "split")
+        node.key, node.pages, node.parent = node.key[at:], node.pages[at // ps :], upper
+        parent.children[self._edge(upper.key, 0)] = upper
+        upper.children[self._edge(node.key, 0)] = node
+        return upper
+
+    # ---- locks ----
+    def lock(self, node: CacheNode) -> None:
+        for n in node.path():
+            n.kv_lock += 1
+
+    def unlock(self, node: CacheNode) -> None:
+        for n in node.path():
+            if n.kv_lock <= 0:
+                raise RuntimeError(f"unlock of unlocked {n}")
+            n.kv_lock -= 1
+        self._prune(node)
+
+    def lock_copy(self, node: CacheNode) -> None:
+        node.copy_lock += 1
+
+    def unlock_copy(self, node: CacheNode) -> None:
+        if node.copy_lock <= 0:
+            raise RuntimeError(f"copy unlock of {node} without a copy lock")
+        node.copy_lock -= 1
+        self._prune(node)
+
+    # ---- eviction ----
+    def evict_kv(self, pages: int) -> int:
+        """Free at least `pages` KV pages from unlocked leaves, LRU first; returns freed."""
+        heap = [(n.kv_time, id(n), n) for n in self.nodes() if self._kv_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._remove(node)
+            freed += self._prune(parent)
+            if parent.parent is not None and parent.children == {} and self._kv_evictable(parent):
+                heapq.heappush(heap, (parent.kv_time, id(parent), parent))
+        return freed
+
+    def evict_mamba(self, states: int) -> int:
+        """Free `states` Mamba states, LRU first; a leaf goes whole. Returns freed."""
+        order = sorted((n for n in self.nodes() if n.mamba), key=lambda n: n.mamba_time)
+        freed = 0
+        for node in order:
+            if freed >= states:
+                break
+            if node.copy_lock or (node.is_leaf and node.kv_lock):
+                continue
+            if node.is_leaf:
+                parent = node.parent
+                self._remove(node)
+                self._prune(parent)
+            else:
+                self.pools.mamba.free_one(node.mamba, node.owner, "evict")
+                node.mamba = 0
+            freed += 1
+        return freed
+
+    def _kv_evictable(self, node: CacheNode) -> bool:
+        return node.is_leaf and not node.kv_lock and not node.copy_lock and node is not self.root
+
+    def _remove(self, node: CacheNode) -> int:
+        if node.mamba:
+            self.pools.mamba.free_one(node.mamba, node.owner, "evict")
+            node.mamba = 0
+        self.pools.kv_pages.free(node.pages, node.owner, "evict")
+        del node.parent.children[self._edge(node.key, 0)]
+        node.parent = None  # marks it removed
+        self.ledger.retire(node.owner)
+        return len(node.pages)
+
+    def _prune(self, node: CacheNode) -> int:
+        """Remove unlocked tombstone leaves from `node` upwards; returns pages freed."""
+        freed = 0
+        while (node.parent is not None and node.is_leaf and not node.mamba
+               and not node.kv_lock and not node.copy_lock):
+            parent = node.parent
+            freed += self._remove(node)
+            node = parent
+        return freed
+
+    # ---- views for checks and metrics ----
+    def nodes(self) -> Iterator[CacheNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def claims(self) -> list[Claim]:
+        out: list[Claim] = []
+        for n in self.nodes():
+            out.append((n.owner, "kv", n.pages))
+            if n.mamba:
+                out.append((n.owner, "mamba", [n.mamba]))
+        return out
+
+    def sizes(self) -> dict[str, int]:
+        """Pages evictable and protected (locked), and states held: derived by a walk."""
+        sizes = {"evictable_pages": 0, "protected_pages": 0, "states": 0}
+        for n in self.nodes():
+            sizes["protected_pages" if n.kv_lock else "evictable_pages"] += len(n.pages)
+            sizes["states"] += bool(n.mamba)
+        return sizes
+
+    def problems(self) -> list[str]:
+        """Structural invariants of the tree."""
+        out = []
+        for n in self.nodes():
+            if len(n.key) % self.page_size or len(n.pages) * self.page_size != len(n.key):
+                out.append(f"{n}: key of {len(n.key)} tokens with {len(n.pages)} pages")
+            if n.end != n.parent.end + len(n.key):
+                out.append(f"{n}: end {n.end} != parent end + edge")
+            if n.parent.children.get(self._edge(n.key, 0)) is not n:
+                out.append(f"{n}: not reachable from its parent by its first page")
+            if n.is_leaf and not n.mamba and not n.kv_lock and not n.copy_lock:
+                out.append(f"{n}: an unlocked tombstone leaf")
+            over_parent = n.parent is not self.root and n.kv_lock > n.parent.kv_lock
+            if n.kv_lock < 0 or n.copy_lock < 0 or over_parent:
+                out.append(f"{n}: lock counts inconsistent with parent {n.parent}")
+        return out
+
+    # ---- helpers ----
+    def _new_owner(self) -> Owner:
+        return self.ledger.new_owner(OwnerKind.CACHE, f"node{next(self._ids)}")
+
+    def _edge(self, tokens: np.ndarray, pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos : pos + self.page_size].tolist())
+
+    def _common(self, a: np.ndarray, b: np.ndarray) -> int:
+        """Length of the common prefix of `a` and `b`, rounded down to whole pages."""
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(a[:n] != b[:n])
+        common = int(diff[0]) if len(diff) else n
+        return common - common % self.page_size
