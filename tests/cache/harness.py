@@ -13,13 +13,21 @@ from services.scheduler.ownership.owners import OwnerKind
 
 class CacheHarness:
     def __init__(self, page_size: int = 1, kv_pages: int = 128, mamba_slots: int = 32) -> None:
-        self.pools = Pools(PoolConfig(kv_pages=kv_pages, page_size=page_size,
-                                      mamba_slots=mamba_slots, max_running_requests=8))
+        self.pools = Pools(
+            PoolConfig(
+                kv_pages=kv_pages,
+                page_size=page_size,
+                mamba_slots=mamba_slots,
+                max_running_requests=8,
+            )
+        )
         self.cache = RadixCache(self.pools)
         self.states = np.zeros(mamba_slots + 1, dtype=np.int64)  # state content per slot
         self.n = 0
 
-    def insert(self, tokens: list[int], value: int, borrowed: np.ndarray | None = None) -> CacheNode:
+    def insert(
+        self, tokens: list[int], value: int, borrowed: np.ndarray | None = None
+    ) -> CacheNode:
         """A request that computed `tokens` (after borrowing `borrowed` pages from the
         tree) caches them with its final state, whose content is `value`."""
         p, ps = self.pools, self.pools.config.page_size
@@ -37,8 +45,9 @@ class CacheHarness:
             return slot
 
         length = len(tokens) - len(tokens) % ps
-        node, tree_pages = self.cache.insert(np.array(tokens[:length]),
-                                             p.rows.row_pages(row, 0, length), owner, donate)
+        node, tree_pages = self.cache.insert(
+            np.array(tokens[:length]), p.rows.row_pages(row, 0, length), owner, donate
+        )
         p.kv.adopt_prefix(row, tree_pages)
         if p.mamba.owner_of(slot) == owner.id:
             p.mamba.free_one(slot, owner)
@@ -53,9 +62,7 @@ class CacheHarness:
 
     def shape(self) -> list[tuple]:
         """(tokens from the root, edge, has state) of every node, sorted."""
-        return sorted(
-            (n.start, tuple(n.key.tolist()), bool(n.mamba)) for n in self.cache.nodes()
-        )
+        return sorted((n.start, tuple(n.key.tolist()), bool(n.mamba)) for n in self.cache.nodes())
 
     def check(self, claims: list | None = None) -> None:
         assert self.cache.problems() == []

@@ -36,17 +36,22 @@ class SessionSlots:
         ]
 
 
-def save(pools: Pools, req: RequestSlots, session: Owner) -> SessionSlots:
-    """request -> session: row, own KV pages and working slot move; track slots are freed."""
+def save(
+    pools: Pools, req: RequestSlots, session: Owner, state: Lease | None = None
+) -> SessionSlots:
+    """request -> session: the row and the request's own KV pages move; track slots are
+    freed. `state` is the Mamba state the session keeps: by default the turn's working
+    slot (it moves too); after an abort, the session's copy from the turn's start (then
+    the turn's working slot is freed)."""
     row = req.row.slot
     pages = pools.rows.row_pages(row, req.borrowed, int(pools.rows.lens[row]))
     pools.kv_pages.transfer(pages, req.owner, session, "save")
-    kept = SessionSlots(
-        session,
-        req.row.move_to(session, "save"),
-        req.working.move_to(session, "save"),
-        req.borrowed,
-    )
+    if state is None:
+        state = req.working.move_to(session, "save")
+    else:
+        state.check()
+        req.working.release("discard")
+    kept = SessionSlots(session, req.row.move_to(session, "save"), state, req.borrowed)
     new_lease(pools.mamba, req.track.owner, req.track.checked_slots()).release("save")
     pools.ledger.retire(req.owner)
     pools.ledger.retire(req.track.owner)

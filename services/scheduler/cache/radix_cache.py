@@ -66,8 +66,9 @@ class RadixCache:
         return Match(best, best.end, pages)
 
     # ---- insertion ----
-    def insert(self, tokens: np.ndarray, pages: np.ndarray, giver: Owner,
-               donate: Donate | None) -> tuple[CacheNode, np.ndarray]:
+    def insert(
+        self, tokens: np.ndarray, pages: np.ndarray, giver: Owner, donate: Donate | None
+    ) -> tuple[CacheNode, np.ndarray]:
         """Cache `tokens` (page-aligned) whose KV is `pages`, with the state at their end
         given by `donate` when the tree has none there. Positions the tree already holds
         keep the tree's pages; `giver` keeps its own copies of them, to free (see
@@ -87,8 +88,15 @@ class RadixCache:
                 child = self._split(child, common)
             node, pos = child, child.end
         if pos < len(tokens) and donate is not None:
-            leaf = CacheNode(self._new_owner(), tokens[pos:].copy(), pages[pos // ps :].copy(),
-                             node, len(tokens), kv_time=now, mamba_time=now)
+            leaf = CacheNode(
+                self._new_owner(),
+                tokens[pos:].copy(),
+                pages[pos // ps :].copy(),
+                node,
+                len(tokens),
+                kv_time=now,
+                mamba_time=now,
+            )
             leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
             self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
             node.children[self._edge(leaf.key, 0)] = leaf
@@ -104,8 +112,15 @@ class RadixCache:
         """Cut `node` after `at` tokens; the new upper half is a tombstone."""
         ps = self.page_size
         parent = node.parent
-        upper = CacheNode(self._new_owner(), node.key[:at], node.pages[: at // ps], parent,
-                          node.start + at, kv_lock=node.kv_lock, kv_time=node.kv_time)
+        upper = CacheNode(
+            self._new_owner(),
+            node.key[:at],
+            node.pages[: at // ps],
+            parent,
+            node.start + at,
+            kv_lock=node.kv_lock,
+            kv_time=node.kv_time,
+        )
         self.pools.kv_pages.transfer(upper.pages, node.owner, upper.owner, "split")
         node.key, node.pages, node.parent = node.key[at:], node.pages[at // ps :], upper
         parent.children[self._edge(upper.key, 0)] = upper
@@ -183,8 +198,13 @@ class RadixCache:
     def _prune(self, node: CacheNode) -> int:
         """Remove unlocked tombstone leaves from `node` upwards; returns pages freed."""
         freed = 0
-        while (node.parent is not None and node.is_leaf and not node.mamba
-               and not node.kv_lock and not node.copy_lock):
+        while (
+            node.parent is not None
+            and node.is_leaf
+            and not node.mamba
+            and not node.kv_lock
+            and not node.copy_lock
+        ):
             parent = node.parent
             freed += self._remove(node)
             node = parent

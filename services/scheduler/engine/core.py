@@ -1,0 +1,395 @@
+"""The scheduling core: admission, batching, completion, abort and retract.
+
+It owns the request queues and drives every other owner through its API: allocators,
+the prefix cache and the sessions. One step at a time: `plan_step` decides what runs and
+moves slots accordingly, the executor runs the plan, `complete_step` applies the result.
+Aborts and retracts take effect between steps, never under a running forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.allocators.paged_kv import pages_for
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit, release
+from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.request import Request, Status, TurnStart
+from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.engine.step import RowPlan, StepPlan
+from services.scheduler.ownership.invariants import IntegrityReport, check_integrity
+from services.scheduler.sessions.manager import SessionManager
+from shared.deferred_ops import DeferredOps
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    context_len: int
+    vocab_size: int
+    eos_token_id: int | None = None
+    chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
+    max_step_tokens: int = 2048
+    track_interval: int = 64  # decode snapshot interval (multiple of the page)
+
+    def check(self, page_size: int) -> None:
+        for name in ("chunk_size", "track_interval"):
+            if getattr(self, name) % page_size:
+                raise ValueError(f"{name} must be a multiple of the page size {page_size}")
+        if self.max_step_tokens < 1 or self.chunk_size < 1:
+            raise ValueError("max_step_tokens and chunk_size must be >= 1")
+
+
+class EngineCore:
+    def __init__(self, pools: Pools, config: EngineConfig) -> None:
+        config.check(pools.config.page_size)
+        if config.context_len > pools.config.max_context:
+            raise ValueError("context_len exceeds the row table's max_context")
+        self.pools = pools
+        self.config = config
+        self.cache = RadixCache(pools)
+        self.sessions = SessionManager(pools, self.cache)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.in_flight: StepPlan | None = None
+        self.retractions = 0
+        self._step_ids = itertools.count(1)
+
+    # ---- intake ----
+    def submit(self, req: Request) -> Request:
+        """Queue a request; bad input is refused here, before anything is allocated."""
+        self._validate(req)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return req
+
+    def submit_turn(
+        self, sid: str, new_tokens: np.ndarray, req: Request, session_params: dict | None = None
+    ) -> Request:
+        """Queue the next turn of session `sid` (the prompt becomes history + input)."""
+        tokens = self._tokens(new_tokens)
+        req.params.validate(self.config.vocab_size)
+        self._check_rid(req.rid)
+        turn = self.sessions.begin_turn(
+            sid, tokens, req.params, req.rid, self.config.context_len, session_params
+        )
+        self.requests[turn.rid] = turn
+        self.waiting.append(turn)
+        return turn
+
+    def abort(self, rid: str, reason: str = "aborted by request") -> list[Request]:
+        """Abort `rid`: a waiting request leaves at once, a running one between steps.
+        Returns the requests that ended now."""
+        req = self.requests.get(rid)
+        if req is None or req.done:
+            return []
+        req.abort_reason = reason
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            return [self._end_aborted(req)]
+        return [] if self.in_flight is not None else self._apply_aborts()
+
+    # ---- one step ----
+    def plan_step(self) -> StepPlan | None:
+        if self.in_flight is not None:
+            raise RuntimeError(f"step {self.in_flight.step_id} is still in flight")
+        self._apply_aborts()
+        self.sessions.expire()
+        plan = StepPlan(next(self._step_ids), [], DeferredOps())
+        chosen: list[tuple[Request, int]] = []
+        state = _Budget(self.config.max_step_tokens)
+        for req in list(self.running):
+            if req in self.running:
+                n = self._fit_running(req, chosen, state)
+                if n:
+                    chosen.append((req, n))
+        while self.waiting and state.tokens > 0:
+            n = self._admit(self.waiting[0], plan, state)
+            if not n:
+                break
+            req = self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chosen.append((req, n))
+        if not chosen:
+            return None
+        self._grow_kv(chosen)
+        plan.rows = [self._row_plan(req, n) for req, n in chosen]
+        self.in_flight = plan
+        return plan
+
+    def complete_step(
+        self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, float] | None = None
+    ) -> list[Request]:
+        """Apply the executor's result of `plan`; returns the requests that ended."""
+        if plan is not self.in_flight:
+            raise RuntimeError(f"step {plan.step_id} is not the step in flight")
+        for node in plan.copy_sources:
+            self.cache.unlock_copy(node)
+        ended = []
+        for row in plan.rows:
+            req = self.requests[row.rid]
+            req.computed = row.end
+            if row.snapshot_slot:
+                req.slots.track.record(row.snapshot_slot, row.snapshot_len)
+            if row.sample:
+                token = int(sampled[row.rid])
+                req.output.append(token)
+                if logprobs is not None and row.rid in logprobs:
+                    req.logprobs.append(float(logprobs[row.rid]))
+                req.finish_reason = self._finish_reason(req, token)
+                if req.finish_reason is not None:
+                    self._finish(req)
+                    ended.append(req)
+                    continue
+            if row.snapshot_slot and req.session is None:
+                self._cache_prefix(req)
+        self.in_flight = None
+        return ended + self._apply_aborts()
+
+    # ---- views ----
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and self.in_flight is None
+
+    def check(self, *, idle: bool | None = None) -> IntegrityReport:
+        """Every holder's claims against the ledger, plus the cache and row-table checks."""
+        claims = [c for r in self.running for c in r.slots.claims(self.pools)]
+        claims += self.sessions.claims() + self.cache.claims()
+        report = check_integrity(
+            self.pools.ledger, claims, idle=self.idle if idle is None else idle
+        )
+        report.problems += self.cache.problems() + self.pools.kv.integrity_problems()
+        return report
+
+    # ---- planning ----
+    def _fit_running(self, req: Request, chosen: list, state: _Budget) -> int:
+        """Tokens `req` computes this step, after making KV room (evicting the cache, then
+        retracting the newest unplanned requests); 0 if it cannot run now."""
+        n = min(req.length - req.computed, self.config.chunk_size, state.tokens)
+        if n <= 0:
+            return 0
+        need = self._pages_to_grow(req.computed, n)
+        planned = {id(r) for r, _ in chosen}
+        while not self._room(need + state.pages, 0, 0):
+            victims = [r for r in reversed(self.running) if r is not req and id(r) not in planned]
+            if not victims:
+                self._retract(req)
+                return 0
+            self._retract(victims[0])
+        state.take(n, need)
+        return n
+
+    def _admit(self, req: Request, plan: StepPlan, state: _Budget) -> int:
+        """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
+        fit. Every path out of here either keeps all it took or gives all back (lesson 7)."""
+        session = req.session
+        if session is not None and session.slots is not None:
+            n = min(req.length - session.cached_len, self.config.chunk_size, state.tokens)
+            need = self._pages_to_grow(session.cached_len, n)
+            if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
+                return 0
+            req.slots = self.sessions.restore(req, plan.ops)
+            state.take(n, need)
+            return n
+        match = self.cache.match(req.sequence, req.length - 1)
+        node = match.node if match.length else None
+        if node is not None:
+            self.cache.lock(node)
+            self.cache.lock_copy(node)  # the copy source survives any eviction below
+        n = min(req.length - match.length, self.config.chunk_size, state.tokens)
+        need = self._pages_to_grow(match.length, n)  # a match ends on a page boundary
+        if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
+            if node is not None:
+                self.cache.unlock_copy(node)
+                self.cache.unlock(node)
+            return 0
+        req.slots = admit(self.pools, req.rid)
+        working = req.slots.working.slot
+        if node is not None:
+            self.pools.kv.borrow(req.slots.row.slot, match.pages)
+            req.slots.borrowed = match.length
+            plan.ops.copy(node.mamba, working)
+            plan.copy_sources.append(node)
+        else:
+            plan.ops.clear(working)
+        req.cache_node = node
+        req.computed = req.cached_tokens = match.length
+        if session is not None:
+            req.turn_start = TurnStart(0, None)
+        state.take(n, need)
+        return n
+
+    def _room(self, pages: int, mamba: int, rows: int) -> bool:
+        """Evict from the cache until `pages` KV pages and `mamba` slots are free."""
+        p = self.pools
+        if pages > p.kv_pages.free_count:
+            self.cache.evict_kv(pages - p.kv_pages.free_count)
+        if mamba > p.mamba.free_count:
+            self.cache.evict_mamba(mamba - p.mamba.free_count)
+        return (
+            pages <= p.kv_pages.free_count
+            and mamba <= p.mamba.free_count
+            and rows <= p.req.free_count
+        )
+
+    def _pages_to_grow(self, length: int, n: int) -> int:
+        ps = self.pools.config.page_size
+        return pages_for(length + n, ps) - pages_for(length, ps)
+
+    def _grow_kv(self, chosen: list[tuple[Request, int]]) -> None:
+        """One batched KV allocation for the whole step: decodes, then chunks."""
+        kv, lens = self.pools.kv, self.pools.rows.lens
+        one = np.array([r.slots.row.slot for r, n in chosen if n == 1], dtype=np.int64)
+        more = [(r.slots.row.slot, r.computed + n) for r, n in chosen if n > 1]
+        for req, _ in chosen:
+            assert lens[req.slots.row.slot] == req.computed, f"{req.rid}: KV length drifted"
+        if len(one):
+            kv.decode(one)
+        if more:
+            rows, new = np.array(more, dtype=np.int64).T
+            kv.extend(rows, new)
+
+    def _row_plan(self, req: Request, n: int) -> RowPlan:
+        ps, end = self.pools.config.page_size, req.computed + n
+        if n > 1:
+            snap_len = end - end % ps  # a chunk: the last page boundary it reaches
+        else:
+            snap_len = end if end % self.config.track_interval == 0 else 0
+        slot = 0
+        if snap_len > max(req.computed, req.slots.track.latest_len):
+            slot = req.slots.track.begin_snapshot() or 0
+        row = req.slots.row.slot
+        return RowPlan(
+            req.rid,
+            req.sequence[req.computed : end].copy(),
+            req.computed,
+            self.pools.rows.token_indices(row, 0, end),
+            req.slots.working.slot,
+            slot,
+            snap_len if slot else 0,
+            end == req.length,
+            req.params,
+        )
+
+    # ---- endings ----
+    def _finish_reason(self, req: Request, token: int) -> dict | None:
+        if req.params.stops_at(token, self.config.eos_token_id):
+            return {"type": "stop", "matched": token}
+        if len(req.output) >= req.params.max_new_tokens:
+            return {"type": "length", "length": req.params.max_new_tokens}
+        if req.length >= self.config.context_len:
+            return {"type": "length", "length": len(req.output)}
+        return None
+
+    def _finish(self, req: Request) -> None:
+        req.status = Status.FINISHED
+        self.running.remove(req)
+        if req.session is not None:
+            self.sessions.save(req)
+        else:
+            self._cache_prefix(req)
+            self._release(req)
+        req.slots = None
+        del self.requests[req.rid]
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Donate the latest snapshot, and the KV up to it, to the prefix cache."""
+        track, ps = req.slots.track, self.pools.config.page_size
+        snap = track.latest_snapshot()
+        if snap is None or snap.seq_len <= req.slots.borrowed:
+            return
+        if not self._room(0, 1, 0):  # the track refills the donated entry
+            return
+        row = req.slots.row.slot
+        node, tree_pages = self.cache.insert(
+            req.sequence[: snap.seq_len],
+            self.pools.rows.row_pages(row, 0, snap.seq_len),
+            req.slots.owner,
+            lambda receiver: track.donate_latest(receiver).slot,
+        )
+        self.pools.kv.adopt_prefix(row, tree_pages)
+        req.slots.borrowed = len(tree_pages) * ps
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _release(self, req: Request) -> None:
+        release(self.pools, req.slots)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+
+    def _apply_aborts(self) -> list[Request]:
+        ended = []
+        for req in [r for r in self.running if r.abort_reason is not None]:
+            self.running.remove(req)
+            if req.session is not None:
+                self.sessions.rollback(req, keep_turn=False)
+            else:
+                self._release(req)
+            ended.append(self._end_aborted(req))
+        return ended
+
+    def _end_aborted(self, req: Request) -> Request:
+        if req.session is not None and req.session.turn is req:
+            self.sessions.rollback(req, keep_turn=False)
+        req.status = Status.ABORTED
+        req.finish_reason = {"type": "abort", "message": req.abort_reason}
+        req.slots = None
+        self.requests.pop(req.rid, None)
+        return req
+
+    def _retract(self, req: Request) -> None:
+        """Preempt a running request: give back everything, re-queue it at the front."""
+        self.running.remove(req)
+        if req.session is not None:
+            self.sessions.rollback(req, keep_turn=True)
+        else:
+            self._release(req)
+            req.slots, req.computed = None, 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.retractions += 1
+
+    # ---- validation ----
+    def _validate(self, req: Request) -> None:
+        req.prompt = self._tokens(req.prompt)
+        req.params.validate(self.config.vocab_size)
+        self._check_rid(req.rid)
+        if len(req.prompt) >= self.config.context_len:
+            raise InvalidRequest(
+                f"the input has {len(req.prompt)} tokens; the context length is "
+                f"{self.config.context_len} and must leave room for one output token"
+            )
+
+    def _check_rid(self, rid: str) -> None:
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid} is already in use")
+
+    def _tokens(self, tokens: object) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidRequest("input_ids must be a flat list of integers")
+        if arr.size == 0:
+            raise InvalidRequest("the input is empty")
+        if arr.min() < 0 or arr.max() >= self.config.vocab_size:
+            raise InvalidRequest(f"token ids must lie in [0, {self.config.vocab_size})")
+        return arr.astype(np.int64)
+
+
+@dataclass
+class _Budget:
+    """What the step being planned has taken so far."""
+
+    tokens: int
+    pages: int = 0
+
+    def take(self, tokens: int, pages: int) -> None:
+        self.tokens -= tokens
+        self.pages += pages

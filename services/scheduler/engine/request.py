@@ -1,0 +1,78 @@
+"""One request: a plain generation or one turn of a session.
+
+The request's sequence is `prompt + output`. `computed` counts the positions whose KV
+and Mamba state are done; every step feeds `sequence[computed:end]` and samples a token
+when `end` reaches the end of the sequence, so prefill chunks, decode steps and the
+re-prefill after a retract are one mechanism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.scheduler.allocators.request_slots import RequestSlots
+from services.scheduler.cache.node import CacheNode
+from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.ownership.lease import Lease
+
+if TYPE_CHECKING:
+    from services.scheduler.sessions.session import Session
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class TurnStart:
+    """What a session turn must return to if it is aborted or retracted."""
+
+    cached_len: int  # positions the session had computed when the turn began
+    rollback: Lease | None  # a copy of the session's state at that moment (session-owned)
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: np.ndarray
+    params: SamplingParams
+    session: Session | None = None
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: dict | None = None
+    slots: RequestSlots | None = None
+    cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
+    computed: int = 0
+    cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
+    abort_reason: str | None = None  # set by abort(); takes effect between steps
+    turn_start: TurnStart | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def sequence(self) -> np.ndarray:
+        if not self.output:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output, dtype=np.int64)])
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def committed_output(self) -> list[int]:
+        """The output as it enters a session's history: a stop token is trimmed unless
+        the request asked to keep it."""
+        reason = self.finish_reason or {}
+        if reason.get("type") == "stop" and "matched" in reason and not self.params.no_stop_trim:
+            return self.output[:-1]
+        return list(self.output)

@@ -1,0 +1,44 @@
+"""Sampling parameters of one request, validated before anything is allocated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """Bad input: rejected with a clear message before any slot moves."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    logprobs: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequest(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature must lie in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1 and not 1 <= self.top_k <= vocab_size:
+            raise InvalidRequest(
+                f"top_k must be -1 or lie in [1, {vocab_size}], got {self.top_k!r}"
+            )
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+
+    def stops_at(self, token: int, eos_token_id: int | None) -> bool:
+        if token in self.stop_token_ids:
+            return True
+        return token == eos_token_id and not self.ignore_eos

@@ -1,0 +1,41 @@
+"""A forward step as the scheduler plans it: everything the executor needs, and the
+per-step facts (which snapshot goes where, at what length) that completion must use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.cache.node import CacheNode
+from services.scheduler.engine.sampling import SamplingParams
+from shared.deferred_ops import DeferredOps
+
+
+@dataclass
+class RowPlan:
+    rid: str
+    tokens: np.ndarray  # fed this step, at positions start .. start + len - 1
+    start: int
+    kv_indices: np.ndarray  # KV token indices of positions [0, start + len(tokens))
+    mamba_slot: int  # the working slot, read and updated in place
+    snapshot_slot: int  # 0: no snapshot this step
+    snapshot_len: int  # the state after this many positions goes to snapshot_slot
+    sample: bool  # this row produces a token
+    params: SamplingParams
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    rows: list[RowPlan]
+    ops: DeferredOps
+    copy_sources: list[CacheNode] = field(default_factory=list)  # locked until the step ran
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)

@@ -1,0 +1,222 @@
+"""Streaming sessions: open, close, one turn at a time, and the moves of their state.
+
+A turn starts by taking the session's row, KV and Mamba state (session -> request, a
+transfer, not shared references) and ends by giving them back (request -> session).
+Before it changes anything, a turn gets a copy of the session's Mamba state (a deferred
+copy into a session-owned slot); if the turn is aborted or retracted, that copy becomes
+the session's state again and the KV past the session's history is freed, so the next
+turn still prefills only its new tokens.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from services.scheduler.allocators import handover
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.allocators.request_slots import RequestSlots, release
+from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.request import Request, TurnStart
+from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
+from services.scheduler.ownership.invariants import Claim
+from services.scheduler.ownership.lease import new_lease
+from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.sessions.session import Session
+from shared.deferred_ops import DeferredOps
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
+
+
+class SessionError(InvalidRequest):
+    """A session-level refusal: unknown, closed, busy or a bad id."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "not_found", "closed", "busy", "invalid"
+
+
+class SessionManager:
+    def __init__(
+        self, pools: Pools, cache: RadixCache, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.pools = pools
+        self.cache = cache
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
+
+    # ---- client-facing ----
+    def open(self, sid: str | None = None, timeout: float | None = None) -> Session:
+        sid = secrets.token_hex(16) if sid is None else sid
+        if not isinstance(sid, str) or not SESSION_ID.match(sid):
+            raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
+        if sid in self.sessions or sid in self._closed:
+            raise SessionError(f"session {sid} already exists", "invalid")
+        if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
+            raise SessionError(f"timeout must lie in (0, 604800] seconds, got {timeout}", "invalid")
+        owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
+        session = Session(sid, owner, timeout, self.clock())
+        self.sessions[sid] = session
+        return session
+
+    def get(self, sid: str) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            if sid in self._closed:
+                raise SessionError(f"session {sid} is closed", "closed")
+            raise SessionError(f"session {sid} not found", "not_found")
+        if session.closing or session.closed:
+            raise SessionError(f"session {sid} is closed", "closed")
+        return session
+
+    def begin_turn(
+        self,
+        sid: str,
+        new_tokens: np.ndarray,
+        params: SamplingParams,
+        rid: str,
+        context_len: int,
+        session_params: dict | None = None,
+    ) -> Request:
+        """A turn extends the history with `new_tokens`; checked before anything moves."""
+        session = self.get(sid)
+        self.check_session_params(session_params or {})
+        if session.turn is not None:
+            raise SessionError(f"session {sid} already has a turn in flight", "busy")
+        prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
+        if len(prompt) >= context_len:
+            raise InvalidRequest(
+                f"session {sid}: history ({len(session.history)}) plus input "
+                f"({len(new_tokens)}) tokens reach the context length {context_len}"
+            )
+        req = Request(rid, prompt, params, session=session)
+        session.turn = req
+        session.last_used = self.clock()
+        return req
+
+    @staticmethod
+    def check_session_params(params: dict) -> None:
+        """History is append-only: splicing or replacing it is refused (scenario S9)."""
+        rewrites = [k for k in ("offset", "replace", "drop_previous_output") if params.get(k)]
+        if params.get("offset") == 0 and "offset" not in rewrites:
+            rewrites.append("offset")
+        if rewrites:
+            raise SessionError(
+                f"{', '.join(rewrites)} not supported on a streaming session: its history is "
+                "append-only; send only the new input",
+                "invalid",
+            )
+
+    def close(self, sid: str) -> None:
+        """Close now, or when the turn in flight ends; later turns are refused."""
+        session = self.get(sid)
+        session.closing = True
+        if session.turn is None:
+            self._close_now(session)
+
+    def expire(self) -> list[str]:
+        """Close idle sessions past their timeout; returns their ids."""
+        now, gone = self.clock(), []
+        for session in list(self.sessions.values()):
+            idle = session.turn is None and not session.closing
+            if idle and session.timeout is not None and now - session.last_used > session.timeout:
+                session.closing = True
+                self._close_now(session)
+                gone.append(session.sid)
+        return gone
+
+    # ---- state moves, called by the engine ----
+    def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:
+        """Give the session's state to its turn, with a rollback copy; None if the session
+        has no state (the turn is then admitted like a plain request)."""
+        session = req.session
+        if session.slots is None:
+            return None
+        slots = handover.restore(self.pools, session.slots, req.rid)
+        session.slots = None
+        row = slots.row.slot
+        self.pools.kv.free_tail(row, session.cached_len, "trim")  # lesson 5
+        rollback = new_lease(
+            self.pools.mamba, session.owner, self.pools.mamba.alloc_one(session.owner, "rollback")
+        )
+        ops.copy(slots.working.slot, rollback.slot)
+        req.turn_start = TurnStart(session.cached_len, rollback)
+        req.cache_node, session.cache_node = session.cache_node, None
+        req.computed = req.cached_tokens = session.cached_len
+        return slots
+
+    def save(self, req: Request) -> None:
+        """The turn finished: its state and history become the session's."""
+        session = req.session
+        row = req.slots.row.slot
+        self.pools.kv.free_tail(row, req.computed, "trim")  # an over-allocated tail (S5)
+        if req.turn_start is not None and req.turn_start.rollback is not None:
+            req.turn_start.rollback.release("turn_done")
+        session.slots = handover.save(self.pools, req.slots, session.owner)
+        session.cache_node, req.cache_node = req.cache_node, None
+        session.history = np.concatenate(
+            [req.prompt, np.asarray(req.committed_output(), dtype=np.int64)]
+        )
+        session.cached_len = req.computed
+        self._end_turn(req)
+
+    def rollback(self, req: Request, keep_turn: bool) -> None:
+        """Abort or retract: back to the state at the turn's start. With `keep_turn` the
+        turn stays the session's (a retract re-queues it)."""
+        session, start = req.session, req.turn_start
+        if req.slots is not None:
+            if start is None or start.rollback is None:
+                self._release(req)  # the session had no state: it stays empty
+            else:
+                self.pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
+                session.slots = handover.save(self.pools, req.slots, session.owner, start.rollback)
+                session.cache_node, req.cache_node = req.cache_node, None
+        req.slots, req.turn_start = None, None
+        req.computed = 0
+        if not keep_turn:
+            self._end_turn(req)
+
+    def claims(self) -> list[Claim]:
+        out: list[Claim] = []
+        for session in self.sessions.values():
+            if session.slots is not None:
+                out += session.slots.claims(self.pools)
+            turn = session.turn
+            if turn is not None and turn.turn_start is not None and turn.turn_start.rollback:
+                out.append((session.owner, "mamba", [turn.turn_start.rollback.held]))
+        return out
+
+    # ---- internals ----
+    def _release(self, req: Request) -> None:
+        release(self.pools, req.slots)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+
+    def _end_turn(self, req: Request) -> None:
+        session = req.session
+        session.turn = None
+        session.last_used = self.clock()
+        if session.closing:
+            self._close_now(session)
+
+    def _close_now(self, session: Session) -> None:
+        if session.slots is not None:
+            handover.close(self.pools, session.slots)
+            session.slots = None
+        if session.cache_node is not None:
+            self.cache.unlock(session.cache_node)
+            session.cache_node = None
+        session.closed = True
+        del self.sessions[session.sid]
+        self._closed[session.sid] = None
+        if len(self._closed) > REMEMBER_CLOSED:
+            self._closed.popitem(last=False)
+        self.pools.ledger.retire(session.owner)

@@ -1,0 +1,30 @@
+"""One streaming session: its committed history and, between turns, its state slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.scheduler.allocators.handover import SessionSlots
+from services.scheduler.cache.node import CacheNode
+from services.scheduler.ownership.owners import Owner
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.request import Request
+
+
+@dataclass(eq=False)
+class Session:
+    sid: str
+    owner: Owner  # session:<sid>
+    timeout: float | None  # seconds idle before it is closed; None: never
+    last_used: float
+    history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    cached_len: int = 0  # positions of `history` whose KV and state the slots hold
+    slots: SessionSlots | None = None  # None: no device state (new, or after a lost turn)
+    cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
+    turn: Request | None = None  # the turn in flight, at most one
+    closing: bool = False  # close asked while a turn runs: completes when it ends
+    closed: bool = False

@@ -1,0 +1,93 @@
+"""A CPU model of what the executor does to device state, for scheduler tests.
+
+KV cells hold (token, position); a Mamba slot holds a rolling hash of the tokens fed
+through it. A step applies its deferred ops, writes KV through the plan's indices and
+updates each row's state in its slot, exactly as the executor does to tensors. The
+"model" then samples from what it read: the state hash and every KV cell of the row's
+context. A wrong slot, a stale copy or a KV index pointing at another row's data changes
+the token, so equality with a one-shot reference proves the bookkeeping, not just lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.engine.step import StepPlan
+from shared.deferred_ops import apply_to_arrays
+
+MOD = (1 << 61) - 1
+_WEIGHTS = np.random.default_rng(12345).integers(1, 1 << 20, size=1 << 16)
+
+
+def mix(h: int, token: int) -> int:
+    return (h * 1_000_003 + int(token) + 1) % MOD
+
+
+def state_of(tokens) -> int:
+    h = 0
+    for t in tokens:
+        h = mix(h, t)
+    return h
+
+
+def next_token(h: int, kv_tokens: np.ndarray, kv_positions: np.ndarray, vocab: int) -> int:
+    k = int(((kv_tokens * 7919 + kv_positions) * _WEIGHTS[kv_positions]).sum())
+    return (h ^ k) % vocab
+
+
+def reference(prompt: list[int], max_new: int, vocab: int, eos: int | None = None) -> list[int]:
+    """One-shot greedy generation over `prompt`, no cache, no sessions."""
+    seq = list(prompt)
+    h = state_of(seq)
+    out = []
+    while len(out) < max_new:
+        pos = np.arange(len(seq))
+        token = next_token(h, np.asarray(seq), pos, vocab)
+        out.append(token)
+        if token == eos:
+            break
+        seq.append(token)
+        h = mix(h, token)
+    return out
+
+
+class DataModelExecutor:
+    def __init__(
+        self, pools: Pools, vocab: int, sequence_of: Callable[[str], np.ndarray] | None = None
+    ) -> None:
+        cfg = pools.config
+        cells = (cfg.kv_pages + 1) * cfg.page_size
+        self.kv_tokens = np.full(cells, -1, dtype=np.int64)
+        self.kv_positions = np.full(cells, -1, dtype=np.int64)
+        self.state = np.zeros(cfg.mamba_slots + 1, dtype=np.int64)
+        self.vocab = vocab
+        self.sequence_of = sequence_of  # when given, each row's starting state is checked
+        self.rows_checked = 0
+
+    def run(self, plan: StepPlan) -> dict[str, int]:
+        apply_to_arrays(plan.ops, self.state)
+        out = {}
+        for row in plan.rows:
+            assert len(row.kv_indices) == row.end and row.mamba_slot > 0
+            h = int(self.state[row.mamba_slot])
+            if self.sequence_of is not None:
+                expected = state_of(self.sequence_of(row.rid)[: row.start])
+                assert h == expected, f"{row.rid} starts from a wrong state at {row.start}"
+                self.rows_checked += 1
+            new = row.kv_indices[row.start :]
+            self.kv_tokens[new] = row.tokens
+            self.kv_positions[new] = np.arange(row.start, row.end)
+            for i, token in enumerate(row.tokens):
+                h = mix(h, token)
+                if row.snapshot_slot and row.start + i + 1 == row.snapshot_len:
+                    self.state[row.snapshot_slot] = h
+            self.state[row.mamba_slot] = h
+            if row.sample:
+                idx = row.kv_indices
+                out[row.rid] = next_token(
+                    h, self.kv_tokens[idx], self.kv_positions[idx], self.vocab
+                )
+        return out

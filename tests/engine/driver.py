@@ -1,0 +1,106 @@
+"""Runs the engine core against the data model, checking the busy invariant each step."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from services.scheduler.allocators.pools import PoolConfig, Pools
+from services.scheduler.engine.core import EngineConfig, EngineCore
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.sampling import SamplingParams
+from tests.engine.data_model import DataModelExecutor
+
+VOCAB = 256
+
+
+class Driver:
+    def __init__(
+        self,
+        page_size: int = 1,
+        kv_pages: int = 4096,
+        mamba_slots: int = 64,
+        rows: int = 16,
+        context: int = 1024,
+        chunk: int | None = None,
+        step_tokens: int = 512,
+        track_interval: int | None = None,
+        eos: int | None = None,
+    ) -> None:
+        self.pools = Pools(
+            PoolConfig(
+                kv_pages=kv_pages,
+                page_size=page_size,
+                mamba_slots=mamba_slots,
+                max_running_requests=rows,
+                max_context=context,
+            )
+        )
+        self.engine = EngineCore(
+            self.pools,
+            EngineConfig(
+                context_len=context,
+                vocab_size=VOCAB,
+                eos_token_id=eos,
+                chunk_size=chunk or 64 * page_size,
+                max_step_tokens=step_tokens,
+                track_interval=track_interval or 4 * page_size,
+            ),
+        )
+        self.model = DataModelExecutor(self.pools, VOCAB, self._sequence)
+        self._rids = itertools.count(1)
+        self.ended: dict[str, Request] = {}
+        self.steps = 0
+
+    def _sequence(self, rid: str) -> np.ndarray:
+        return self.engine.requests[rid].sequence
+
+    def rid(self) -> str:
+        return f"r{next(self._rids)}"
+
+    def step(self) -> list[Request]:
+        plan = self.engine.plan_step()
+        if plan is None:
+            return []
+        self.steps += 1
+        ended = self.engine.complete_step(plan, self.model.run(plan))
+        for req in ended:
+            self.ended[req.rid] = req
+        report = self.engine.check()
+        assert report.ok, "\n".join(report.problems)
+        return ended
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if self.engine.idle:
+                return
+            self.step()
+        raise AssertionError("the engine did not become idle")
+
+    def generate(self, prompt, max_new: int = 12, **params) -> Request:
+        req = Request(
+            self.rid(), np.asarray(prompt), SamplingParams(max_new_tokens=max_new, **params)
+        )
+        self.engine.submit(req)
+        return req
+
+    def turn(
+        self, sid: str, tokens, max_new: int = 12, session_params: dict | None = None, **params
+    ) -> Request:
+        req = Request(
+            self.rid(),
+            np.zeros(0, dtype=np.int64),
+            SamplingParams(max_new_tokens=max_new, **params),
+        )
+        return self.engine.submit_turn(sid, np.asarray(tokens), req, session_params)
+
+    def run_turn(self, sid: str, tokens, max_new: int = 12, **params) -> Request:
+        req = self.turn(sid, tokens, max_new, **params)
+        self.run()
+        return req
+
+    def assert_idle_clean(self) -> None:
+        assert self.engine.idle
+        report = self.engine.check(idle=True)
+        assert report.ok, "\n".join(report.problems)
