@@ -146,8 +146,8 @@ class EngineCore:
                     self._finish(req)
                     ended.append(req)
                     continue
-            if row.snapshot_slot and req.session is None:
-                self._cache_prefix(req)
+            if row.snapshot_slot and row.prefill and req.session is None:
+                self._cache_prefix(req)  # a chunk's state is reachable at once (P6)
         self.in_flight = None
         return ended + self._apply_aborts()
 
@@ -272,8 +272,9 @@ class EngineCore:
             req.slots.working.slot,
             slot,
             snap_len if slot else 0,
-            end == req.length,
-            req.params,
+            sample=end == req.length,
+            prefill=n > 1 or req.computed < len(req.prompt),
+            params=req.params,
         )
 
     # ---- endings ----

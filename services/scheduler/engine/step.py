@@ -22,6 +22,7 @@ class RowPlan:
     snapshot_slot: int  # 0: no snapshot this step
     snapshot_len: int  # the state after this many positions goes to snapshot_slot
     sample: bool  # this row produces a token
+    prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
     params: SamplingParams
 
     @property
