@@ -78,11 +78,13 @@ def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
     )
 
 
-def close(pools: Pools, sess: SessionSlots) -> None:
-    """Free everything a session holds between turns and retire it."""
+def close(pools: Pools, sess: SessionSlots, retire: bool = True) -> None:
+    """Free everything a session holds between turns; retire the session unless it lives
+    on without device state (its state was dropped under memory pressure)."""
     row = sess.row.slot
     pools.kv.free_tail(row, sess.borrowed, "close")
     pools.kv.forget(row)
     sess.working.release("close")
     sess.row.release("close")
-    pools.ledger.retire(sess.owner)
+    if retire:
+        pools.ledger.retire(sess.owner)

@@ -48,6 +48,10 @@ class EngineCore:
         config.check(pools.config.page_size)
         if config.context_len > pools.config.max_context:
             raise ValueError("context_len exceeds the row table's max_context")
+        if pools.config.kv_pages * pools.config.page_size < config.context_len:
+            raise ValueError("the KV pool must hold at least one request of context_len")
+        if pools.config.mamba_slots < MAMBA_SLOTS_PER_REQUEST + 1:
+            raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
         self.pools = pools
         self.config = config
         self.cache = RadixCache(pools)
@@ -225,17 +229,25 @@ class EngineCore:
         return n
 
     def _room(self, pages: int, mamba: int, rows: int) -> bool:
-        """Evict from the cache until `pages` KV pages and `mamba` slots are free."""
+        """Make `pages` KV pages, `mamba` slots and `rows` rows free: evict from the prefix
+        cache, then drop the state of idle sessions, least recently used first."""
         p = self.pools
-        if pages > p.kv_pages.free_count:
-            self.cache.evict_kv(pages - p.kv_pages.free_count)
-        if mamba > p.mamba.free_count:
-            self.cache.evict_mamba(mamba - p.mamba.free_count)
-        return (
-            pages <= p.kv_pages.free_count
-            and mamba <= p.mamba.free_count
-            and rows <= p.req.free_count
-        )
+
+        def short() -> bool:
+            return (
+                pages > p.kv_pages.free_count
+                or mamba > p.mamba.free_count
+                or rows > p.req.free_count
+            )
+
+        while short():
+            if pages > p.kv_pages.free_count:
+                self.cache.evict_kv(pages - p.kv_pages.free_count)
+            if mamba > p.mamba.free_count:
+                self.cache.evict_mamba(mamba - p.mamba.free_count)
+            if short() and not self.sessions.drop_idle_state():
+                return False
+        return True
 
     def _pages_to_grow(self, length: int, n: int) -> int:
         ps = self.pools.config.page_size

@@ -132,6 +132,16 @@ class SessionManager:
                 gone.append(session.sid)
         return gone
 
+    def drop_idle_state(self) -> bool:
+        """Memory pressure: free the device state of the least recently used session with
+        no turn in flight. Its history stays; its next turn re-prefills it. False if no
+        session holds state it could give up."""
+        idle = [s for s in self.sessions.values() if s.turn is None and s.slots is not None]
+        if not idle:
+            return False
+        self._drop_state(min(idle, key=lambda s: s.last_used))
+        return True
+
     # ---- state moves, called by the engine ----
     def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:
         """Give the session's state to its turn, with a rollback copy; None if the session
@@ -207,13 +217,17 @@ class SessionManager:
         if session.closing:
             self._close_now(session)
 
-    def _close_now(self, session: Session) -> None:
+    def _drop_state(self, session: Session) -> None:
         if session.slots is not None:
-            handover.close(self.pools, session.slots)
+            handover.close(self.pools, session.slots, retire=False)
             session.slots = None
         if session.cache_node is not None:
             self.cache.unlock(session.cache_node)
             session.cache_node = None
+        session.cached_len = 0
+
+    def _close_now(self, session: Session) -> None:
+        self._drop_state(session)
         session.closed = True
         del self.sessions[session.sid]
         self._closed[session.sid] = None

@@ -1,0 +1,154 @@
+"""Random interleavings of session turns (finished, aborted, disconnected, retracted,
+over-long), plain requests sharing prefixes, evictions under pressure and closes, over
+page sizes 1 and 16, on pools small enough that retracts and evictions are routine.
+
+After every step: the busy invariant. At the end: the idle invariant. Throughout: the
+data model checks that every row starts from the state of exactly its own prefix, and
+every finished output equals a one-shot generation over its history."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.scheduler.engine.request import Request, Status
+from services.scheduler.engine.sampling import InvalidRequest
+from tests.engine.data_model import reference
+from tests.engine.driver import VOCAB, Driver
+
+# 2 machines x 500 = 1,000 sequences by default; CUSTODY_HYPOTHESIS_EXAMPLES overrides.
+EXAMPLES = int(os.environ.get("CUSTODY_ENGINE_EXAMPLES", "500"))
+PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [21, 22, 23, 24] * 5]
+tokens = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    page_size = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        ps = self.page_size
+        self.d = Driver(
+            page_size=ps,
+            kv_pages=64 if ps == 1 else 8,  # one context: pressure is routine
+            mamba_slots=14,
+            rows=6,
+            context=64 if ps == 1 else 128,
+            chunk=8 * ps if ps > 1 else 8,
+            step_tokens=24 if ps == 1 else 48,
+            track_interval=ps * 4,
+        )
+        self.histories: dict[str, list[int]] = {}
+        self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
+        self.plain: dict[str, Request] = {}
+        self.opened = 0
+
+    # ---- sessions ----
+    @precondition(lambda self: len(self.histories) < 4)
+    @rule()
+    def open_session(self):
+        self.opened += 1  # client-chosen ids keep generated data reproducible
+        self.histories[self.d.engine.sessions.open(f"s{self.opened}").sid] = []
+
+    @precondition(lambda self: self.histories)
+    @rule(data=st.data(), new=tokens, max_new=st.integers(1, 6), overlong=st.booleans())
+    def turn(self, data, new, max_new, overlong):
+        sid = data.draw(st.sampled_from(sorted(self.histories)))
+        session = self.d.engine.sessions.sessions.get(sid)
+        if overlong:
+            new = new * (200 // len(new))
+        busy = session is not None and session.turn is not None
+        too_long = len(self.histories[sid]) + len(new) >= self.d.engine.config.context_len
+        before = self.d.pools.ledger.events.next_seq
+        try:
+            req = self.d.turn(sid, new, max_new=max_new)
+        except InvalidRequest as err:
+            assert busy or too_long, err
+            assert self.d.pools.ledger.events.next_seq == before
+            return
+        assert not busy and not too_long
+        self.turns[req.rid] = (req, self.histories[sid] + new)
+
+    @precondition(lambda self: self.histories)
+    @rule(data=st.data())
+    def close_session(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.histories)))
+        self.d.engine.sessions.close(sid)
+        del self.histories[sid]
+
+    # ---- plain requests ----
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_new=st.integers(1, 5))
+    def plain_request(self, prefix, suffix, max_new):
+        req = self.d.generate(prefix[:40] + suffix[:8], max_new=max_new)
+        self.plain[req.rid] = req
+
+    # ---- running ----
+    @rule(n=st.integers(1, 6))
+    def steps(self, n):
+        for _ in range(n):
+            self.settle(self.d.step())
+
+    @precondition(lambda self: self.d.engine.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.d.engine.requests)))
+        self.settle(self.d.engine.abort(rid, "client disconnected"))
+
+    @rule(kv=st.integers(0, 8), mamba=st.integers(0, 3))
+    def evict(self, kv, mamba):
+        self.d.engine.cache.evict_kv(kv)
+        self.d.engine.cache.evict_mamba(mamba)
+
+    def settle(self, ended: list[Request]) -> None:
+        for req in ended:
+            if req.rid in self.turns:
+                turn, prompt = self.turns.pop(req.rid)
+                assert turn.prompt.tolist() == prompt
+                sid = turn.session.sid
+                if req.status is Status.FINISHED:
+                    assert req.output == reference(prompt, req.params.max_new_tokens, VOCAB)
+                    if sid in self.histories:
+                        self.histories[sid] = prompt + req.output
+            else:
+                plain = self.plain.pop(req.rid)
+                if req.status is Status.FINISHED:
+                    assert plain.output == reference(
+                        plain.prompt.tolist(), plain.params.max_new_tokens, VOCAB
+                    )
+
+    @invariant()
+    def busy_invariant(self):
+        report = self.d.engine.check()
+        assert report.ok, "\n".join(report.problems)
+
+    def teardown(self):
+        for rid in list(self.d.engine.requests):
+            self.settle(self.d.engine.abort(rid, "teardown"))
+        for sid in list(self.histories):
+            self.d.engine.sessions.close(sid)
+        self.d.run()
+        self.d.assert_idle_clean()
+        self.d.engine.cache.evict_kv(1 << 30)
+        self.d.engine.cache.evict_mamba(1 << 30)
+        report = self.d.engine.check(idle=True)
+        assert report.ok and all(
+            c["free"] == self.d.pools.ledger.pools[p].capacity for p, c in report.counts.items()
+        ), report.counts
+
+
+def _machine(page_size: int) -> type:
+    machine = type(f"EngineMachinePage{page_size}", (EngineMachine,), {"page_size": page_size})
+    machine.TestCase.settings = settings(
+        max_examples=EXAMPLES,
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    return machine
+
+
+TestEnginePage1 = _machine(1).TestCase
+TestEnginePage16 = _machine(16).TestCase
