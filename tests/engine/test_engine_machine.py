@@ -143,7 +143,7 @@ def _machine(page_size: int) -> type:
     machine = type(f"EngineMachinePage{page_size}", (EngineMachine,), {"page_size": page_size})
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES,
-        stateful_step_count=25,
+        stateful_step_count=40,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
