@@ -1,0 +1,59 @@
+"""One forward step's rows, as the executor runs them.
+
+Each row brings its own tokens, where they start, the KV token indices of its whole
+context, its Mamba working slot and, optionally, a snapshot slot and the length at which
+to snapshot. Rows of one token (decode) are run together; longer rows (prefill chunks)
+one at a time, since their lengths differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+@dataclass
+class Row:
+    tokens: torch.Tensor  # int64 [n]
+    start: int
+    kv_indices: torch.Tensor  # int64 [start + n]
+    mamba_slot: int
+    snapshot_slot: int = 0
+    snapshot_len: int = 0
+    sample: bool = True
+    sampling: Sampling = field(default_factory=Sampling)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class ForwardBatch:
+    def __init__(self, rows: list[Row], device: torch.device) -> None:
+        self.rows = rows
+        self.device = device
+        lengths = [len(r.tokens) for r in rows]
+        self.offsets = [0]
+        for n in lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        self.token_ids = torch.cat([r.tokens for r in rows]).to(device)
+        self.decode = [i for i, n in enumerate(lengths) if n == 1]
+        self.prefill = [i for i, n in enumerate(lengths) if n > 1]
+        to = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        self.decode_positions = to([self.offsets[i] for i in self.decode])
+        self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
+        # KV rows written this step, in token order
+        self.new_kv = torch.cat([r.kv_indices[r.start :] for r in rows]).to(device)
+        self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
+
+    def span(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])

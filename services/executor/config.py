@@ -1,0 +1,143 @@
+"""The model's shape, read from a NemotronH `config.json` (transformers' key names) or
+the built-in tiny model. Pure data: no torch here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MIXERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    layers_block_type: list[str] = field(default_factory=list)
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    mlp_bias: bool = False
+    ssm_state_size: int = 16
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 16
+    n_groups: int = 2
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    chunk_size: int = 64  # SSD chunk of the prefill scan
+    time_step_min: float = 0.001
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    max_position_embeddings: int = 8192
+
+    # ---- derived ----
+    @property
+    def mamba_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layers_block_type) if t == "linear_attention"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layers_block_type) if t == "full_attention"]
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+
+    def validate(self) -> None:
+        unknown = set(self.layers_block_type) - set(MIXERS.values())
+        if unknown or not self.layers_block_type:
+            raise UnsupportedModel(
+                f"layers_block_type must list known mixers, got {unknown or 'none'}"
+            )
+        if "moe" in self.layers_block_type:
+            raise UnsupportedModel("moe layers are not supported by custody's executor")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModel("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.mamba_num_heads % self.n_groups or self.mamba_intermediate % self.n_groups:
+            raise UnsupportedModel("mamba heads must split evenly into n_groups")
+
+    # ---- loading ----
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        raw = dict(raw)
+        if "layers_block_type" not in raw:
+            if "hybrid_override_pattern" not in raw:
+                raise UnsupportedModel(
+                    "config has neither layers_block_type nor hybrid_override_pattern"
+                )
+            raw["layers_block_type"] = [MIXERS[c] for c in raw["hybrid_override_pattern"]]
+        for old, new in (
+            ("mamba_n_groups", "n_groups"),
+            ("mamba_d_conv", "conv_kernel"),
+            ("mamba_chunk_size", "chunk_size"),
+            ("mamba_conv_bias", "use_conv_bias"),
+            ("mamba_dt_min", "time_step_min"),
+        ):
+            if old in raw:
+                raw[new] = raw.pop(old)
+        if isinstance(raw.get("eos_token_id"), list):
+            raw["eos_token_id"] = raw["eos_token_id"][0]
+        known = {f for f in cls.__dataclass_fields__}
+        config = cls(**{k: v for k, v in raw.items() if k in known})
+        config.validate()
+        return config
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+    def to_dict(self) -> dict:
+        """transformers-compatible keys (a NemotronHConfig accepts this dict)."""
+        out = asdict(self)
+        out["model_type"] = "nemotron_h"
+        out["mamba_hidden_act"], out["mlp_hidden_act"] = "silu", "relu2"
+        return out
+
+
+# Byte-level vocabulary of the built-in model: 256 bytes, then BOS and EOS.
+BYTE_BOS, BYTE_EOS = 256, 257
+
+
+def builtin_config() -> ModelConfig:
+    """The built-in tiny model: NoPE attention makes any context length valid; 8,192 is
+    the advertised one."""
+    return ModelConfig(
+        vocab_size=258,
+        hidden_size=128,
+        layers_block_type=[
+            "linear_attention",
+            "mlp",
+            "linear_attention",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+            "mlp",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        chunk_size=64,
+        bos_token_id=BYTE_BOS,
+        eos_token_id=BYTE_EOS,
+        max_position_embeddings=8192,
+    )

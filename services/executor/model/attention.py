@@ -1,0 +1,72 @@
+"""Grouped-query attention without positional encoding, over the paged KV pool: each row
+writes the K and V of its new positions through its KV indices, then attends over its
+whole context read back through the same indices."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.executor.batch import ForwardBatch
+from services.executor.config import ModelConfig
+from services.executor.pools import DevicePools
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        q = self.q_proj(h).view(t, self.heads, self.head_dim)
+        k_cache, v_cache = pools.k[layer], pools.v[layer]
+        k_cache[batch.new_kv] = self.k_proj(h).view(t, self.kv_heads, self.head_dim)
+        v_cache[batch.new_kv] = self.v_proj(h).view(t, self.kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        if batch.decode:
+            out[batch.decode_positions] = self._decode(q, batch, k_cache, v_cache)
+        for i in batch.prefill:
+            row, span = batch.rows[i], batch.span(i)
+            idx = row.kv_indices.to(h.device)
+            positions = torch.arange(row.start, row.end, device=h.device)
+            mask = torch.arange(row.end, device=h.device)[None, :] <= positions[:, None]
+            out[span] = self._attend(
+                q[span][None], k_cache[idx][None], v_cache[idx][None], mask[None]
+            )[0]
+        return self.o_proj(out.view(t, -1))
+
+    def _decode(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        rows = [batch.rows[i] for i in batch.decode]
+        longest = max(r.end for r in rows)
+        idx = torch.zeros(len(rows), longest, dtype=torch.long)  # 0: the padding sink
+        for j, r in enumerate(rows):
+            idx[j, : r.end] = r.kv_indices
+        idx = idx.to(q.device)
+        ends = torch.tensor([r.end for r in rows], device=q.device)
+        mask = torch.arange(longest, device=q.device)[None, :] < ends[:, None]
+        return self._attend(
+            q[batch.decode_positions][:, None], k_cache[idx], v_cache[idx], mask[:, None]
+        )[:, 0]
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """q [R, n, H, d], k/v [R, m, KH, d], mask [R, n, m] -> [R, n, H, d]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None],
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)

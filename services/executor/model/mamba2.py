@@ -1,0 +1,112 @@
+"""The Mamba2 mixer of NemotronH over pooled state: every row reads and updates the
+conv and SSM state in its own slot, and can leave a snapshot of both, taken after a
+given position, in a second slot."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.executor.batch import ForwardBatch, Row
+from services.executor.config import ModelConfig
+from services.executor.model.layers import GatedRMSNorm
+from services.executor.model.ssd import chunked_scan, recurrent_step
+from services.executor.pools import DevicePools
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.heads, self.head_dim, self.n = (
+            cfg.mamba_num_heads,
+            cfg.mamba_head_dim,
+            cfg.ssm_state_size,
+        )
+        self.inner = cfg.mamba_intermediate
+        self.conv_dim = cfg.conv_dim
+        self.in_proj = nn.Linear(
+            cfg.hidden_size, self.inner + self.conv_dim + self.heads, bias=cfg.use_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            cfg.conv_kernel,
+            groups=self.conv_dim,
+            padding=cfg.conv_kernel - 1,
+            bias=cfg.use_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GatedRMSNorm(self.inner, cfg.n_groups, cfg.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.cfg.time_step_min)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(h.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=h.device)
+        if batch.decode:
+            self._decode(xbc, dt, A, y, batch, pools, layer)
+        for i in batch.prefill:
+            self._prefill(xbc, dt, A, y, batch.rows[i], batch.span(i), pools, layer)
+        out = self.norm(y.view(h.shape[0], self.inner).to(h.dtype), gate)
+        return self.out_proj(out)
+
+    def _split(self, conv_out: torch.Tensor):
+        x, B, C = conv_out.split(
+            [self.inner, self.n * self.cfg.n_groups, self.n * self.cfg.n_groups], dim=-1
+        )
+        per_group = self.heads // self.cfg.n_groups
+        shape = (*x.shape[:-1], self.cfg.n_groups, self.n)
+        B = B.reshape(shape).repeat_interleave(per_group, dim=-2)
+        C = C.reshape(shape).repeat_interleave(per_group, dim=-2)
+        return x.reshape(*x.shape[:-1], self.heads, self.head_dim), B, C
+
+    def _decode(self, xbc, dt, A, y, batch: ForwardBatch, pools: DevicePools, layer: int) -> None:
+        pos, slots = batch.decode_positions, batch.decode_slots
+        window = torch.cat([pools.conv[layer, slots], xbc[pos].unsqueeze(-1)], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        conv = (window * weight).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        x, B, C = self._split(F.silu(conv))
+        out, state = recurrent_step(x, dt[pos], A, B, C, self.D.float(), pools.ssm[layer, slots])
+        y[pos] = out
+        pools.conv[layer, slots] = window[..., 1:]
+        pools.ssm[layer, slots] = state
+        for j, i in enumerate(batch.decode):
+            row = batch.rows[i]
+            if row.snapshot_slot and row.snapshot_len == row.end:
+                pools.conv[layer, row.snapshot_slot] = window[j, :, 1:]
+                pools.ssm[layer, row.snapshot_slot] = state[j]
+
+    def _prefill(
+        self, xbc, dt, A, y, row: Row, span: slice, pools: DevicePools, layer: int
+    ) -> None:
+        keep = self.cfg.conv_kernel - 1
+        full = torch.cat([pools.conv[layer, row.mamba_slot], xbc[span].T], dim=-1)
+        conv = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        x, B, C = self._split(F.silu(conv[0].T))
+        dts, D, state = dt[span], self.D.float(), pools.ssm[layer, row.mamba_slot]
+        n = len(row.tokens)
+        cut = row.snapshot_len - row.start if row.snapshot_slot else 0
+        bounds = [0, cut, n] if 0 < cut < n else [0, n]
+        outs = []
+        for lo, hi in itertools.pairwise(bounds):
+            out, state = chunked_scan(
+                x[lo:hi], dts[lo:hi], A, B[lo:hi], C[lo:hi], D, state, self.cfg.chunk_size
+            )
+            outs.append(out)
+            if row.snapshot_slot and hi == cut:
+                pools.conv[layer, row.snapshot_slot] = full[:, cut : cut + keep]
+                pools.ssm[layer, row.snapshot_slot] = state
+        y[span] = torch.cat(outs)
+        pools.conv[layer, row.mamba_slot] = full[:, full.shape[1] - keep :]
+        pools.ssm[layer, row.mamba_slot] = state

@@ -1,0 +1,61 @@
+"""NemotronH (transformers' `NemotronHForCausalLM`) over custody's pools: a per-layer
+list of Mamba2, attention and MLP mixers, each after an RMS norm and with a residual.
+Parameter names are those of NemotronH checkpoints (`backbone.*`, `lm_head.*`; weights
+named `model.*`, transformers' in-memory names, are accepted too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.executor.batch import ForwardBatch
+from services.executor.config import ModelConfig
+from services.executor.model.attention import Attention
+from services.executor.model.layers import MLP, RMSNorm
+from services.executor.model.mamba2 import Mamba2Mixer
+from services.executor.pools import DevicePools
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == "linear_attention":
+            self.mixer = Mamba2Mixer(cfg)
+        elif kind == "full_attention":
+            self.mixer = Attention(cfg)
+        else:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, kind) for kind in cfg.layers_block_type)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class NemotronH(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
+        """Final hidden states of every token of the batch, in row order."""
+        x = self.backbone.embeddings(batch.token_ids)
+        for index, block in enumerate(self.backbone.layers):
+            h = block.norm(x)
+            if block.kind == "linear_attention":
+                h = block.mixer(h, batch, pools, pools.mamba_layer[index])
+            elif block.kind == "full_attention":
+                h = block.mixer(h, batch, pools, pools.kv_layer[index])
+            else:
+                h = block.mixer(h)
+            x = x + h
+        return self.backbone.norm_f(x)

@@ -1,0 +1,68 @@
+"""The executor's physical pools: KV for the attention layers, conv and SSM state for
+the Mamba layers. Index 0 of every pool is the padding sink.
+
+KV is stored flat by token index, `[attention layers, (pages + 1) * page_size, kv heads,
+head dim]`: token index `page * page_size + offset` is a row, so the scheduler's indices
+address it directly and page 0 (indices 0 .. page_size - 1) is the sink. Mamba state has
+the layer first so one slot op covers every layer: `[mamba layers, slots + 1, ...]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    kv_pages: int
+    page_size: int
+    mamba_slots: int
+
+
+class DevicePools:
+    def __init__(
+        self,
+        model: ModelConfig,
+        sizes: PoolSizes,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model, self.sizes, self.device, self.dtype = model, sizes, device, dtype
+        tokens = (sizes.kv_pages + 1) * sizes.page_size
+        kv_shape = (len(model.attention_layers), tokens, model.num_key_value_heads, model.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        slots = sizes.mamba_slots + 1
+        mamba = len(model.mamba_layers)
+        self.conv = torch.zeros(
+            (mamba, slots, model.conv_dim, model.conv_kernel - 1), dtype=dtype, device=device
+        )
+        # SSM state stays float32 whatever the model dtype (as transformers keeps it).
+        self.ssm = torch.zeros(
+            (mamba, slots, model.mamba_num_heads, model.mamba_head_dim, model.ssm_state_size),
+            dtype=torch.float32,
+            device=device,
+        )
+        self.kv_layer = {layer: i for i, layer in enumerate(model.attention_layers)}
+        self.mamba_layer = {layer: i for i, layer in enumerate(model.mamba_layers)}
+
+    @property
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors indexed by Mamba slot on axis 1: what deferred ops act on."""
+        return [self.conv, self.ssm]
+
+    def bytes_per_kv_token(self) -> int:
+        per_layer = self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+        return 2 * per_layer * self.k.shape[0]
+
+    def bytes_per_mamba_slot(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in self.state_tensors)
+
+    def reset(self) -> None:
+        """A restarted executor: every slot's contents are gone."""
+        for t in (self.k, self.v, *self.state_tensors):
+            t.zero_()

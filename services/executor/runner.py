@@ -1,0 +1,94 @@
+"""Runs one step on the device: checks it, applies its deferred state ops, runs the
+forward and samples, all in order on one compute stream.
+
+On CUDA the step runs on a dedicated stream; the clears and copies are queued on it
+right before the forward that needs them, so no copy can race a forward still writing
+its source, and nothing waits on the host until the sampled tokens are read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from kernels.slot_ops import clear_slots, copy_slots
+from services.executor.batch import ForwardBatch, Row
+from services.executor.model.nemotron_h import NemotronH
+from services.executor.pools import DevicePools
+from services.executor.sampling import sample
+from shared.deferred_ops import DeferredOps, DeferredOpsError
+
+
+class BatchRefused(ValueError):
+    """A step names the padding sink, an index out of range or a slot twice."""
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # one per sampling row, in row order
+    logprobs: list[float]
+    logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
+
+
+class ModelRunner:
+    def __init__(self, model: NemotronH, pools: DevicePools) -> None:
+        self.model, self.pools = model, pools
+        self.device = next(model.parameters()).device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def execute(self, rows: list[Row], ops: DeferredOps, keep_logits: bool = False) -> StepResult:
+        self.validate(rows, ops)
+        context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+        with context, torch.inference_mode():
+            self.apply_ops(ops)
+            batch = ForwardBatch(rows, self.device)
+            hidden = self.model(batch, self.pools)
+            logits = self.model.lm_head(hidden[batch.last_positions])
+            tokens, logprobs = sample(logits, [r for r in rows if r.sample])
+            result = StepResult(
+                tokens.tolist(), logprobs.tolist(), logits.float().cpu() if keep_logits else None
+            )
+        return result
+
+    def apply_ops(self, ops: DeferredOps) -> None:
+        """Clears, then copies, over every Mamba layer's conv and SSM state."""
+        to = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        clear_slots(self.pools.state_tensors, to(ops.clears))
+        if ops.copies:
+            src, dst = zip(*ops.copies, strict=True)
+            copy_slots(self.pools.state_tensors, to(src), to(dst))
+
+    def validate(self, rows: list[Row], ops: DeferredOps) -> None:
+        """Refuse, before anything runs, a step that would touch the wrong memory."""
+        sizes = self.pools.sizes
+        slots = sizes.mamba_slots + 1
+        kv_rows = (sizes.kv_pages + 1) * sizes.page_size
+        vocab = self.model.cfg.vocab_size
+        try:
+            ops.validate(slots)
+        except DeferredOpsError as err:
+            raise BatchRefused(f"deferred ops: {err}") from err
+        working = [r.mamba_slot for r in rows]
+        snapshots = [r.snapshot_slot for r in rows if r.snapshot_slot]
+        named = working + snapshots
+        if any(not 0 < s < slots for s in named):
+            raise BatchRefused(f"Mamba slots {named} must lie in 1..{slots - 1}")
+        if len(set(named)) != len(named):
+            raise BatchRefused(f"a Mamba slot is written by two rows: {named}")
+        for i, r in enumerate(rows):
+            if len(r.tokens) == 0 or len(r.kv_indices) != r.end:
+                raise BatchRefused(
+                    f"row {i}: {len(r.tokens)} tokens, {len(r.kv_indices)} "
+                    f"KV indices for positions 0..{r.end - 1}"
+                )
+            if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
+                raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
+            if int(r.kv_indices.min()) < sizes.page_size or int(r.kv_indices.max()) >= kv_rows:
+                raise BatchRefused(f"row {i}: KV indices outside {sizes.page_size}..{kv_rows - 1}")
+            if int(r.tokens.min()) < 0 or int(r.tokens.max()) >= vocab:
+                raise BatchRefused(f"row {i}: token ids outside [0, {vocab})")
+        new = torch.cat([r.kv_indices[r.start :] for r in rows])
+        if len(torch.unique(new)) != len(new):
+            raise BatchRefused("two positions of this step write the same KV index")

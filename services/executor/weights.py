@@ -1,0 +1,68 @@
+"""Building the model: the built-in tiny model with seeded random weights, or a
+NemotronH checkpoint directory (`config.json` + `*.safetensors`, transformers' names)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from services.executor.config import ModelConfig, builtin_config
+from services.executor.model.mamba2 import Mamba2Mixer
+from services.executor.model.nemotron_h import NemotronH
+
+BUILTIN_SEED = 20261122
+
+
+def load_model(
+    path: Path | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> NemotronH:
+    if path is None:
+        model = builtin_model()
+    else:
+        path = Path(path)
+        model = NemotronH(ModelConfig.from_dir(path))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no *.safetensors")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        state = {_checkpoint_name(k): v for k, v in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _checkpoint_name(name: str) -> str:
+    return "backbone." + name[len("model.") :] if name.startswith("model.") else name
+
+
+def builtin_model() -> NemotronH:
+    """Seeded random weights, initialised the way transformers initialises NemotronH."""
+    cfg = builtin_config()
+    generator = torch.Generator().manual_seed(BUILTIN_SEED)
+    model = NemotronH(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() >= 2 or name.endswith("embeddings.weight"):
+                p.normal_(0.0, cfg.initializer_range, generator=generator)
+        for mixer in model.modules():
+            if isinstance(mixer, Mamba2Mixer):
+                heads = cfg.mamba_num_heads
+                mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+                mixer.D.fill_(1.0)
+                lo, hi = math.log(cfg.time_step_min), math.log(cfg.time_step_max)
+                dt = torch.exp(torch.rand(heads, generator=generator) * (hi - lo) + lo)
+                dt = dt.clamp(min=cfg.time_step_floor)
+                mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+    return model
