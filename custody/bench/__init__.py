@@ -2,8 +2,9 @@
 
 from collections.abc import Callable
 
-from custody.bench import allocators
+from custody.bench import allocators, executor
 
 BENCHMARKS: dict[str, Callable[[int], dict]] = {
     "allocators": allocators.run,
+    "executor": executor.run,
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -49,11 +50,28 @@ class ForwardBatch:
         self.decode = [i for i, n in enumerate(lengths) if n == 1]
         self.prefill = [i for i, n in enumerate(lengths) if n > 1]
         to = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        self.decode_positions = to([self.offsets[i] for i in self.decode])
+        # all-decode steps (the common case) address their tokens by a slice, not a gather
+        only_decode = len(self.decode) == len(rows)
+        self.decode_positions = (
+            slice(0, len(rows)) if only_decode else to([self.offsets[i] for i in self.decode])
+        )
         self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
         # KV rows written this step, in token order
         self.new_kv = torch.cat([r.kv_indices[r.start :] for r in rows]).to(device)
         self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
+        self._decode_context: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV indices of the decode rows' contexts, padded to the longest with the sink
+        index 0, and the mask of real positions: built once, used by every attention layer."""
+        if self._decode_context is None:
+            kv = [self.rows[i].kv_indices for i in self.decode]
+            idx = pad_sequence(kv, batch_first=True).to(self.device)
+            ends = torch.tensor([len(k) for k in kv], device=self.device)
+            mask = torch.arange(idx.shape[1], device=self.device)[None, :] < ends[:, None]
+            self._decode_context = (idx, mask)
+        return self._decode_context
 
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])

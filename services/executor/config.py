@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shared.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB
+
 MIXERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -109,15 +111,11 @@ class ModelConfig:
         return out
 
 
-# Byte-level vocabulary of the built-in model: 256 bytes, then BOS and EOS.
-BYTE_BOS, BYTE_EOS = 256, 257
-
-
 def builtin_config() -> ModelConfig:
     """The built-in tiny model: NoPE attention makes any context length valid; 8,192 is
     the advertised one."""
     return ModelConfig(
-        vocab_size=258,
+        vocab_size=BYTE_VOCAB,
         hidden_size=128,
         layers_block_type=[
             "linear_attention",

@@ -54,6 +54,8 @@ class ModelRunner:
 
     def apply_ops(self, ops: DeferredOps) -> None:
         """Clears, then copies, over every Mamba layer's conv and SSM state."""
+        if not ops:
+            return
         to = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         clear_slots(self.pools.state_tensors, to(ops.clears))
         if ops.copies:
@@ -85,10 +87,14 @@ class ModelRunner:
                 )
             if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
                 raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
-            if int(r.kv_indices.min()) < sizes.page_size or int(r.kv_indices.max()) >= kv_rows:
-                raise BatchRefused(f"row {i}: KV indices outside {sizes.page_size}..{kv_rows - 1}")
-            if int(r.tokens.min()) < 0 or int(r.tokens.max()) >= vocab:
-                raise BatchRefused(f"row {i}: token ids outside [0, {vocab})")
+        kv = torch.cat([r.kv_indices for r in rows])
+        if int(kv.min()) < sizes.page_size or int(kv.max()) >= kv_rows:
+            raise BatchRefused(
+                f"KV indices outside {sizes.page_size}..{kv_rows - 1} (page 0 is the padding sink)"
+            )
+        tokens = torch.cat([r.tokens for r in rows])
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+            raise BatchRefused(f"token ids outside [0, {vocab})")
         new = torch.cat([r.kv_indices[r.start :] for r in rows])
         if len(torch.unique(new)) != len(new):
             raise BatchRefused("two positions of this step write the same KV index")

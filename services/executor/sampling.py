@@ -9,8 +9,8 @@ from services.executor.batch import Row
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] for the sampling rows; returns (tokens [R], logprobs [R])."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    """logits [R, V] for the sampling rows; returns (tokens [R], the model's log
+    probability of each chosen token [R])."""
     tokens = torch.argmax(logits, dim=-1)
     for j, row in enumerate(rows):
         s = row.sampling
@@ -33,4 +33,5 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.T
         else:  # the same seed and position give the same draw
             generator.manual_seed(hash((s.seed, row.end)) & (2**63 - 1))
         tokens[j] = torch.multinomial(probs, 1, generator=generator)[0]
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = logits.gather(1, tokens[:, None])[:, 0].float()
+    return tokens, chosen - torch.logsumexp(logits.float(), dim=-1)

@@ -48,14 +48,7 @@ class Attention(nn.Module):
         return self.o_proj(out.view(t, -1))
 
     def _decode(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        rows = [batch.rows[i] for i in batch.decode]
-        longest = max(r.end for r in rows)
-        idx = torch.zeros(len(rows), longest, dtype=torch.long)  # 0: the padding sink
-        for j, r in enumerate(rows):
-            idx[j, : r.end] = r.kv_indices
-        idx = idx.to(q.device)
-        ends = torch.tensor([r.end for r in rows], device=q.device)
-        mask = torch.arange(longest, device=q.device)[None, :] < ends[:, None]
+        idx, mask = batch.decode_context  # padded with index 0, the padding sink
         return self._attend(
             q[batch.decode_positions][:, None], k_cache[idx], v_cache[idx], mask[:, None]
         )[:, 0]

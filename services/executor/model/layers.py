@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,9 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -28,9 +28,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float() * nn.functional.silu(gate.float())
+        x32 = x.float() * F.silu(gate.float())
         grouped = x32.view(*x32.shape[:-1], self.groups, -1)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        grouped = F.rms_norm(grouped, (grouped.shape[-1],), eps=self.eps)
         return self.weight * grouped.view_as(x32).to(x.dtype)
 
 

@@ -72,13 +72,24 @@ class Mamba2Mixer(nn.Module):
     def _decode(self, xbc, dt, A, y, batch: ForwardBatch, pools: DevicePools, layer: int) -> None:
         pos, slots = batch.decode_positions, batch.decode_slots
         window = torch.cat([pools.conv[layer, slots], xbc[pos].unsqueeze(-1)], dim=-1)
-        weight = self.conv1d.weight.squeeze(1)
-        conv = (window * weight).sum(-1)
+        conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias
-        x, B, C = self._split(F.silu(conv))
-        out, state = recurrent_step(x, dt[pos], A, B, C, self.D.float(), pools.ssm[layer, slots])
-        y[pos] = out
+        rows, groups = len(slots), self.cfg.n_groups
+        x, B, C = F.silu(conv).split([self.inner, self.n * groups, self.n * groups], dim=-1)
+        per_group = (groups, self.heads // groups)
+        state = pools.ssm[layer, slots].view(rows, *per_group, self.head_dim, self.n)
+        out, state = recurrent_step(
+            x.reshape(rows, *per_group, self.head_dim),
+            dt[pos].view(rows, *per_group),
+            A.view(per_group),
+            B.view(rows, groups, self.n),
+            C.view(rows, groups, self.n),
+            self.D.float().view(per_group),
+            state,
+        )
+        y[pos] = out.reshape(rows, self.heads, self.head_dim)
+        state = state.view(rows, self.heads, self.head_dim, self.n)
         pools.conv[layer, slots] = window[..., 1:]
         pools.ssm[layer, slots] = state
         for j, i in enumerate(batch.decode):

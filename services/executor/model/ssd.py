@@ -53,10 +53,12 @@ def recurrent_step(
     D: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Many rows, one token each. x [R, h, p], dt [R, h], B and C [R, h, n],
-    state [R, h, p, n]. Returns y [R, h, p] and the new states."""
+    """Many rows, one token each, heads in groups sharing B and C. x [R, g, k, p] (k heads
+    per group), dt [R, g, k], A and D [g, k], B and C [R, g, n], state [R, g, k, p, n].
+    Returns y [R, g, k, p] and the new states."""
     x32 = x.float()
     decay = torch.exp(dt * A)[..., None, None]
-    state = state * decay + (dt[..., None] * x32)[..., None] * B[:, :, None, :].float()
-    y = torch.einsum("rhpn,rhn->rhp", state, C.float()) + D[None, :, None] * x32
+    inflow = (dt[..., None] * x32)[..., None] * B[:, :, None, None, :].float()
+    state = torch.addcmul(inflow, state, decay)
+    y = (state * C[:, :, None, None, :].float()).sum(-1) + D[..., None] * x32
     return y, state

@@ -1,0 +1,84 @@
+"""The built-in model, pool sizes, and tokenizers."""
+
+import json
+
+import torch
+
+from services.executor.batch import Row
+from services.executor.config import ModelConfig, UnsupportedModel, builtin_config
+from services.executor.pools import DevicePools, PoolSizes
+from services.executor.runner import ModelRunner
+from services.executor.weights import builtin_model, load_model
+from shared.deferred_ops import DeferredOps
+from shared.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
+
+
+def test_builtin_model_is_seeded_and_serves_a_context_beyond_8192():
+    model = builtin_model()
+    again = builtin_model()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+    n = 8200
+    pools = DevicePools(
+        model.cfg, PoolSizes(kv_pages=n // 16 + 2, page_size=16, mamba_slots=2), torch.device("cpu")
+    )
+    runner = ModelRunner(model, pools)
+    tokens = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0))
+    kv = torch.arange(16, 16 + n)
+    one_shot = runner.execute([Row(tokens, 0, kv, 1)], DeferredOps(clears=[1]), keep_logits=True)
+    pools.reset()
+    for lo, hi in ((0, 4000), (4000, 8199)):
+        runner.execute([Row(tokens[lo:hi], lo, kv[:hi], 1)], DeferredOps())
+    last = runner.execute([Row(tokens[8199:], 8199, kv, 1)], DeferredOps(), keep_logits=True)
+    assert (one_shot.logits - last.logits).abs().max() <= 1e-4
+    assert builtin_config().max_position_embeddings >= 8192
+
+
+def test_pool_sizes_are_reported():
+    cfg = builtin_config()
+    pools = DevicePools(
+        cfg, PoolSizes(kv_pages=10, page_size=4, mamba_slots=3), torch.device("cpu")
+    )
+    kv_per_token = 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert pools.bytes_per_kv_token() == kv_per_token
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1)
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size
+    assert pools.bytes_per_mamba_slot() == len(cfg.mamba_layers) * (conv + ssm) * 4
+    assert pools.k.shape[1] == 11 * 4 and pools.conv.shape[1] == 4
+
+
+def test_moe_layers_are_refused_clearly(tmp_path):
+    raw = builtin_config().to_dict() | {"hybrid_override_pattern": "M*E", "layers_block_type": None}
+    del raw["layers_block_type"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    try:
+        load_model(tmp_path, torch.device("cpu"))
+    except UnsupportedModel as err:
+        assert "moe" in str(err)
+    else:
+        raise AssertionError("a moe layer was accepted")
+    assert ModelConfig.from_dict(raw | {"hybrid_override_pattern": "M*-"}).layers_block_type == [
+        "linear_attention",
+        "full_attention",
+        "mlp",
+    ]
+
+
+def test_byte_tokenizer_round_trips_text_and_skips_specials():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode([*ids, BYTE_EOS]) == "héllo ✓"
+
+
+def test_tokenizer_json_beside_the_weights_is_used(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path, eos_token_id=2)
+    assert loaded.encode("hello world hello") == [0, 1, 0]
+    assert load_tokenizer(None, None).encode("a") == [97]

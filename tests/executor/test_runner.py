@@ -1,0 +1,102 @@
+"""The runner: deferred ops' data effect, and refusal of bad steps before anything runs."""
+
+import pytest
+import torch
+
+from services.executor.batch import Row
+from services.executor.runner import BatchRefused, ModelRunner
+from shared.deferred_ops import DeferredOps
+from tests.executor.oracle import (
+    all_logits,
+    build_reference,
+    ours,
+    pools_for,
+    reference_logits,
+    row,
+    scattered_kv,
+)
+
+g = torch.Generator().manual_seed(2)
+A = torch.randint(0, 96, (30,), generator=g).tolist()
+B = torch.randint(0, 96, (25,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("nemotron_h")
+    return build_reference(directory), ours(directory)
+
+
+def test_a_cleared_slot_starts_from_zero_state(models):
+    ref, model = models
+    pools = pools_for(model, 1)
+    runner = ModelRunner(model, pools)
+    kv_a, kv_b = scattered_kv([len(A), len(B)], 1, seed=1)
+    all_logits(model, pools, [row(A, 0, kv_a, 3)])
+    (dirty,) = all_logits(model, pools, [row(B, 0, kv_b, 3)])  # slot 3 still holds A's state
+    assert (dirty - reference_logits(ref, B)).abs().max() > 1e-3
+    all_logits(model, pools, [row(A, 0, kv_a, 3)])
+    ops = DeferredOps()
+    ops.clear(3)
+    runner.apply_ops(ops)
+    assert pools.ssm[:, 3].abs().max() == 0 and pools.conv[:, 3].abs().max() == 0
+    (clean,) = all_logits(model, pools, [row(B, 0, kv_b, 3)])
+    assert (clean - reference_logits(ref, B)).abs().max() <= 1e-4
+
+
+def test_a_copied_slot_continues_exactly_like_its_source(models):
+    _, model = models
+    pools = pools_for(model, 4)
+    runner = ModelRunner(model, pools)
+    kv_1, kv_2 = scattered_kv([len(A), len(A)], 4, seed=2)
+    all_logits(model, pools, [row(A[:20], 0, kv_1, 1)])
+    ops = DeferredOps()
+    ops.copy(1, 6)
+    runner.apply_ops(ops)
+    pools.k[:, kv_2[:20]] = pools.k[:, kv_1[:20]]  # the KV of the prefix, as a shared cache would
+    pools.v[:, kv_2[:20]] = pools.v[:, kv_1[:20]]
+    (from_source,) = all_logits(model, pools, [row(A[20:], 20, kv_1, 1)])
+    (from_copy,) = all_logits(model, pools, [row(A[20:], 20, kv_2, 6)])
+    assert torch.equal(from_source, from_copy)
+
+
+def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[Row], DeferredOps]]:
+    ok = lambda **kw: Row(torch.tensor([1, 2]), 0, kv[:2], **({"mamba_slot": 1} | kw))  # noqa: E731
+    twice = DeferredOps(clears=[2], copies=[(3, 2)])
+    return {
+        "slot 0": ([ok(mamba_slot=0)], DeferredOps()),
+        "slot out of range": ([ok(mamba_slot=99)], DeferredOps()),
+        "same slot, two rows": ([ok(), Row(torch.tensor([3]), 0, kv[2:3], 1)], DeferredOps()),
+        "destination twice": ([ok()], twice),
+        "op on the sink": ([ok()], DeferredOps(clears=[0])),
+        "kv in the sink page": ([Row(torch.tensor([1]), 0, torch.tensor([0]), 1)], DeferredOps()),
+        "kv out of range": ([Row(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], DeferredOps()),
+        "token out of vocab": ([Row(torch.tensor([500]), 0, kv[:1], 1)], DeferredOps()),
+        "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], DeferredOps()),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_steps(torch.arange(1, 4))))
+def test_a_bad_step_is_refused_before_anything_runs(models, case):
+    _, model = models
+    pools = pools_for(model, 1)
+    runner = ModelRunner(model, pools)
+    pools.ssm.normal_()
+    before = [t.clone() for t in (pools.k, pools.v, pools.conv, pools.ssm)]
+    rows, ops = bad_steps(torch.arange(1, 4))[case]
+    with pytest.raises(BatchRefused):
+        runner.execute(rows, ops)
+    after = (pools.k, pools.v, pools.conv, pools.ssm)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_execute_samples_greedily_and_reports_logprobs(models):
+    ref, model = models
+    pools = pools_for(model, 1)
+    runner = ModelRunner(model, pools)
+    (kv,) = scattered_kv([len(A)], 1, seed=5)
+    ops = DeferredOps(clears=[2])
+    result = runner.execute([row(A, 0, kv, 2)], ops, keep_logits=True)
+    expected = reference_logits(ref, A)[-1]
+    assert result.tokens == [int(expected.argmax())]
+    assert abs(result.logprobs[0] - float(torch.log_softmax(expected, -1).max())) < 1e-4
