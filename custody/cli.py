@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from custody.bench import BENCHMARKS
 
@@ -18,7 +19,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--json", action="store_true", help="print the combined JSON object")
     bench.add_argument("--repeats", type=int, default=7, help="repeats per figure (median)")
+    demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
+    demo.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a NemotronH checkpoint directory (default: the built-in tiny model)",
+    )
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from custody import demo as demo_job
+
+        if args.turns < 1 or args.max_new_tokens < 1:
+            parser.error("--turns and --max-new-tokens must be >= 1")
+        return demo_job.run(args.model, args.turns, args.max_new_tokens)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = [args.name] if args.name else sorted(BENCHMARKS)
