@@ -8,8 +8,16 @@ from custody.inprocess import InProcess, LocalConfig
 from services.scheduler.engine.request import Request, Status
 from services.scheduler.engine.sampling import SamplingParams
 
-SMALL = LocalConfig(page_size=4, kv_pages=256, mamba_slots=16, max_running_requests=4,
-                    context_len=1024, chunk_size=32, max_step_tokens=64, track_interval=8)
+SMALL = LocalConfig(
+    page_size=4,
+    kv_pages=256,
+    mamba_slots=16,
+    max_running_requests=4,
+    context_len=1024,
+    chunk_size=32,
+    max_step_tokens=64,
+    track_interval=8,
+)
 
 
 def one_shot(prompt: list[int], n: int) -> list[int]:

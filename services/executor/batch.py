@@ -38,6 +38,14 @@ class Row:
         return self.start + len(self.tokens)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a host sync: pinned memory, asynchronous copy on the
+    current (compute) stream. On CPU, the tensor itself."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ForwardBatch:
     def __init__(self, rows: list[Row], device: torch.device) -> None:
         self.rows = rows
@@ -46,10 +54,10 @@ class ForwardBatch:
         self.offsets = [0]
         for n in lengths:
             self.offsets.append(self.offsets[-1] + n)
-        self.token_ids = torch.cat([r.tokens for r in rows]).to(device)
+        self.token_ids = to_device(torch.cat([r.tokens for r in rows]), device)
         self.decode = [i for i, n in enumerate(lengths) if n == 1]
         self.prefill = [i for i, n in enumerate(lengths) if n > 1]
-        to = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
         # all-decode steps (the common case) address their tokens by a slice, not a gather
         only_decode = len(self.decode) == len(rows)
         self.decode_positions = (
@@ -57,7 +65,7 @@ class ForwardBatch:
         )
         self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
         # KV rows written this step, in token order
-        self.new_kv = torch.cat([r.kv_indices[r.start :] for r in rows]).to(device)
+        self.new_kv = to_device(torch.cat([r.kv_indices[r.start :] for r in rows]), device)
         self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
         self._decode_context: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -67,8 +75,8 @@ class ForwardBatch:
         index 0, and the mask of real positions: built once, used by every attention layer."""
         if self._decode_context is None:
             kv = [self.rows[i].kv_indices for i in self.decode]
-            idx = pad_sequence(kv, batch_first=True).to(self.device)
-            ends = torch.tensor([len(k) for k in kv], device=self.device)
+            idx = to_device(pad_sequence(kv, batch_first=True), self.device)
+            ends = to_device(torch.tensor([len(k) for k in kv]), self.device)
             mask = torch.arange(idx.shape[1], device=self.device)[None, :] < ends[:, None]
             self._decode_context = (idx, mask)
         return self._decode_context

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
-from services.executor.batch import ForwardBatch, Row
+from services.executor.batch import ForwardBatch, Row, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.pools import DevicePools
 from services.executor.sampling import sample
@@ -56,7 +56,7 @@ class ModelRunner:
         """Clears, then copies, over every Mamba layer's conv and SSM state."""
         if not ops:
             return
-        to = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), self.device)  # noqa: E731
         clear_slots(self.pools.state_tensors, to(ops.clears))
         if ops.copies:
             src, dst = zip(*ops.copies, strict=True)

@@ -49,6 +49,7 @@ def test_p2_a_match_refreshes_only_the_state_it_uses():
     assert b1.mamba_time > max(n.mamba_time for n in h.cache.nodes() if n is not b1)
     assert a1.mamba_time < a2.mamba_time
     assert h.cache.evict_mamba(1) == 1 and a1.mamba == 0 and a2.mamba != 0
+    h.check()
 
 
 def test_p3_duplicate_kv_is_freed_at_insert_the_borrowed_prefix_is_not():

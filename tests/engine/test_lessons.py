@@ -165,3 +165,16 @@ def test_lesson_11_reserving_a_request_is_all_or_nothing():
     assert d.pools.req.free_count == d.pools.req.capacity
     with pytest.raises(OwnershipError):
         d.pools.mamba.free_one(d.pools.mamba.capacity, hog)  # that slot was never taken
+
+
+def test_the_idle_guard_raises_when_strict_and_counts_otherwise():
+    from services.scheduler.ownership.errors import InvariantViolation
+
+    d = Driver()
+    leak = d.pools.ledger.new_owner(OwnerKind.REQUEST, "lost")
+    d.pools.mamba.alloc_one(leak)  # held by a request nobody tracks
+    with pytest.raises(InvariantViolation, match="claimed by no holder"):
+        d.engine.audit()
+    d.engine.guard.strict = False
+    report = d.engine.audit()
+    assert not report.ok and d.engine.guard.failures == 2

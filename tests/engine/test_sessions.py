@@ -246,3 +246,34 @@ def test_s11_equivalence_over_random_turns():
         assert t.output == reference(history + new, n, VOCAB)
         history += new + t.output
     close_all(d)
+
+
+def test_a_second_concurrent_turn_is_refused_and_changes_nothing():
+    d = Driver()
+    sid = d.engine.sessions.open().sid
+    first = d.turn(sid, text(5, 1), max_new=5)
+    d.step()
+    before = d.pools.ledger.events.next_seq
+    with pytest.raises(SessionError, match="already has a turn in flight") as err:
+        d.turn(sid, text(3, 2))
+    assert err.value.kind == "busy"
+    assert d.pools.ledger.events.next_seq == before and len(d.engine.waiting) == 0
+    d.run()
+    assert first.status is Status.FINISHED
+    close_all(d)
+
+
+def test_idle_sessions_expire_after_their_timeout():
+    d = Driver()
+    now = [0.0]
+    d.engine.sessions.clock = lambda: now[0]
+    keep = d.engine.sessions.open("keep").sid
+    brief = d.engine.sessions.open("brief", timeout=10).sid
+    d.run_turn(brief, text(5, 1), max_new=3)
+    now[0] = 11.0
+    d.step()  # planning runs the expiry
+    assert d.engine.sessions.expire() == [] and brief not in d.engine.sessions.sessions
+    with pytest.raises(SessionError, match="closed"):
+        d.turn(brief, text(2, 2))
+    assert keep in d.engine.sessions.sessions
+    close_all(d)

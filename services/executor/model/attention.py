@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.batch import ForwardBatch
+from services.executor.batch import ForwardBatch, to_device
 from services.executor.config import ModelConfig
 from services.executor.pools import DevicePools
 
@@ -39,7 +39,7 @@ class Attention(nn.Module):
             out[batch.decode_positions] = self._decode(q, batch, k_cache, v_cache)
         for i in batch.prefill:
             row, span = batch.rows[i], batch.span(i)
-            idx = row.kv_indices.to(h.device)
+            idx = to_device(row.kv_indices, h.device)
             positions = torch.arange(row.start, row.end, device=h.device)
             mask = torch.arange(row.end, device=h.device)[None, :] <= positions[:, None]
             out[span] = self._attend(

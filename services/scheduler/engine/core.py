@@ -21,7 +21,11 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.step import RowPlan, StepPlan
-from services.scheduler.ownership.invariants import IntegrityReport, check_integrity
+from services.scheduler.ownership.invariants import (
+    IntegrityReport,
+    InvariantGuard,
+    check_integrity,
+)
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
 
@@ -44,7 +48,7 @@ class EngineConfig:
 
 
 class EngineCore:
-    def __init__(self, pools: Pools, config: EngineConfig) -> None:
+    def __init__(self, pools: Pools, config: EngineConfig, strict: bool = True) -> None:
         config.check(pools.config.page_size)
         if config.context_len > pools.config.max_context:
             raise ValueError("context_len exceeds the row table's max_context")
@@ -61,6 +65,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.in_flight: StepPlan | None = None
         self.retractions = 0
+        self.guard = InvariantGuard(strict)
         self._step_ids = itertools.count(1)
 
     # ---- intake ----
@@ -159,6 +164,10 @@ class EngineCore:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and self.in_flight is None
+
+    def audit(self) -> IntegrityReport:
+        """The check the idle loop runs: raises when strict, else logs and counts."""
+        return self.guard.judge(self.check())
 
     def check(self, *, idle: bool | None = None) -> IntegrityReport:
         """Every holder's claims against the ledger, plus the cache and row-table checks."""

@@ -9,6 +9,7 @@ problem names the slot ids, their owners and the last event that moved each.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -87,6 +88,25 @@ def assert_integrity(ledger: Ledger, claims: Iterable[Claim], *, idle: bool) -> 
     if not report.ok:
         raise InvariantViolation("\n".join(report.problems))
     return report
+
+
+class InvariantGuard:
+    """Runs the checks where they matter (the idle loop, after faults). Strict (tests,
+    development) raises on the first violation; otherwise a violation is logged with its
+    full report and counted, and the service keeps serving."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.failures = 0
+        self.log = logging.getLogger("custody.invariants")
+
+    def judge(self, report: IntegrityReport) -> IntegrityReport:
+        if not report.ok:
+            self.failures += 1
+            if self.strict:
+                raise InvariantViolation("\n".join(report.problems))
+            self.log.error("ownership invariant violated:\n%s", "\n".join(report.problems))
+        return report
 
 
 def _repeated(slots: np.ndarray) -> np.ndarray:
