@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import RequestSlots
+from services.scheduler.allocators.request_slots import RequestSlots, row_state_claims
 from services.scheduler.allocators.track_buffer import PingPongTrack
 from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
@@ -27,13 +27,7 @@ class SessionSlots:
     borrowed: int = 0
 
     def claims(self, pools: Pools) -> list[Claim]:
-        row = self.row.slot
-        length = int(pools.rows.lens[row])
-        return [
-            (self.owner, "req", [row]),
-            (self.owner, "mamba", [self.working.slot]),
-            (self.owner, "kv", pools.rows.row_pages(row, self.borrowed, length)),
-        ]
+        return row_state_claims(pools, self.owner, self.row, self.working, self.borrowed)
 
 
 def save(

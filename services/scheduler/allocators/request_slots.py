@@ -30,14 +30,22 @@ class RequestSlots:
     borrowed: int = 0  # positions [0, borrowed) use KV pages owned by someone else
 
     def claims(self, pools: Pools) -> list[Claim]:
-        row = self.row.slot
-        length = int(pools.rows.lens[row])
-        return [
-            (self.owner, "req", [row]),
-            (self.owner, "mamba", [self.working.slot]),
-            (self.owner, "kv", pools.rows.row_pages(row, self.borrowed, length)),
-            (self.track.owner, "mamba", self.track.claims()),
-        ]
+        own = row_state_claims(pools, self.owner, self.row, self.working, self.borrowed)
+        return [*own, (self.track.owner, "mamba", self.track.claims())]
+
+
+def row_state_claims(
+    pools: Pools, owner: Owner, row: Lease, working: Lease, borrowed: int
+) -> list[Claim]:
+    """What the holder of a row's state claims: the row, its working Mamba slot and the
+    KV pages of positions [borrowed, length) (the ones before are borrowed)."""
+    slot = row.slot
+    length = int(pools.rows.lens[slot])
+    return [
+        (owner, "req", [slot]),
+        (owner, "mamba", [working.slot]),
+        (owner, "kv", pools.rows.row_pages(slot, borrowed, length)),
+    ]
 
 
 def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -> RequestSlots:
