@@ -57,6 +57,14 @@ class EventLog:
         self._trim()
         return out
 
+    def drain_raw(self) -> tuple[int, list[RawEvent]]:
+        """(seq of the first, raw events) appended since the last drain."""
+        start = self._cursor
+        first, out = self._base + start, self.raw[start:]
+        self._cursor = len(self.raw)
+        self._trim()
+        return first, out
+
     def drain_count(self) -> int:
         """Mark everything drained without building records (for a consumer that reads raw)."""
         n = len(self.raw) - self._cursor

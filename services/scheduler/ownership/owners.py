@@ -50,6 +50,11 @@ class OwnerRegistry:
     def __init__(self) -> None:
         self._next_serial = 1
         self._live: dict[int, Owner] = {}
+        self.declared: list[Owner] = []  # new since the event shipper last took them
+
+    def take_declared(self) -> list[Owner]:
+        taken, self.declared = self.declared, []
+        return taken
 
     def new(self, kind: OwnerKind, name: str) -> Owner:
         if kind is OwnerKind.FREE:
@@ -57,6 +62,7 @@ class OwnerRegistry:
         owner = Owner((self._next_serial << KIND_BITS) | kind, kind, name)
         self._next_serial += 1
         self._live[owner.id] = owner
+        self.declared.append(owner)
         return owner
 
     def forget(self, owner: Owner) -> None:

@@ -1,0 +1,135 @@
+"""Consumes the ownership stream into the independent ledger, exactly once.
+
+Entries are read through a consumer group: this consumer's pending entries first (what
+a previous life of it read but did not acknowledge), then new ones. Each message is
+applied once by its `(epoch, seq)`: a duplicate is acknowledged and dropped, a gap is
+reported and a snapshot requested. After applying, the ledger's checkpoint and the
+acknowledgements are written in one transaction, so a restart resumes from the
+checkpoint and the still-pending entries, never applying anything twice.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import redis
+
+from services.session_store.ledger_replay import IndependentLedger, Violation
+from shared import streams
+from shared.wire import EventBatch, WireError, decode, pack_ints, unpack_ints
+
+
+class OwnershipConsumer:
+    def __init__(
+        self,
+        client: redis.Redis,
+        name: str,
+        ledger: IndependentLedger | None = None,
+        stream: str = streams.OWNERSHIP,
+        group: str = streams.STORE_GROUP,
+    ) -> None:
+        self.client, self.name, self.stream, self.group = client, name, stream, group
+        self.ledger = ledger or IndependentLedger()
+        self.epoch: str | None = None
+        self.seq = 0
+        self.duplicates = 0
+        self.refused = 0
+        streams.ensure_group(client, stream, group)
+        self._load_checkpoint()
+
+    # ---- reading ----
+    def poll(self, block_ms: int = 100, count: int = 64) -> int:
+        """Read and apply what is there (pending first); returns entries handled."""
+        handled = 0
+        for start in ("0", ">"):
+            reply = self.client.xreadgroup(
+                self.group,
+                self.name,
+                {self.stream: start},
+                count=count,
+                block=None if start == "0" else block_ms,
+            )
+            entries = reply[0][1] if reply else []
+            handled += self._handle(entries)
+            if start == "0" and entries:
+                return handled  # drain pending fully before taking new entries
+        return handled
+
+    def claim_stale(self, min_idle_ms: int = 10_000) -> int:
+        """Take over entries a dead consumer of the group read but never acknowledged."""
+        _, entries, _ = self.client.xautoclaim(
+            self.stream, self.group, self.name, min_idle_ms, "0-0", count=256
+        )
+        return self._handle(entries)
+
+    # ---- applying ----
+    def _handle(self, entries: list) -> int:
+        if not entries:
+            return 0
+        for _, fields in entries:
+            if fields:  # an entry trimmed before it was read has no fields; just ack it
+                self._apply(fields.get(b"m", b""))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(streams.CHECKPOINT, mapping=self._checkpoint())
+        pipe.xack(self.stream, self.group, *[i for i, _ in entries])
+        pipe.execute()
+        return len(entries)
+
+    def _apply(self, raw: bytes) -> list[Violation]:
+        try:
+            msg = decode(raw)
+            kind, epoch, seq = msg["kind"], msg["epoch"], msg["seq"]
+            if kind == "snapshot":
+                self.ledger.reset(msg)
+                self.epoch, self.seq = epoch, seq
+                self.client.delete(streams.SNAPSHOT_WANTED)
+                return []
+            if epoch != self.epoch or seq <= self.seq:
+                self.duplicates += epoch == self.epoch
+                return []  # a duplicate, or an old epoch's tail after a snapshot
+            if seq != self.seq + 1:
+                return self._gap(f"message {seq} after {self.seq} in epoch {epoch}")
+            self.seq = seq
+            if kind == "events":
+                return self.ledger.apply(EventBatch.from_body(msg))
+            if kind == "idle":
+                return self.ledger.check_idle(msg["counts"], seq)
+            raise WireError(f"unknown message kind {kind!r}")
+        except (WireError, KeyError, TypeError) as err:
+            self.refused += 1
+            return self._gap(f"refused message: {err}")
+
+    def _gap(self, what: str) -> list[Violation]:
+        found = Violation("gap", "*", [], what + "; snapshot requested", None)
+        self.ledger.violations.append(found)
+        self.epoch = None  # apply nothing more until a snapshot arrives
+        self.client.set(streams.SNAPSHOT_WANTED, 1)
+        return [found]
+
+    # ---- checkpoint ----
+    def _checkpoint(self) -> dict:
+        led = self.ledger
+        state = {
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "next_event": led.next_event,
+            "names": led.names,
+            "owners": led.owner_names,
+            "tables": [pack_ints(t) for t in led.tables],
+            "violations": [v.as_dict() for v in led.violations[-1000:]],
+            "double_frees": led.double_frees,
+            "events_applied": led.events_applied,
+        }
+        return {"state": msgpack.packb(state, use_bin_type=True)}
+
+    def _load_checkpoint(self) -> None:
+        raw = self.client.hget(streams.CHECKPOINT, "state")
+        if raw is None:
+            return
+        state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        led = self.ledger
+        self.epoch, self.seq = state["epoch"], state["seq"]
+        led.names, led.next_event = state["names"], state["next_event"]
+        led.tables = [unpack_ints(t).tolist() for t in state["tables"]]
+        led.owner_names = {int(k): v for k, v in state["owners"].items()}
+        led.violations = [Violation(**v) for v in state["violations"]]
+        led.double_frees, led.events_applied = state["double_frees"], state["events_applied"]

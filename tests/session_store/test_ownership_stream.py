@@ -1,0 +1,175 @@
+"""Ownership events over a real Redis stream into the session store's independent
+ledger: agreement with the scheduler, faults named, exactly-once across restarts."""
+
+import numpy as np
+import pytest
+
+from services.scheduler.event_shipper import EventShipper
+from services.scheduler.ownership.owners import OwnerKind
+from services.session_store.consumer import OwnershipConsumer
+from shared import streams
+from shared.wire import EventBatch, encode, pack_ints
+from tests.engine.driver import Driver
+from tests.engine.test_sessions import text
+
+
+def publish(client, message: bytes) -> None:
+    client.xadd(streams.OWNERSHIP, {"m": message}, maxlen=streams.MAXLEN, approximate=True)
+
+
+def drain(consumer: OwnershipConsumer) -> None:
+    while consumer.poll(block_ms=10):
+        pass
+
+
+def workload(d: Driver, shipper: EventShipper, client) -> None:
+    """Sessions, plain requests sharing a prefix and an abort, shipping after each step."""
+    sids = [d.engine.sessions.open(f"s{i}").sid for i in range(3)]
+    for k in range(3):
+        turns = [d.turn(sid, text(6, 10 * k + i), max_new=5) for i, sid in enumerate(sids)]
+        plain = d.generate(text(30, 99) + text(3, k), max_new=4)
+        for step in range(40):
+            d.step()
+            if step == 2:
+                d.engine.abort(turns[0].rid)
+            shipped = shipper.batch()
+            if shipped:
+                publish(client, shipped[0])
+        assert plain.done
+    for sid in sids:
+        d.engine.sessions.close(sid)
+    d.run()
+    shipped = shipper.batch()
+    if shipped:
+        publish(client, shipped[0])
+
+
+def test_the_store_ledger_agrees_with_the_scheduler(redis_client):
+    d = Driver(page_size=4, kv_pages=300, chunk=8, step_tokens=32)
+    shipper = EventShipper(d.pools.ledger, epoch="e1")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    publish(redis_client, shipper.snapshot())
+    workload(d, shipper, redis_client)
+    publish(redis_client, shipper.idle(d.engine.check(idle=True).counts))
+    drain(consumer)
+    led = consumer.ledger
+    assert led.violations == []
+    assert led.events_applied > 100
+    for pool in d.pools.ledger.by_id:
+        assert led.tables[pool.pool_id] == pool.owner_view.tolist(), pool.name
+    assert led.counts() == d.engine.check(idle=True).counts
+    assert redis_client.xpending(streams.OWNERSHIP, streams.STORE_GROUP)["pending"] == 0
+
+
+def crafted(first_event: int, records: list[tuple], reasons: list[str]) -> dict:
+    event, pool, slot, giver, receiver = (np.array(c) for c in zip(*records, strict=True))
+    return EventBatch(first_event, reasons, event, pool, slot, giver, receiver).body()
+
+
+def test_a_double_free_and_a_foreign_free_are_named(redis_client):
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e2")
+    publish(redis_client, shipper.snapshot())
+    req = d.pools.ledger.new_owner(OwnerKind.REQUEST, "r1")
+    other = d.pools.ledger.new_owner(OwnerKind.SESSION, "s9")
+    slot = d.pools.mamba.alloc_one(req)
+    kept = d.pools.mamba.alloc_one(req)
+    publish(redis_client, shipper.batch()[0])
+    mamba = d.pools.mamba.pool_id
+    n = d.pools.ledger.events.next_seq
+    # a faulty producer: the slot freed twice, then freed by someone who never had it
+    body = crafted(
+        n,
+        [(0, mamba, slot, req.id, 0), (1, mamba, slot, req.id, 0), (2, mamba, kept, other.id, 0)],
+        ["free", "free", "free"],
+    )
+    publish(redis_client, encode("events", "e2", shipper.seq + 1, body))
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    drain(consumer)
+    kinds = [(v.kind, v.slots, v.event) for v in consumer.ledger.violations]
+    assert kinds == [("double_free", [slot], n + 1), ("not_owner", [kept], n + 2)]
+    assert "request:r1" in consumer.ledger.violations[0].detail
+    assert "session:s9" in consumer.ledger.violations[1].detail
+    assert consumer.ledger.double_frees == 1
+
+
+def test_a_duplicated_message_is_applied_once_and_a_gap_asks_for_a_snapshot(redis_client):
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e3")
+    publish(redis_client, shipper.snapshot())
+    owner = d.pools.ledger.new_owner(OwnerKind.REQUEST, "r")
+    d.pools.mamba.alloc_one(owner)
+    message, _ = shipper.batch()
+    publish(redis_client, message)
+    publish(redis_client, message)  # replayed
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    drain(consumer)
+    assert consumer.duplicates == 1 and consumer.ledger.violations == []
+    d.pools.mamba.alloc_one(owner)
+    shipper.batch()  # lost on the way
+    d.pools.mamba.alloc_one(owner)
+    publish(redis_client, shipper.batch()[0])
+    drain(consumer)
+    assert [v.kind for v in consumer.ledger.violations] == ["gap"]
+    assert redis_client.exists(streams.SNAPSHOT_WANTED)
+    publish(redis_client, shipper.snapshot())
+    drain(consumer)
+    assert not redis_client.exists(streams.SNAPSHOT_WANTED)
+    assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
+
+
+def test_a_restarted_store_resumes_from_its_checkpoint_exactly_once(redis_client):
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e4")
+    publish(redis_client, shipper.snapshot())
+    owner = d.pools.ledger.new_owner(OwnerKind.REQUEST, "r")
+    for _ in range(3):
+        d.pools.mamba.alloc_one(owner)
+        publish(redis_client, shipper.batch()[0])
+    first = OwnershipConsumer(redis_client, "store-1")
+    drain(first)
+    for _ in range(2):
+        d.pools.mamba.alloc_one(owner)
+        publish(redis_client, shipper.batch()[0])
+    # the store reads the new entries and dies before applying or acknowledging them
+    redis_client.xreadgroup(streams.STORE_GROUP, "store-1", {streams.OWNERSHIP: ">"})
+    again = OwnershipConsumer(redis_client, "store-1")
+    assert again.ledger.events_applied == 3  # from the checkpoint
+    drain(again)
+    assert again.ledger.events_applied == 5 and again.ledger.violations == []
+    assert again.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
+
+
+def test_entries_of_a_dead_consumer_are_claimed(redis_client):
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e5")
+    publish(redis_client, shipper.snapshot())
+    streams.ensure_group(redis_client, streams.OWNERSHIP, streams.STORE_GROUP)
+    redis_client.xreadgroup(streams.STORE_GROUP, "dead", {streams.OWNERSHIP: ">"})
+    survivor = OwnershipConsumer(redis_client, "alive")
+    assert survivor.poll(block_ms=10) == 0
+    assert survivor.claim_stale(min_idle_ms=0) == 1
+    assert survivor.ledger.ready
+
+
+def test_a_leak_at_idle_is_reported_with_its_owner(redis_client):
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e6")
+    publish(redis_client, shipper.snapshot())
+    lost = d.pools.ledger.new_owner(OwnerKind.TRACK, "r77")
+    slot = d.pools.mamba.alloc_one(lost)
+    publish(redis_client, shipper.batch()[0])
+    publish(redis_client, shipper.idle(d.engine.check(idle=False).counts))
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    drain(consumer)
+    (leak,) = consumer.ledger.violations
+    assert leak.kind == "leak" and leak.slots == [slot] and "track:r77" in leak.detail
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\x01", encode("events", "x", 1, {})[:-3]])
+def test_garbage_on_the_stream_is_refused_without_harm(redis_client, garbage):
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    redis_client.xadd(streams.OWNERSHIP, {"m": garbage})
+    drain(consumer)
+    assert consumer.refused == 1 and not consumer.ledger.ready
+    assert pack_ints([1])  # the stream keeps flowing
