@@ -2,9 +2,10 @@
 
 from collections.abc import Callable
 
-from custody.bench import allocators, executor
+from custody.bench import allocators, events, executor
 
 BENCHMARKS: dict[str, Callable[[int], dict]] = {
     "allocators": allocators.run,
+    "events": events.run,
     "executor": executor.run,
 }
