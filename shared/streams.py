@@ -6,6 +6,10 @@ import redis
 
 OWNERSHIP = "custody:ownership"
 STORE_GROUP = "session-store"
+FORWARD = "custody:forward"
+EXECUTOR_GROUP = "executor"
+RESULTS = "custody:results"
+EXECUTOR_ALIVE = "custody:executor-alive"  # the live executor's epoch, expiring
 CHECKPOINT = "custody:ledger"
 SNAPSHOT_WANTED = "custody:snapshot-wanted"
 # Approximate bound of a stream: far above the worst lag of its consumer, so nothing

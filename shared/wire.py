@@ -103,3 +103,88 @@ class EventBatch:
     @property
     def num_events(self) -> int:
         return len(self.reasons)
+
+
+@dataclass
+class WireRow:
+    """One row of a forward step, as the executor needs it."""
+
+    rid: str
+    tokens: np.ndarray
+    start: int
+    kv_indices: np.ndarray
+    mamba_slot: int
+    snapshot_slot: int
+    snapshot_len: int
+    sample: bool
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def body(self) -> dict:
+        return {
+            "rid": self.rid,
+            "tokens": pack_ints(self.tokens, "<i4"),
+            "start": self.start,
+            "kv": pack_ints(self.kv_indices, "<i4"),
+            "slot": self.mamba_slot,
+            "snap_slot": self.snapshot_slot,
+            "snap_len": self.snapshot_len,
+            "sample": self.sample,
+            "t": self.temperature,
+            "p": self.top_p,
+            "k": self.top_k,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_body(cls, b: dict) -> WireRow:
+        return cls(
+            b["rid"],
+            unpack_ints(b["tokens"], "<i4").astype(np.int64),
+            b["start"],
+            unpack_ints(b["kv"], "<i4").astype(np.int64),
+            b["slot"],
+            b["snap_slot"],
+            b["snap_len"],
+            bool(b["sample"]),
+            float(b["t"]),
+            float(b["p"]),
+            int(b["k"]),
+            b["seed"],
+        )
+
+
+def step_body(
+    step: int,
+    executor_epoch: str,
+    rows: list[WireRow],
+    clears: list[int],
+    copies: list[tuple[int, int]],
+) -> dict:
+    return {
+        "step": step,
+        "executor_epoch": executor_epoch,
+        "rows": [r.body() for r in rows],
+        "clears": pack_ints(clears, "<i4"),
+        "copies": pack_ints(copies, "<i4"),
+    }
+
+
+def result_body(
+    step: int,
+    executor_epoch: str,
+    rids: list[str],
+    tokens: list[int],
+    logprobs: list[float],
+    error: str | None = None,
+) -> dict:
+    return {
+        "step": step,
+        "executor_epoch": executor_epoch,
+        "rids": rids,
+        "tokens": pack_ints(tokens, "<i4"),
+        "logprobs": pack_ints(logprobs, "<f4"),
+        "error": error,
+    }

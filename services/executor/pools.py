@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.config import ModelConfig
+from shared.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.executor.config import ModelConfig, builtin_config
 from services.executor.model.mamba2 import Mamba2Mixer
 from services.executor.model.nemotron_h import NemotronH
+from shared.model_config import ModelConfig, builtin_config
 
 BUILTIN_SEED = 20261122
 

@@ -277,3 +277,28 @@ def test_idle_sessions_expire_after_their_timeout():
         d.turn(brief, text(2, 2))
     assert keep in d.engine.sessions.sessions
     close_all(d)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_lost_device_is_rebuilt_from_history(page_size):
+    """Executor restart: the step in flight is abandoned, sessions lose their state but
+    not their history, plain requests continue; every output still equals one-shot."""
+    d = Driver(page_size=page_size)
+    sid = d.engine.sessions.open().sid
+    t1 = d.run_turn(sid, text(20, 1), max_new=6)
+    t2 = d.turn(sid, text(5, 2), max_new=8)
+    plain = d.generate(text(40, 3), max_new=8)
+    for _ in range(3):
+        d.step()
+    plan = d.engine.plan_step()  # in flight when the executor dies
+    d.engine.device_lost()
+    d.model = type(d.model)(d.pools, VOCAB, d._sequence)  # a new executor: empty pools
+    assert d.engine.check(idle=False).ok
+    assert plan is not None and d.engine.in_flight is None
+    d.run()
+    history = t1.prompt.tolist() + t1.output
+    assert t2.status is Status.FINISHED and t2.output == reference(history + text(5, 2), 8, VOCAB)
+    assert plain.output == reference(text(40, 3), 8, VOCAB)
+    t3 = d.run_turn(sid, text(3, 4), max_new=4)
+    assert t3.cached_tokens > 0
+    close_all(d)

@@ -5,11 +5,11 @@ import json
 import torch
 
 from services.executor.batch import Row
-from services.executor.config import ModelConfig, UnsupportedModel, builtin_config
 from services.executor.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model, load_model
 from shared.deferred_ops import DeferredOps
+from shared.model_config import ModelConfig, UnsupportedModel, builtin_config
 from shared.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
 
 

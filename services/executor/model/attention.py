@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.executor.batch import ForwardBatch, to_device
-from services.executor.config import ModelConfig
 from services.executor.pools import DevicePools
+from shared.model_config import ModelConfig
 
 
 class Attention(nn.Module):

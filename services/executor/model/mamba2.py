@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.executor.batch import ForwardBatch, Row
-from services.executor.config import ModelConfig
 from services.executor.model.layers import GatedRMSNorm
 from services.executor.model.ssd import chunked_scan, recurrent_step
 from services.executor.pools import DevicePools
+from shared.model_config import ModelConfig
 
 
 class Mamba2Mixer(nn.Module):

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from services.executor.batch import ForwardBatch
-from services.executor.config import ModelConfig
 from services.executor.model.attention import Attention
 from services.executor.model.layers import MLP, RMSNorm
 from services.executor.model.mamba2 import Mamba2Mixer
 from services.executor.pools import DevicePools
+from shared.model_config import ModelConfig
 
 
 class Block(nn.Module):

@@ -160,6 +160,35 @@ class EngineCore:
         self.in_flight = None
         return ended + self._apply_aborts()
 
+    def abandon_step(self, plan: StepPlan) -> None:
+        """The step in flight will never complete (its executor died): release what it
+        locked and the KV it was given, as if it had not been planned."""
+        if plan is not self.in_flight:
+            raise RuntimeError(f"step {plan.step_id} is not the step in flight")
+        for node in plan.copy_sources:
+            self.cache.unlock_copy(node)
+        for row in plan.rows:
+            req = self.requests.get(row.rid)
+            if req is None or req.slots is None:
+                continue
+            if row.snapshot_slot:
+                req.slots.track.cancel(row.snapshot_slot)
+            self.pools.kv.free_tail(req.slots.row.slot, req.computed, "abandon")
+        self.in_flight = None
+
+    def device_lost(self) -> None:
+        """The executor restarted with empty pools: every slot's contents are gone.
+        Running requests are re-queued (they re-prefill what they had, tokens already
+        produced included), sessions keep their history but not their state, and the
+        prefix cache is emptied."""
+        if self.in_flight is not None:
+            self.abandon_step(self.in_flight)
+        for req in reversed(list(self.running)):
+            self._retract(req)
+        self.sessions.drop_all_state()
+        self.cache.evict_kv(self.pools.kv_pages.capacity)
+        self.cache.evict_mamba(self.pools.mamba.capacity)
+
     # ---- views ----
     @property
     def idle(self) -> bool:

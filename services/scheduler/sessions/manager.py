@@ -142,6 +142,12 @@ class SessionManager:
         self._drop_state(min(idle, key=lambda s: s.last_used))
         return True
 
+    def drop_all_state(self) -> None:
+        """The device lost every slot's contents: no session has state any more."""
+        for session in self.sessions.values():
+            if session.turn is None or session.turn.slots is None:
+                self._drop_state(session)
+
     # ---- state moves, called by the engine ----
     def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:
         """Give the session's state to its turn, with a rollback copy; None if the session

@@ -1,0 +1,155 @@
+"""The executor service: reads forward steps from Redis, runs them, publishes results.
+
+Each life of the process has its own epoch, announced with a heartbeat key. A step names
+the executor epoch it was planned for: a step planned for an earlier life (whose device
+state died with it) is acknowledged and dropped, never run against empty pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import time
+
+import numpy as np
+import redis
+import torch
+from prometheus_client import Counter, Histogram, start_http_server
+
+from services.executor.batch import Row, Sampling
+from services.executor.pools import DevicePools, PoolSizes
+from services.executor.runner import BatchRefused, ModelRunner
+from services.executor.weights import load_model
+from shared import streams
+from shared.config import Settings
+from shared.deferred_ops import DeferredOps
+from shared.wire import WireError, WireRow, decode, encode, result_body, unpack_ints
+
+log = logging.getLogger("custody.executor")
+STEPS = Counter("custody_executor_steps_total", "forward steps run", ["outcome"])
+FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
+OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
+
+
+class ExecutorService:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client = redis.Redis.from_url(settings.redis_url)
+        self.epoch = secrets.token_hex(8)
+        self.name = f"executor-{self.epoch}"
+        model = load_model(
+            settings.model, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.pools = DevicePools(
+            model.cfg,
+            PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
+            model.lm_head.weight.device,
+        )
+        self.runner = ModelRunner(model, self.pools)
+        self._beat = 0.0
+        streams.ensure_group(self.client, streams.FORWARD, streams.EXECUTOR_GROUP)
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._beat >= self.settings.heartbeat_seconds:
+            self.client.set(
+                streams.EXECUTOR_ALIVE,
+                self.epoch,
+                px=int(self.settings.executor_timeout_seconds * 1000),
+            )
+            self._beat = now
+
+    def serve_forever(self) -> None:
+        log.info(
+            "executor %s ready (%d B per KV token, %d B per Mamba slot)",
+            self.epoch,
+            self.pools.bytes_per_kv_token(),
+            self.pools.bytes_per_mamba_slot(),
+        )
+        while True:
+            self.heartbeat()
+            self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
+
+    def serve_once(self, block_ms: int) -> int:
+        reply = self.client.xreadgroup(
+            streams.EXECUTOR_GROUP, self.name, {streams.FORWARD: ">"}, count=1, block=block_ms
+        )
+        handled = 0
+        for entry_id, fields in reply[0][1] if reply else []:
+            result = self.run_step(fields.get(b"m", b"")) if fields else None
+            pipe = self.client.pipeline(transaction=False)
+            if result is not None:
+                pipe.xadd(
+                    streams.RESULTS,
+                    {"m": result},
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
+                )
+            pipe.xack(streams.FORWARD, streams.EXECUTOR_GROUP, entry_id)
+            pipe.execute()
+            handled += 1
+        return handled
+
+    def run_step(self, raw: bytes) -> bytes | None:
+        try:
+            msg = decode(raw)
+            if msg["executor_epoch"] != self.epoch:
+                STEPS.labels("stale").inc()
+                return None  # planned for a previous life of the executor
+            rows = [WireRow.from_body(b) for b in msg["rows"]]
+            copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2).tolist()
+            ops = DeferredOps(
+                unpack_ints(msg["clears"], "<i4").tolist(), [tuple(c) for c in copies]
+            )
+        except (WireError, KeyError, TypeError, ValueError) as err:
+            STEPS.labels("refused").inc()
+            log.error("refused an undecodable step: %s", err)
+            return None
+        sampling = [r.rid for r in rows if r.sample]
+        try:
+            with FORWARD.time():
+                result = self.runner.execute([_row(r) for r in rows], ops)
+        except BatchRefused as err:
+            STEPS.labels("refused").inc()
+            log.error("step %s refused: %s", msg["step"], err)
+            return encode(
+                "result",
+                self.epoch,
+                msg["step"],
+                result_body(msg["step"], self.epoch, sampling, [], [], str(err)),
+            )
+        STEPS.labels("ok").inc()
+        OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
+        return encode(
+            "result",
+            self.epoch,
+            msg["step"],
+            result_body(msg["step"], self.epoch, sampling, result.tokens, result.logprobs),
+        )
+
+
+def _row(r: WireRow) -> Row:
+    return Row(
+        torch.from_numpy(np.ascontiguousarray(r.tokens)),
+        r.start,
+        torch.from_numpy(np.ascontiguousarray(r.kv_indices)),
+        r.mamba_slot,
+        r.snapshot_slot,
+        r.snapshot_len,
+        r.sample,
+        Sampling(r.temperature, r.top_p, r.top_k, r.seed),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="custody executor service")
+    Settings.add_arguments(parser)
+    settings = Settings.resolve(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s executor %(message)s")
+    start_http_server(settings.executor_metrics_port, addr=settings.host)
+    ExecutorService(settings).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Every setting of every service, from one place: CLI flags, else `CUSTODY_*` environment
+variables, else the defaults below. `custody up --help` lists them all."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = ""  # empty: `custody up` starts a private Redis
+    model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
+    host: str = "127.0.0.1"
+    port: int = 30000  # the HTTP API (scheduler)
+    store_port: int = 30001  # the session store's HTTP (ledger, sessions, metrics)
+    executor_metrics_port: int = 30002
+    page_size: int = 16
+    kv_pages: int = 2048
+    mamba_slots: int = 96
+    max_running_requests: int = 32
+    context_len: int = 8192
+    chunk_size: int = 512
+    max_step_tokens: int = 2048
+    track_interval: int = 64
+    stream_maxlen: int = 100_000
+    heartbeat_seconds: float = 1.0
+    executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
+
+    def check(self) -> None:
+        for name in (
+            "page_size",
+            "kv_pages",
+            "mamba_slots",
+            "max_running_requests",
+            "context_len",
+            "chunk_size",
+            "max_step_tokens",
+            "track_interval",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("chunk_size", "track_interval"):
+            if getattr(self, name) % self.page_size:
+                raise ValueError(f"{name} must be a multiple of page_size ({self.page_size})")
+        if self.kv_pages * self.page_size < self.context_len:
+            raise ValueError("kv_pages * page_size must hold at least one context_len")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        for f in fields(Settings):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _kind(f.type)
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=None,
+                help=f"env CUSTODY_{f.name.upper()}; default {f.default!r}",
+            )
+
+    @classmethod
+    def resolve(
+        cls, args: argparse.Namespace | None = None, environ: dict[str, str] | None = None
+    ) -> Settings:
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            flag = getattr(args, f.name, None) if args is not None else None
+            env = environ.get(f"CUSTODY_{f.name.upper()}")
+            if f.name == "redis_url" and env is None:
+                env = environ.get("REDIS_URL")
+            if flag is not None:
+                values[f.name] = flag
+            elif env is not None and env != "":
+                values[f.name] = _kind(f.type)(env)
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def to_env(self) -> dict[str, str]:
+        """The same settings for a child process."""
+        return {
+            f"CUSTODY_{f.name.upper()}": ""
+            if getattr(self, f.name) is None
+            else str(getattr(self, f.name))
+            for f in fields(self)
+        }
+
+
+def _kind(annotation: object):
+    text = str(annotation)
+    if "Path" in text:
+        return Path
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str
