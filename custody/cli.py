@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from custody.bench import BENCHMARKS
+from shared.config import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=24)
+    up = sub.add_parser("up", help="start Redis (unless given) and the three services")
+    Settings.add_arguments(up)
     args = parser.parse_args(argv)
+    if args.command == "up":
+        from custody import up as up_job
+
+        try:
+            settings = Settings.resolve(args)
+        except ValueError as err:
+            parser.error(str(err))
+        return up_job.run(settings)
     if args.command == "demo":
         from custody import demo as demo_job
 

@@ -1,0 +1,243 @@
+"""The scheduler service: the engine core driven by an asyncio loop, talking to the
+executor over Redis streams, shipping ownership events, serving the HTTP API.
+
+One step at a time: plan, publish the step, wait for its result (or for the executor to
+be declared dead), complete. When the executor's epoch changes, its device state is gone:
+the engine re-queues what ran and sessions rebuild from their history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from services.scheduler.allocators.pools import PoolConfig, Pools
+from services.scheduler.api import build_app
+from services.scheduler.engine.core import EngineConfig, EngineCore
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.step import StepPlan
+from services.scheduler.event_shipper import EventShipper
+from shared import streams
+from shared.config import Settings
+from shared.model_config import ModelConfig, builtin_config
+from shared.tokenizer import load_tokenizer
+from shared.wire import WireError, WireRow, decode, encode, step_body, unpack_ints
+
+log = logging.getLogger("custody.scheduler")
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.model = (
+            builtin_config() if settings.model is None else ModelConfig.from_dir(settings.model)
+        )
+        self.tokenizer = load_tokenizer(settings.model, self.model.eos_token_id)
+        self.pools = Pools(
+            PoolConfig(
+                settings.kv_pages,
+                settings.page_size,
+                settings.mamba_slots,
+                settings.max_running_requests,
+                settings.context_len,
+            )
+        )
+        self.engine = EngineCore(
+            self.pools,
+            EngineConfig(
+                context_len=settings.context_len,
+                vocab_size=self.model.vocab_size,
+                eos_token_id=self.model.eos_token_id,
+                chunk_size=settings.chunk_size,
+                max_step_tokens=settings.max_step_tokens,
+                track_interval=settings.track_interval,
+            ),
+            strict=False,
+        )
+        self.shipper = EventShipper(self.pools.ledger)
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.wake = asyncio.Event()
+        self.executor_epoch: str | None = None
+        self.redis: aioredis.Redis | None = None
+        self.results: aioredis.Redis | None = None  # its own connection: it blocks
+        self._results_from = "$"
+        self._was_idle = True
+
+    # ---- intake, used by the API ----
+    async def run_request(self, req: Request, submit) -> Request:
+        """Submit, then wait for the end; a cancelled wait (client gone) aborts it."""
+        future = asyncio.get_running_loop().create_future()
+        submitted = submit(req)
+        self.waiters[submitted.rid] = future
+        self.wake.set()
+        try:
+            return await future
+        finally:
+            if not future.done():
+                self.waiters.pop(submitted.rid, None)
+                self.engine.abort(submitted.rid, "client disconnected")
+                self.wake.set()
+
+    def finish(self, ended: list[Request]) -> None:
+        for req in ended:
+            future = self.waiters.pop(req.rid, None)
+            if future is not None and not future.done():
+                future.set_result(req)
+
+    # ---- the loop ----
+    async def start(self) -> None:
+        self.redis = aioredis.from_url(self.settings.redis_url)
+        self.results = aioredis.from_url(self.settings.redis_url)
+        await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+        self._results_from = "$"
+
+    async def loop(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
+                log.warning("redis unavailable (%s); retrying", err)
+                await asyncio.sleep(0.5)
+
+    async def step(self) -> None:
+        await self._check_executor()
+        await self._ship_events()
+        if self.executor_epoch is None or (plan := self.engine.plan_step()) is None:
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout=self.settings.heartbeat_seconds)
+            return
+        await self._publish(
+            streams.FORWARD, encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
+        )
+        result = await self._await_result(plan)
+        if result is None:
+            return
+        if result.get("error"):
+            log.error("step %s refused by the executor: %s", plan.step_id, result["error"])
+            self.engine.abandon_step(plan)
+            for row in plan.rows:
+                self.finish(
+                    self.engine.abort(row.rid, f"executor refused the step: {result['error']}")
+                )
+            return
+        tokens = unpack_ints(result["tokens"], "<i4").tolist()
+        logprobs = unpack_ints(result["logprobs"], "<f4").tolist()
+        self.finish(
+            self.engine.complete_step(
+                plan,
+                dict(zip(result["rids"], tokens, strict=True)),
+                dict(zip(result["rids"], logprobs, strict=True)),
+            )
+        )
+
+    def _wire(self, plan: StepPlan) -> dict:
+        rows = [
+            WireRow(
+                r.rid,
+                r.tokens,
+                r.start,
+                r.kv_indices,
+                r.mamba_slot,
+                r.snapshot_slot,
+                r.snapshot_len,
+                r.sample,
+                r.params.temperature,
+                r.params.top_p,
+                r.params.top_k,
+                r.params.seed,
+            )
+            for r in plan.rows
+        ]
+        return step_body(plan.step_id, self.executor_epoch, rows, plan.ops.clears, plan.ops.copies)
+
+    async def _await_result(self, plan: StepPlan) -> dict | None:
+        """The step's result, or None once the executor that was to run it is gone."""
+        deadline = time.monotonic() + self.settings.executor_timeout_seconds
+        while True:
+            reply = await self.results.xread(
+                {streams.RESULTS: self._results_from}, count=8, block=200
+            )
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._results_from = entry_id
+                    try:
+                        msg = decode(fields[b"m"])
+                    except (WireError, KeyError):
+                        continue
+                    if (
+                        msg.get("step") == plan.step_id
+                        and msg.get("executor_epoch") == self.executor_epoch
+                    ):
+                        return msg
+            alive = await self.redis.get(streams.EXECUTOR_ALIVE)
+            if alive is not None and alive.decode() == self.executor_epoch:
+                deadline = time.monotonic() + self.settings.executor_timeout_seconds
+            elif time.monotonic() > deadline or alive is not None:
+                log.error("executor %s lost during step %s", self.executor_epoch, plan.step_id)
+                self._executor_lost(alive.decode() if alive else None)
+                return None
+
+    async def _check_executor(self) -> None:
+        alive = await self.redis.get(streams.EXECUTOR_ALIVE)
+        epoch = alive.decode() if alive else None
+        if epoch is not None and epoch != self.executor_epoch:
+            if self.executor_epoch is not None:
+                self._executor_lost(epoch)
+            else:
+                self.executor_epoch = epoch
+                log.info("executor %s is up", epoch)
+
+    def _executor_lost(self, new_epoch: str | None) -> None:
+        """Its device state is gone: re-queue what ran, sessions rebuild from history."""
+        self.engine.device_lost()
+        self.executor_epoch = new_epoch
+        log.warning("device state lost; running work re-queued, sessions will re-prefill")
+
+    async def _ship_events(self) -> None:
+        shipped = self.shipper.batch()
+        if shipped is not None:
+            await self._publish(streams.OWNERSHIP, shipped[0])
+        idle = self.engine.idle
+        if idle and not self._was_idle:
+            await self._publish(
+                streams.OWNERSHIP, self.shipper.idle(self.engine.check(idle=True).counts)
+            )
+            self.engine.audit()
+        self._was_idle = idle
+        if await self.redis.exists(streams.SNAPSHOT_WANTED):
+            await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+
+    async def _publish(self, stream: str, message: bytes) -> None:
+        await self.redis.xadd(
+            stream, {"m": message}, maxlen=self.settings.stream_maxlen, approximate=True
+        )
+
+
+async def serve(settings: Settings) -> None:
+    service = SchedulerService(settings)
+    await service.start()
+    app = build_app(service)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    log.info("API listening on http://%s:%d", settings.host, settings.port)
+    await service.loop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="custody scheduler service")
+    Settings.add_arguments(parser)
+    settings = Settings.resolve(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The session store service: replays the ownership stream into the independent ledger
+and serves what it knows over HTTP (`/ledger`, `/health`, `/metrics`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+
+import redis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from services.session_store.consumer import OwnershipConsumer
+from shared.config import Settings
+
+log = logging.getLogger("custody.session_store")
+
+
+class StoreService:
+    def __init__(self, settings: Settings) -> None:
+        self.client = redis.Redis.from_url(settings.redis_url)
+        self.consumer = OwnershipConsumer(self.client, f"store-{secrets.token_hex(4)}")
+        self.registry = CollectorRegistry()
+        self.violations = Gauge(
+            "custody_ledger_violations",
+            "ownership violations found",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.leaked = Gauge(
+            "custody_ledger_leaked_slots",
+            "slots held by running work at idle",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.applied = Gauge(
+            "custody_ledger_events_applied", "ownership events replayed", registry=self.registry
+        )
+
+    async def consume_forever(self) -> None:
+        reported = 0
+        while True:
+            try:
+                await asyncio.to_thread(self.consumer.poll, 500)
+                await asyncio.to_thread(self.consumer.claim_stale, 10_000)
+            except redis.ConnectionError as err:
+                log.warning("redis unavailable (%s); retrying", err)
+                await asyncio.sleep(0.5)
+            for v in self.consumer.ledger.violations[reported:]:
+                log.error("ownership violation %s on %s %s: %s", v.kind, v.pool, v.slots, v.detail)
+            reported = len(self.consumer.ledger.violations)
+
+    def ledger_view(self) -> dict:
+        led = self.consumer.ledger
+        return {
+            "ready": led.ready,
+            "epoch": self.consumer.epoch,
+            "events_applied": led.events_applied,
+            "counts": led.counts() if led.ready else {},
+            "leaked": led.leaked() if led.ready else {},
+            "double_free_total": led.double_frees,
+            "violations": [v.as_dict() for v in led.violations[-100:]],
+        }
+
+    def metrics(self) -> bytes:
+        led = self.consumer.ledger
+        for kind in ("double_free", "not_owner", "leak", "count_mismatch", "gap"):
+            self.violations.labels(kind).set(sum(v.kind == kind for v in led.violations))
+        for pool in led.names:
+            self.leaked.labels(pool).set(len(led.leaked().get(pool, [])))
+        self.applied.set(led.events_applied)
+        return generate_latest(self.registry)
+
+
+def build_app(store: StoreService) -> web.Application:
+    app = web.Application()
+
+    async def ledger(_: web.Request) -> web.Response:
+        return web.json_response(store.ledger_view())
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "ready": store.consumer.ledger.ready})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=store.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/ledger", ledger)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(settings: Settings) -> None:
+    store = StoreService(settings)
+    runner = web.AppRunner(build_app(store))
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.store_port).start()
+    log.info("session store on http://%s:%d", settings.host, settings.store_port)
+    await store.consume_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="custody session store service")
+    Settings.add_arguments(parser)
+    settings = Settings.resolve(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s session-store %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

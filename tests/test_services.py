@@ -1,0 +1,187 @@
+"""The three services as separate processes on a real Redis: end to end through HTTP,
+and an executor killed with SIGKILL in the middle of a turn."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from custody.inprocess import InProcess, LocalConfig
+from custody.up import Stack
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.sampling import SamplingParams
+from shared.config import Settings
+from shared.redis_server import free_port
+
+POOLS = {
+    "page_size": 4,
+    "kv_pages": 512,
+    "mamba_slots": 48,
+    "max_running_requests": 12,
+    "context_len": 1024,
+    "chunk_size": 32,
+    "max_step_tokens": 128,
+    "track_interval": 8,
+}
+
+
+def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> object:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method="GET" if body is None else "POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def stack(redis_url, redis_client):
+    settings = Settings(
+        redis_url=redis_url,
+        port=free_port(),
+        store_port=free_port(),
+        executor_metrics_port=free_port(),
+        heartbeat_seconds=0.2,
+        executor_timeout_seconds=1.5,
+        **POOLS,
+    )
+    stack = Stack(settings).start_all()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if call(settings.port, "/health", timeout=2)["executor"]:
+                break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    else:
+        stack.stop()
+        raise RuntimeError("the stack did not come up")
+    yield stack
+    stack.stop()
+
+
+def one_shot(prompt: list[int], n: int) -> list[int]:
+    local = InProcess(LocalConfig(**POOLS))
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    req = local.engine.submit(Request("x", np.asarray(prompt), params))
+    local.run_until_idle()
+    return req.output
+
+
+def ledger_when_idle(stack: Stack) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        view = call(stack.settings.store_port, "/ledger")
+        busy = any(c["request"] or c["track"] or c["session"] for c in view["counts"].values())
+        if not busy or time.monotonic() > deadline:
+            return view
+        time.sleep(0.2)
+
+
+def test_three_sessions_four_turns_equal_one_shot_generations(stack):
+    port = stack.settings.port
+    sids = [call(port, "/open_session", {"session_id": f"s{i}"}) for i in range(3)]
+    histories = {sid: [] for sid in sids}
+    for k in range(4):
+        outs = {}
+
+        def turn(sid, k=k, outs=outs):
+            text_ids = [(7 * k + 13 * int(sid[1:]) + j) % 256 for j in range(5 + k)]
+            outs[sid] = (
+                text_ids,
+                call(
+                    port,
+                    "/generate",
+                    {
+                        "input_ids": text_ids,
+                        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True},
+                        "session_params": {"id": sid},
+                    },
+                ),
+            )
+
+        threads = [threading.Thread(target=turn, args=(sid,)) for sid in sids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for sid, (text_ids, out) in outs.items():
+            prompt = histories[sid] + text_ids
+            assert out["output_ids"] == one_shot(prompt, 6), (sid, k)
+            assert out["meta_info"]["cached_tokens"] == (len(histories[sid]) - 1 if k else 0)
+            histories[sid] = prompt + out["output_ids"]
+    for sid in sids:
+        call(port, "/close_session", {"session_id": sid})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+    assert all(
+        c["free"]
+        == stack.settings.__dict__[
+            {"kv": "kv_pages", "mamba": "mamba_slots", "req": "max_running_requests"}[p]
+        ]
+        for p, c in view["counts"].items()
+    )
+
+
+def test_an_executor_killed_mid_turn_loses_nothing(stack):
+    port = stack.settings.port
+    sid = call(port, "/open_session", {"session_id": "crash"})
+    first = call(
+        port,
+        "/generate",
+        {
+            "input_ids": list(range(1, 40)),
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+            "session_params": {"id": sid},
+        },
+    )
+    history = list(range(1, 40)) + first["output_ids"]
+    result = {}
+
+    def long_turn():
+        result["started"] = time.monotonic()
+        result["out"] = call(
+            port,
+            "/generate",
+            {
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+                "session_params": {"id": sid},
+            },
+        )
+
+    worker = threading.Thread(target=long_turn)
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive(), result
+    stack.kill("executor")  # SIGKILL in the middle of the turn's decode
+    deadline = time.monotonic() + 120
+    while worker.is_alive() and time.monotonic() < deadline:
+        stack.supervise_once()
+        time.sleep(0.2)
+    worker.join(timeout=1)
+    assert stack.restarts["executor"] == 1
+    out = result["out"]
+    # retried transparently: the same tokens as without the crash
+    assert out["output_ids"] == one_shot([*history, 5, 6, 7], 900)
+    history += [5, 6, 7] + out["output_ids"]
+    after = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [9],
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            "session_params": {"id": sid},
+        },
+    )
+    assert after["output_ids"] == one_shot([*history, 9], 4)
+    call(port, "/close_session", {"session_id": sid})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
