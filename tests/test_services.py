@@ -185,3 +185,136 @@ def test_an_executor_killed_mid_turn_loses_nothing(stack):
     call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
+
+
+def wait_up(stack: Stack) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        stack.supervise_once()
+        try:
+            if call(stack.settings.port, "/health", timeout=2)["executor"]:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the stack did not come up")
+
+
+def test_a_killed_session_store_catches_up(stack):
+    port = stack.settings.port
+    sid = call(port, "/open_session", {"session_id": "s"})
+    call(
+        port,
+        "/generate",
+        {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 4},
+            "session_params": {"id": sid},
+        },
+    )
+    stack.kill("session-store")
+    for k in range(3):  # ownership keeps moving while the store is down
+        call(
+            port,
+            "/generate",
+            {
+                "input_ids": [4 + k],
+                "sampling_params": {"max_new_tokens": 4},
+                "session_params": {"id": sid},
+            },
+        )
+    call(port, "/close_session", {"session_id": sid})
+    deadline = time.monotonic() + 60
+    while stack.restarts["session-store"] == 0 and time.monotonic() < deadline:
+        stack.supervise_once()
+        time.sleep(0.2)
+    view = None
+    while time.monotonic() < deadline:
+        try:
+            view = ledger_when_idle(stack)
+            if view["counts"] and view["counts"]["req"]["free"] == POOLS["max_running_requests"]:
+                break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.3)
+    assert view is not None and view["violations"] == [] and view["leaked"] == {}
+    assert {p: c["free"] for p, c in view["counts"].items()} == {
+        "kv": POOLS["kv_pages"],
+        "mamba": POOLS["mamba_slots"],
+        "req": POOLS["max_running_requests"],
+    }
+
+
+def test_a_redis_restart_loses_nothing(tmp_path):
+    settings = Settings(
+        redis_url="",
+        port=free_port(),
+        store_port=free_port(),
+        executor_metrics_port=free_port(),
+        heartbeat_seconds=0.2,
+        executor_timeout_seconds=1.5,
+        **POOLS,
+    )
+    stack = Stack(settings).start_all()
+    try:
+        wait_up(stack)
+        port = settings.port
+        sid = call(port, "/open_session", {"session_id": "r"})
+        first = call(
+            port,
+            "/generate",
+            {
+                "input_ids": list(range(1, 30)),
+                "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+                "session_params": {"id": sid},
+            },
+        )
+        history = list(range(1, 30)) + first["output_ids"]
+        result = {}
+
+        def long_turn():
+            try:
+                result["out"] = call(
+                    port,
+                    "/generate",
+                    {
+                        "input_ids": [3, 4],
+                        "sampling_params": {"max_new_tokens": 600, "ignore_eos": True},
+                        "session_params": {"id": sid},
+                    },
+                )
+            except urllib.error.HTTPError as err:  # failing cleanly is allowed too
+                result["error"] = (err.code, json.loads(err.read()))
+
+        worker = threading.Thread(target=long_turn)
+        worker.start()
+        time.sleep(0.4)
+        stack.redis.stop()
+        time.sleep(1.0)
+        stack.redis.start()
+        deadline = time.monotonic() + 120
+        while worker.is_alive() and time.monotonic() < deadline:
+            stack.supervise_once()
+            time.sleep(0.2)
+        worker.join(timeout=1)
+        if "out" in result:
+            assert result["out"]["output_ids"] == one_shot([*history, 3, 4], 600)
+            history += [3, 4] + result["out"]["output_ids"]
+        else:
+            assert 400 <= result["error"][0] < 600 and "error" in result["error"][1]
+        wait_up(stack)
+        after = call(
+            port,
+            "/generate",
+            {
+                "input_ids": [8],
+                "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+                "session_params": {"id": sid},
+            },
+        )
+        assert after["output_ids"] == one_shot([*history, 8], 3)
+        call(port, "/close_session", {"session_id": sid})
+        view = ledger_when_idle(stack)
+        assert view["violations"] == [] and view["leaked"] == {}
+    finally:
+        stack.stop()

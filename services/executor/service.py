@@ -68,8 +68,12 @@ class ExecutorService:
             self.pools.bytes_per_mamba_slot(),
         )
         while True:
-            self.heartbeat()
-            self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
+            try:
+                self.heartbeat()
+                self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
+            except redis.ConnectionError as err:
+                log.warning("redis unavailable (%s); retrying", err)
+                time.sleep(0.5)
 
     def serve_once(self, block_ms: int) -> int:
         reply = self.client.xreadgroup(

@@ -103,6 +103,9 @@ class SchedulerService:
                 await self.step()
             except (ConnectionError, aioredis.ConnectionError, OSError) as err:
                 log.warning("redis unavailable (%s); retrying", err)
+                if self.engine.in_flight is not None:
+                    # whether the executor ran the step is unknown: its state is not trusted
+                    self._executor_lost(None)
                 await asyncio.sleep(0.5)
 
     async def step(self) -> None:
@@ -201,16 +204,19 @@ class SchedulerService:
         log.warning("device state lost; running work re-queued, sessions will re-prefill")
 
     async def _ship_events(self) -> None:
+        """Drain the ledger and, on becoming idle, take its counts, with no await in
+        between: an API handler running during an await could move slots, and the idle
+        counts would then be ahead of the events shipped before them."""
+        messages = []
         shipped = self.shipper.batch()
         if shipped is not None:
-            await self._publish(streams.OWNERSHIP, shipped[0])
+            messages.append(shipped[0])
         idle = self.engine.idle
         if idle and not self._was_idle:
-            await self._publish(
-                streams.OWNERSHIP, self.shipper.idle(self.engine.check(idle=True).counts)
-            )
-            self.engine.audit()
+            messages.append(self.shipper.idle(self.engine.audit().counts))
         self._was_idle = idle
+        for message in messages:
+            await self._publish(streams.OWNERSHIP, message)
         if await self.redis.exists(streams.SNAPSHOT_WANTED):
             await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
 

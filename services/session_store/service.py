@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import secrets
 
 import redis
 from aiohttp import web
@@ -21,7 +20,8 @@ log = logging.getLogger("custody.session_store")
 class StoreService:
     def __init__(self, settings: Settings) -> None:
         self.client = redis.Redis.from_url(settings.redis_url)
-        self.consumer = OwnershipConsumer(self.client, f"store-{secrets.token_hex(4)}")
+        # A stable name: a restarted store resumes its own pending entries first.
+        self.consumer = OwnershipConsumer(self.client, "session-store-1")
         self.registry = CollectorRegistry()
         self.violations = Gauge(
             "custody_ledger_violations",
