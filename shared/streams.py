@@ -10,6 +10,13 @@ FORWARD = "custody:forward"
 EXECUTOR_GROUP = "executor"
 RESULTS = "custody:results"
 EXECUTOR_ALIVE = "custody:executor-alive"  # the live executor's epoch, expiring
+SESSIONS = "custody:sessions"  # set of persisted session ids
+
+
+def session_key(sid: str) -> str:
+    return f"custody:session:{sid}"
+
+
 CHECKPOINT = "custody:ledger"
 SNAPSHOT_WANTED = "custody:snapshot-wanted"
 # Approximate bound of a stream: far above the worst lag of its consumer, so nothing

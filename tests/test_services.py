@@ -318,3 +318,48 @@ def test_a_redis_restart_loses_nothing(tmp_path):
         assert view["violations"] == [] and view["leaked"] == {}
     finally:
         stack.stop()
+
+
+def test_a_killed_scheduler_is_rebuilt_from_the_session_store(stack):
+    port = stack.settings.port
+    sid = call(port, "/open_session", {"session_id": "keep"})
+    history: list[int] = []
+    for ids in ([1, 2, 3, 4, 5, 6], [7, 8]):
+        out = call(
+            port,
+            "/generate",
+            {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+                "session_params": {"id": sid},
+            },
+        )
+        history += ids + out["output_ids"]
+    time.sleep(0.5)  # let the store apply the last records
+    record = call(stack.settings.store_port, f"/sessions/{sid}")
+    assert record["history_tokens"] == len(history) and record["row"] is not None
+    stack.kill("scheduler")  # between turns
+    deadline = time.monotonic() + 60
+    while stack.restarts["scheduler"] == 0 and time.monotonic() < deadline:
+        stack.supervise_once()
+        time.sleep(0.2)
+    wait_up(stack)
+    out = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [9, 10],
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+            "session_params": {"id": sid},
+        },
+    )
+    assert out["meta_info"]["cached_tokens"] == len(history) - 1  # it kept its cache
+    assert out["output_ids"] == one_shot([*history, 9, 10], 5)
+    call(port, "/close_session", {"session_id": sid})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+    assert {p: c["free"] for p, c in view["counts"].items()} == {
+        "kv": POOLS["kv_pages"],
+        "mamba": POOLS["mamba_slots"],
+        "req": POOLS["max_running_requests"],
+    }

@@ -53,6 +53,12 @@ class EventShipper:
         batch.owners = {o.id: str(o) for o in self.ledger.owners.take_declared()}
         return encode("events", self.epoch, self._next(), batch.body()), len(raw)
 
+    def sessions(self, records: list[dict], executor_epoch: str | None) -> bytes:
+        """Durable session records; their slots are valid only on `executor_epoch`."""
+        return encode(
+            "sessions", self.epoch, self._next(), {"records": records, "executor": executor_epoch}
+        )
+
     def idle(self, counts: dict[str, dict[str, int]]) -> bytes:
         return encode("idle", self.epoch, self._next(), {"counts": counts})
 

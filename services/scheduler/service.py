@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 
+import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -94,8 +95,44 @@ class SchedulerService:
     async def start(self) -> None:
         self.redis = aioredis.from_url(self.settings.redis_url)
         self.results = aioredis.from_url(self.settings.redis_url)
+        await self._rebuild_sessions()
         await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
-        self._results_from = "$"
+
+    async def _rebuild_sessions(self) -> None:
+        """A restarted scheduler takes its sessions back from the session store, slots
+        included when the store is caught up and the executor is the one that holds
+        them; otherwise history only (their next turn re-prefills)."""
+        caught_up = await self._store_caught_up()
+        keys = await self.redis.smembers(streams.SESSIONS)
+        records = []
+        for sid in sorted(k.decode() for k in keys):
+            raw = await self.redis.hget(streams.session_key(sid), "record")
+            if raw is not None:
+                records.append(msgpack.unpackb(raw, raw=False))
+        alive = await self.redis.get(streams.EXECUTOR_ALIVE)
+        epoch = alive.decode() if alive else None
+        for group in {r.get("executor") for r in records}:
+            valid = caught_up and epoch is not None and group == epoch
+            self.engine.sessions.rebuild([r for r in records if r.get("executor") == group], valid)
+        if records:
+            self.executor_epoch = epoch
+            log.info("rebuilt %d sessions from the session store", len(records))
+
+    async def _store_caught_up(self, timeout: float = 10.0) -> bool:
+        """Whether the store has applied everything on the ownership stream."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                groups = await self.redis.xinfo_groups(streams.OWNERSHIP)
+                info = await self.redis.xinfo_stream(streams.OWNERSHIP)
+            except aioredis.ResponseError:
+                return True  # no stream yet: nothing to catch up on
+            store = next((g for g in groups if g["name"].decode() == streams.STORE_GROUP), None)
+            last = info["last-generated-id"]
+            if store is not None and store["pending"] == 0 and store["last-delivered-id"] == last:
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     async def loop(self) -> None:
         while True:
@@ -211,6 +248,9 @@ class SchedulerService:
         shipped = self.shipper.batch()
         if shipped is not None:
             messages.append(shipped[0])
+        records = self.engine.sessions.take_records()
+        if records:
+            messages.append(self.shipper.sessions(records, self.executor_epoch))
         idle = self.engine.idle
         if idle and not self._was_idle:
             messages.append(self.shipper.idle(self.engine.audit().counts))

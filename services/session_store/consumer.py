@@ -33,6 +33,7 @@ class OwnershipConsumer:
         self.seq = 0
         self.duplicates = 0
         self.refused = 0
+        self._writes: list[dict] = []  # session records to persist with the next checkpoint
         streams.ensure_group(client, stream, group)
         self._load_checkpoint()
 
@@ -69,6 +70,16 @@ class OwnershipConsumer:
             if fields:  # an entry trimmed before it was read has no fields; just ack it
                 self._apply(fields.get(b"m", b""))
         pipe = self.client.pipeline(transaction=True)
+        for rec in self._writes:
+            if rec.get("closed"):
+                pipe.delete(streams.session_key(rec["sid"]))
+                pipe.srem(streams.SESSIONS, rec["sid"])
+            else:
+                pipe.hset(
+                    streams.session_key(rec["sid"]), "record", msgpack.packb(rec, use_bin_type=True)
+                )
+                pipe.sadd(streams.SESSIONS, rec["sid"])
+        self._writes.clear()
         pipe.hset(streams.CHECKPOINT, mapping=self._checkpoint())
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         pipe.execute()
@@ -93,6 +104,9 @@ class OwnershipConsumer:
                 return self.ledger.apply(EventBatch.from_body(msg))
             if kind == "idle":
                 return self.ledger.check_idle(msg["counts"], seq)
+            if kind == "sessions":
+                self._writes += [r | {"executor": msg["executor"]} for r in msg["records"]]
+                return []
             raise WireError(f"unknown message kind {kind!r}")
         except (WireError, KeyError, TypeError) as err:
             self.refused += 1

@@ -7,11 +7,14 @@ import argparse
 import asyncio
 import logging
 
+import msgpack
+import numpy as np
 import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from services.session_store.consumer import OwnershipConsumer
+from shared import streams
 from shared.config import Settings
 
 log = logging.getLogger("custody.session_store")
@@ -83,12 +86,36 @@ def build_app(store: StoreService) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "ready": store.consumer.ledger.ready})
 
+    async def session(request: web.Request) -> web.Response:
+        raw = store.client.hget(streams.session_key(request.match_info["sid"]), "record")
+        if raw is None:
+            return web.json_response(
+                {"error": {"message": "no such open session", "type": "not_found"}}, status=404
+            )
+        rec = msgpack.unpackb(raw, raw=False)
+        history = np.frombuffer(rec["history"], dtype=np.int32)
+        return web.json_response(
+            {
+                "session_id": rec["sid"],
+                "history_tokens": len(history),
+                "history": history.tolist(),
+                "cached_len": rec["cached_len"],
+                "row": rec["row"],
+                "working_slot": rec.get("working"),
+                "kv_pages": np.frombuffer(rec["pages"], dtype=np.int64).tolist()
+                if rec["row"]
+                else [],
+                "executor": rec["executor"],
+            }
+        )
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=store.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.router.add_get("/ledger", ledger)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/sessions/{sid}", session)
     return app
 
 

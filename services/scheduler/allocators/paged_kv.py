@@ -130,6 +130,14 @@ class PagedKV:
         current[differ] = tree_pages[differ]
         self.pool.free(own, int(self.table.rows.owner_of(row)), reason)
 
+    def restore_row(self, row: int, pages: np.ndarray, length: int) -> None:
+        """Point an empty row at pages its owner already holds (a rebuilt session)."""
+        if self.table.lens[row] or len(pages) != pages_for(length, self.page_size):
+            raise ValueError(f"restore_row: row {row} with {len(pages)} pages for {length}")
+        self.table.pages[row, : len(pages)] = pages
+        self.refs[pages] += 1
+        self.table.lens[row] = length
+
     def forget(self, row: int) -> None:
         """Drop an emptied row's references to pages it borrowed; it must own none."""
         table, ps = self.table, self.page_size

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.scheduler.ownership.errors import PoolExhausted
-from services.scheduler.ownership.owners import KIND_MASK, SINK_ID, Owner, OwnerKind
+from services.scheduler.ownership.owners import FREE, KIND_MASK, SINK_ID, Owner, OwnerKind
 
 if TYPE_CHECKING:
     from services.scheduler.ownership.ledger import Ledger
@@ -138,6 +138,17 @@ class SlotPool:
         del self._stack[free - n :]
         self._emit((self.pool_id, slots, 0, ids, reason))
         return slots
+
+    def take(self, slots: np.ndarray, receiver: Owner, reason: str) -> None:
+        """Give these particular free slots to `receiver` (a scheduler rebuilding state
+        that outlived it). O(capacity): never on the hot path."""
+        self._check_giver(slots, FREE, reason)
+        keep = np.frombuffer(self._stack, dtype=np.int64)
+        keep = keep[~np.isin(keep, slots)].copy()
+        del self._stack[:]
+        self._stack.frombytes(keep.tobytes())
+        self.owner_view[slots] = receiver.id
+        self._emit((self.pool_id, slots.copy(), 0, receiver.id, reason))
 
     def transfer(self, slots: np.ndarray, giver: OwnerArg, receiver: OwnerArg, reason: str) -> None:
         self._check_giver(slots, giver, reason)

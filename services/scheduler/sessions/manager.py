@@ -51,6 +51,7 @@ class SessionManager:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
+        self.dirty: set[str] = set()  # sessions whose durable record changed
 
     # ---- client-facing ----
     def open(self, sid: str | None = None, timeout: float | None = None) -> Session:
@@ -64,6 +65,7 @@ class SessionManager:
         owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
         session = Session(sid, owner, timeout, self.clock())
         self.sessions[sid] = session
+        self.dirty.add(sid)
         return session
 
     def get(self, sid: str) -> Session:
@@ -148,6 +150,61 @@ class SessionManager:
             if session.turn is None or session.turn.slots is None:
                 self._drop_state(session)
 
+    # ---- durable records ----
+    def take_records(self) -> list[dict]:
+        """What changed since the last call, as records the session store persists: the
+        history always; the slots only while the session itself holds them (not lent to
+        a turn, not borrowing cache pages), since only then can a restarted scheduler
+        take them over."""
+        out = []
+        for sid in sorted(self.dirty):
+            s = self.sessions.get(sid)
+            if s is None:
+                out.append({"sid": sid, "closed": True})
+                continue
+            rec = {
+                "sid": sid,
+                "closed": False,
+                "timeout": s.timeout,
+                "history": s.history.astype(np.int32).tobytes(),
+                "cached_len": s.cached_len,
+                "row": None,
+            }
+            if s.slots is not None and s.slots.borrowed == 0:
+                row = s.slots.row.slot
+                rec |= {
+                    "row": row,
+                    "working": s.slots.working.slot,
+                    "pages": self.pools.rows.row_pages(row, 0, s.cached_len).tobytes(),
+                }
+            out.append(rec)
+        self.dirty.clear()
+        return out
+
+    def rebuild(self, records: list[dict], state_valid: bool) -> None:
+        """A restarted scheduler takes its sessions back: the history always, the slots
+        too when the executor that holds their contents is the same one."""
+        for rec in records:
+            if rec.get("closed"):
+                continue
+            session = self.open(rec["sid"], rec.get("timeout"))
+            session.history = np.frombuffer(rec["history"], dtype=np.int32).astype(np.int64)
+            if not state_valid or rec.get("row") is None:
+                continue
+            owner, pools = session.owner, self.pools
+            row, working = np.array([rec["row"]]), np.array([rec["working"]])
+            pages = np.frombuffer(rec["pages"], dtype=np.int64).copy()
+            pools.req.take(row, owner, "rebuild")
+            pools.mamba.take(working, owner, "rebuild")
+            pools.kv_pages.take(pages, owner, "rebuild")
+            pools.kv.restore_row(int(row[0]), pages, rec["cached_len"])
+            session.slots = handover.SessionSlots(
+                owner,
+                new_lease(pools.req, owner, int(row[0])),
+                new_lease(pools.mamba, owner, int(working[0])),
+            )
+            session.cached_len = rec["cached_len"]
+
     # ---- state moves, called by the engine ----
     def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:
         """Give the session's state to its turn, with a rollback copy; None if the session
@@ -157,6 +214,7 @@ class SessionManager:
             return None
         slots = handover.restore(self.pools, session.slots, req.rid)
         session.slots = None
+        self.dirty.add(session.sid)  # lent: a restarted scheduler must not reuse this state
         row = slots.row.slot
         self.pools.kv.free_tail(row, session.cached_len, "trim")  # lesson 5
         rollback = new_lease(
@@ -181,12 +239,14 @@ class SessionManager:
             [req.prompt, np.asarray(req.committed_output(), dtype=np.int64)]
         )
         session.cached_len = req.computed
+        self.dirty.add(session.sid)
         self._end_turn(req)
 
     def rollback(self, req: Request, keep_turn: bool) -> None:
         """Abort or retract: back to the state at the turn's start. With `keep_turn` the
         turn stays the session's (a retract re-queues it)."""
         session, start = req.session, req.turn_start
+        self.dirty.add(session.sid)
         if req.slots is not None:
             if start is None or start.rollback is None:
                 self._release(req)  # the session had no state: it stays empty
@@ -224,6 +284,7 @@ class SessionManager:
             self._close_now(session)
 
     def _drop_state(self, session: Session) -> None:
+        self.dirty.add(session.sid)
         if session.slots is not None:
             handover.close(self.pools, session.slots, retire=False)
             session.slots = None
@@ -235,6 +296,7 @@ class SessionManager:
     def _close_now(self, session: Session) -> None:
         self._drop_state(session)
         session.closed = True
+        self.dirty.add(session.sid)
         del self.sessions[session.sid]
         self._closed[session.sid] = None
         if len(self._closed) > REMEMBER_CLOSED:
