@@ -67,7 +67,7 @@ class SchedulerService:
         self.executor_epoch: str | None = None
         self.redis: aioredis.Redis | None = None
         self.results: aioredis.Redis | None = None  # its own connection: it blocks
-        self._results_from = "$"
+        self._results_from = "0-0"
         self._was_idle = True
 
     # ---- intake, used by the API ----
@@ -97,6 +97,10 @@ class SchedulerService:
         self.results = aioredis.from_url(self.settings.redis_url)
         await self._rebuild_sessions()
         await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+        # Read results from an explicit id, never "$": a result that lands between
+        # publishing a step and starting to read must not be missed.
+        last = await self.redis.xrevrange(streams.RESULTS, count=1)
+        self._results_from = last[0][0] if last else "0-0"
 
     async def _rebuild_sessions(self) -> None:
         """A restarted scheduler takes its sessions back from the session store, slots
@@ -255,8 +259,12 @@ class SchedulerService:
         if idle and not self._was_idle:
             messages.append(self.shipper.idle(self.engine.audit().counts))
         self._was_idle = idle
-        for message in messages:
-            await self._publish(streams.OWNERSHIP, message)
+        if messages:
+            pipe = self.redis.pipeline(transaction=False)
+            for message in messages:
+                pipe.xadd(streams.OWNERSHIP, {"m": message}, maxlen=self.settings.stream_maxlen,
+                          approximate=True)
+            await pipe.execute()
         if await self.redis.exists(streams.SNAPSHOT_WANTED):
             await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
 
