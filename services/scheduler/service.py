@@ -262,8 +262,12 @@ class SchedulerService:
         if messages:
             pipe = self.redis.pipeline(transaction=False)
             for message in messages:
-                pipe.xadd(streams.OWNERSHIP, {"m": message}, maxlen=self.settings.stream_maxlen,
-                          approximate=True)
+                pipe.xadd(
+                    streams.OWNERSHIP,
+                    {"m": message},
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
+                )
             await pipe.execute()
         if await self.redis.exists(streams.SNAPSHOT_WANTED):
             await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
