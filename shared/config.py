@@ -28,6 +28,7 @@ class Settings:
     stream_maxlen: int = 100_000
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
+    api_keys: str = ""  # comma-separated; empty: no authentication
 
     def check(self) -> None:
         for name in (

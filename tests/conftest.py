@@ -9,7 +9,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from custody.up import Stack
 from shared.redis_server import PrivateRedis
+from tests.services_harness import stack_settings, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +32,11 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def stack(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
+    """The three services as processes on the test Redis (a clean database)."""
+    running = start_stack(stack_settings(redis_url))
+    yield running
+    running.stop()

@@ -9,80 +9,10 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
-import pytest
-
-from custody.inprocess import InProcess, LocalConfig
 from custody.up import Stack
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import SamplingParams
 from shared.config import Settings
 from shared.redis_server import free_port
-
-POOLS = {
-    "page_size": 4,
-    "kv_pages": 512,
-    "mamba_slots": 48,
-    "max_running_requests": 12,
-    "context_len": 1024,
-    "chunk_size": 32,
-    "max_step_tokens": 128,
-    "track_interval": 8,
-}
-
-
-def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> object:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, method="GET" if body is None else "POST"
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-@pytest.fixture
-def stack(redis_url, redis_client):
-    settings = Settings(
-        redis_url=redis_url,
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
-        heartbeat_seconds=0.2,
-        executor_timeout_seconds=1.5,
-        **POOLS,
-    )
-    stack = Stack(settings).start_all()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if call(settings.port, "/health", timeout=2)["executor"]:
-                break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.3)
-    else:
-        stack.stop()
-        raise RuntimeError("the stack did not come up")
-    yield stack
-    stack.stop()
-
-
-def one_shot(prompt: list[int], n: int) -> list[int]:
-    local = InProcess(LocalConfig(**POOLS))
-    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    req = local.engine.submit(Request("x", np.asarray(prompt), params))
-    local.run_until_idle()
-    return req.output
-
-
-def ledger_when_idle(stack: Stack) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        view = call(stack.settings.store_port, "/ledger")
-        busy = any(c["request"] or c["track"] or c["session"] for c in view["counts"].values())
-        if not busy or time.monotonic() > deadline:
-            return view
-        time.sleep(0.2)
+from tests.services_harness import POOLS, call, ledger_when_idle, one_shot, wait_up
 
 
 def test_three_sessions_four_turns_equal_one_shot_generations(stack):
@@ -185,19 +115,6 @@ def test_an_executor_killed_mid_turn_loses_nothing(stack):
     call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
-
-
-def wait_up(stack: Stack) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        stack.supervise_once()
-        try:
-            if call(stack.settings.port, "/health", timeout=2)["executor"]:
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("the stack did not come up")
 
 
 def test_a_killed_session_store_catches_up(stack):

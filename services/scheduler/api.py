@@ -1,21 +1,33 @@
-"""The HTTP API (SGLang-compatible subset): sessions, generate, abort, health, model info.
+"""The HTTP API, SGLang-compatible: sessions, generate (plain or streamed as server-sent
+events), abort, flush, health, model info and metrics. The OpenAI-compatible routes are in
+`api_openai.py`.
 
 Every refusal is a 4xx with `{"error": {"message", "type"}}` and happens before any slot
-moves; a client that disconnects aborts its request, with the abort semantics of
-sessions (the session keeps its cache).
+moves; a client that disconnects aborts its request, with the abort semantics of sessions
+(the session keeps its cache).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 from typing import TYPE_CHECKING
 
 import numpy as np
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.scheduler.api_openai import add_openai_routes
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
+from services.scheduler.http_common import (
+    body_of,
+    check_number,
+    error,
+    open_sse,
+    own_session,
+    send_sse,
+    submitter,
+)
 from services.scheduler.sessions.manager import SessionError
 
 if TYPE_CHECKING:
@@ -33,20 +45,7 @@ SAMPLING_KEYS = {
     "no_stop_trim",
 }
 STATUS = {"not_found": 404, "closed": 404, "busy": 409, "invalid": 400}
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
-async def body_of(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InvalidRequest(f"the body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
+OPEN_PATHS = {"/health", "/metrics"}
 
 
 def sampling_from(raw: object) -> SamplingParams:
@@ -57,31 +56,70 @@ def sampling_from(raw: object) -> SamplingParams:
     unknown = set(raw) - SAMPLING_KEYS
     if unknown:
         raise InvalidRequest(f"unknown sampling_params: {sorted(unknown)}")
-    try:
-        params = SamplingParams(
-            **{k: tuple(v) if k == "stop_token_ids" else v for k, v in raw.items()}
-        )
-    except TypeError as err:
-        raise InvalidRequest(f"bad sampling_params: {err}") from None
+    stop = raw.get("stop_token_ids", ())
+    if not isinstance(stop, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop
+    ):
+        raise InvalidRequest("sampling_params.stop_token_ids must be a list of integers")
+    for key in ("ignore_eos", "no_stop_trim"):
+        if not isinstance(raw.get(key, False), bool):
+            raise InvalidRequest(f"sampling_params.{key} must be true or false")
+    seed = raw.get("seed")
+    if seed is not None:
+        check_number("sampling_params.seed", seed, int)
+    params = SamplingParams(**{k: tuple(v) if k == "stop_token_ids" else v for k, v in raw.items()})
     for name, kind in (
         ("max_new_tokens", int),
         ("top_k", int),
         ("temperature", (int, float)),
         ("top_p", (int, float)),
     ):
-        value = getattr(params, name)
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise InvalidRequest(f"sampling_params.{name} must be a number, got {value!r}")
+        check_number(f"sampling_params.{name}", getattr(params, name), kind)
     return params
 
 
+def token_input(service: SchedulerService, body: dict) -> list[int]:
+    if "input_ids" in body:
+        tokens = body["input_ids"]
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise InvalidRequest("input_ids must be a list of integers")
+        return tokens
+    if isinstance(body.get("text"), str):
+        return service.tokenizer.encode(body["text"])
+    raise InvalidRequest("give text (a string) or input_ids (a list of integers)")
+
+
+def response_of(service: SchedulerService, req: Request) -> dict:
+    return {
+        "text": service.tokenizer.decode(req.output),
+        "output_ids": list(req.output),
+        "meta_info": {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(req.output),
+            "cached_tokens": req.cached_tokens,
+        },
+    }
+
+
 def build_app(service: SchedulerService) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
+    app = web.Application(
+        client_max_size=MAX_BODY, middlewares=[errors, api_keys(service.settings.api_keys)]
+    )
     rids = itertools.count(1)
     engine = service.engine
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "executor": service.executor_epoch})
+
+    async def metrics(_: web.Request) -> web.Response:
+        await service.refresh_stream_lag()
+        return web.Response(
+            body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def model_info(_: web.Request) -> web.Response:
         s = service.settings
@@ -99,79 +137,92 @@ def build_app(service: SchedulerService) -> web.Application:
     async def open_session(request: web.Request) -> web.Response:
         body = await body_of(request)
         timeout = body.get("timeout")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float)
-        ):
-            raise InvalidRequest("timeout must be a number of seconds")
+        if timeout is not None:
+            check_number("timeout", timeout, (int, float))
         session = engine.sessions.open(body.get("session_id"), timeout)
+        session.api_key = request.get("api_key")
         return web.json_response(session.sid)
 
     async def close_session(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        engine.sessions.close(body.get("session_id"))
+        sid = (await body_of(request)).get("session_id")
+        own_session(service, request, sid)
+        engine.sessions.close(sid)
         service.wake.set()
         return web.json_response(True)
 
     async def abort_request(request: web.Request) -> web.Response:
         body = await body_of(request)
-        rids_to_abort = list(engine.requests) if body.get("abort_all") else [body.get("rid")]
-        for rid in rids_to_abort:
+        targets = list(engine.requests) if body.get("abort_all") is True else [body.get("rid")]
+        for rid in targets:
             service.finish(engine.abort(str(rid), "aborted by request"))
         service.wake.set()
         return web.json_response(True)
 
-    async def generate(request: web.Request) -> web.Response:
+    async def flush_cache(_: web.Request) -> web.Response:
+        engine.cache.evict_kv(service.pools.kv_pages.capacity)
+        engine.cache.evict_mamba(service.pools.mamba.capacity)
+        return web.json_response(True)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
         body = await body_of(request)
         params = sampling_from(body.get("sampling_params"))
-        if "input_ids" in body:
-            tokens = body["input_ids"]
-            if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in tokens
-            ):
-                raise InvalidRequest("input_ids must be a list of integers")
-        elif isinstance(body.get("text"), str):
-            tokens = service.tokenizer.encode(body["text"])
-        else:
-            raise InvalidRequest("give text (a string) or input_ids (a list of integers)")
-        rid = str(body.get("rid") or f"req-{next(rids)}")
+        tokens = token_input(service, body)
         session = body.get("session_params") or {}
         if not isinstance(session, dict):
             raise InvalidRequest("session_params must be an object")
-        req = Request(rid, np.asarray(tokens, dtype=np.int64), params)
-        if session.get("id") is not None:
-            sid = session["id"]
-            done = await service.run_request(
-                req, lambda r: engine.submit_turn(sid, np.asarray(tokens), r, session)
-            )
-        else:
-            done = await service.run_request(req, engine.submit)
-        return web.json_response(response_of(service, done))
+        req = Request(
+            str(body.get("rid") or f"req-{next(rids)}"), np.asarray(tokens, dtype=np.int64), params
+        )
+        submit = submitter(service, request, tokens, session.get("id"), session)
+        if not body.get("stream"):
+            return web.json_response(response_of(service, await service.run_request(req, submit)))
+        sse = await open_sse(request)
 
-    app.router.add_get("/health", health)
-    app.router.add_get("/get_model_info", model_info)
-    app.router.add_post("/open_session", open_session)
-    app.router.add_post("/close_session", close_session)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/generate", generate)
+        async def progress(r: Request) -> None:
+            await send_sse(sse, response_of(service, r))
+
+        await service.run_request(req, submit, progress)
+        await send_sse(sse, "[DONE]")
+        return sse
+
+    for method, path, handler in (
+        ("GET", "/health", health),
+        ("GET", "/metrics", metrics),
+        ("GET", "/get_model_info", model_info),
+        ("POST", "/open_session", open_session),
+        ("POST", "/close_session", close_session),
+        ("POST", "/abort_request", abort_request),
+        ("POST", "/flush_cache", flush_cache),
+        ("POST", "/generate", generate),
+    ):
+        app.router.add_route(method, path, handler)
+    add_openai_routes(app, service)
     return app
 
 
-def response_of(service: SchedulerService, req: Request) -> dict:
-    return {
-        "text": service.tokenizer.decode(req.output),
-        "output_ids": req.output,
-        "meta_info": {
-            "id": req.rid,
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt),
-            "completion_tokens": len(req.output),
-            "cached_tokens": req.cached_tokens,
-        },
-    }
+def api_keys(keys: str):
+    """With keys configured, every endpoint but /health and /metrics needs one."""
+    allowed = {k.strip() for k in keys.split(",") if k.strip()}
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if allowed and request.path not in OPEN_PATHS:
+            auth = request.headers.get("Authorization", "")
+            key = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+            if key not in allowed:
+                return error(
+                    401,
+                    "a valid API key is required (Authorization: Bearer ...)",
+                    "authentication_error",
+                )
+            request["api_key"] = key
+        return await handler(request)
+
+    return check
 
 
 @web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
+async def errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SessionError as err:
@@ -179,6 +230,6 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except InvalidRequest as err:
         return error(400, str(err))
     except web.HTTPRequestEntityTooLarge as err:
-        return error(413, str(err), "request_too_large")
+        return error(413, err.text or "request body too large", "request_too_large")
     except web.HTTPException as err:
         return error(err.status, err.reason or "error", "http_error")

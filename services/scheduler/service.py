@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgpack
 import redis.asyncio as aioredis
@@ -24,6 +25,7 @@ from services.scheduler.engine.core import EngineConfig, EngineCore
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
+from services.scheduler.metrics import SchedulerMetrics
 from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
@@ -62,7 +64,11 @@ class SchedulerService:
             strict=False,
         )
         self.shipper = EventShipper(self.pools.ledger)
-        self.waiters: dict[str, asyncio.Future] = {}
+        self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
+        self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
+        self.executor_losses = 0
+        self.stream_lag: dict[str, int] = {}
+        self.metrics = SchedulerMetrics(self)
         self.wake = asyncio.Event()
         self.executor_epoch: str | None = None
         self.redis: aioredis.Redis | None = None
@@ -71,25 +77,56 @@ class SchedulerService:
         self._was_idle = True
 
     # ---- intake, used by the API ----
-    async def run_request(self, req: Request, submit) -> Request:
-        """Submit, then wait for the end; a cancelled wait (client gone) aborts it."""
-        future = asyncio.get_running_loop().create_future()
+    async def run_request(
+        self,
+        req: Request,
+        submit: Callable[[Request], Request],
+        progress: Callable[[Request], Awaitable[None]] | None = None,
+    ) -> Request:
+        """Submit and wait for the end, calling `progress` as tokens arrive; a cancelled
+        wait (the client went away) aborts the request."""
         submitted = submit(req)
-        self.waiters[submitted.rid] = future
+        event = asyncio.Event()
+        self.waiters[submitted.rid] = (submitted, event)
+        self.timing[submitted.rid] = [time.monotonic(), None]
         self.wake.set()
         try:
-            return await future
+            while not submitted.done:
+                await event.wait()
+                event.clear()
+                if progress is not None:
+                    await progress(submitted)
+            return submitted
         finally:
-            if not future.done():
-                self.waiters.pop(submitted.rid, None)
-                self.engine.abort(submitted.rid, "client disconnected")
+            self.waiters.pop(submitted.rid, None)
+            self.timing.pop(submitted.rid, None)
+            if not submitted.done:
+                self.finish(self.engine.abort(submitted.rid, "client disconnected"))
                 self.wake.set()
 
     def finish(self, ended: list[Request]) -> None:
+        now = time.monotonic()
         for req in ended:
-            future = self.waiters.pop(req.rid, None)
-            if future is not None and not future.done():
-                future.set_result(req)
+            start = self.timing.get(req.rid)
+            if start is not None:
+                self.metrics.e2e.observe(now - start[0])
+            self._notify(req.rid)
+
+    def _tokens_arrived(self, rids: list[str]) -> None:
+        now = time.monotonic()
+        for rid in rids:
+            seen = self.timing.get(rid)
+            if seen is not None:
+                (self.metrics.ttft if seen[1] is None else self.metrics.itl).observe(
+                    now - (seen[0] if seen[1] is None else seen[1])
+                )
+                seen[1] = now
+            self._notify(rid)
+
+    def _notify(self, rid: str) -> None:
+        waiter = self.waiters.get(rid)
+        if waiter is not None:
+            waiter[1].set()
 
     # ---- the loop ----
     async def start(self) -> None:
@@ -173,13 +210,13 @@ class SchedulerService:
             return
         tokens = unpack_ints(result["tokens"], "<i4").tolist()
         logprobs = unpack_ints(result["logprobs"], "<f4").tolist()
-        self.finish(
-            self.engine.complete_step(
-                plan,
-                dict(zip(result["rids"], tokens, strict=True)),
-                dict(zip(result["rids"], logprobs, strict=True)),
-            )
+        ended = self.engine.complete_step(
+            plan,
+            dict(zip(result["rids"], tokens, strict=True)),
+            dict(zip(result["rids"], logprobs, strict=True)),
         )
+        self._tokens_arrived(result["rids"])
+        self.finish(ended)
 
     def _wire(self, plan: StepPlan) -> dict:
         rows = [
@@ -241,6 +278,7 @@ class SchedulerService:
     def _executor_lost(self, new_epoch: str | None) -> None:
         """Its device state is gone: re-queue what ran, sessions rebuild from history."""
         self.engine.device_lost()
+        self.executor_losses += 1
         self.executor_epoch = new_epoch
         log.warning("device state lost; running work re-queued, sessions will re-prefill")
 
@@ -271,6 +309,17 @@ class SchedulerService:
             await pipe.execute()
         if await self.redis.exists(streams.SNAPSHOT_WANTED):
             await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+
+    async def refresh_stream_lag(self) -> None:
+        """Entries not yet read by each stream's consumer group (for /metrics)."""
+        for stream in (streams.OWNERSHIP, streams.FORWARD):
+            try:
+                groups = await self.redis.xinfo_groups(stream)
+            except aioredis.ResponseError:
+                continue
+            self.stream_lag[stream] = sum(
+                int(g.get("lag") or 0) + int(g["pending"]) for g in groups
+            )
 
     async def _publish(self, stream: str, message: bytes) -> None:
         await self.redis.xadd(

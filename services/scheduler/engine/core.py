@@ -65,6 +65,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.in_flight: StepPlan | None = None
         self.retractions = 0
+        self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         self.guard = InvariantGuard(strict)
         self._step_ids = itertools.count(1)
 
@@ -251,6 +252,9 @@ class EngineCore:
                 self.cache.unlock(node)
             return 0
         req.slots = admit(self.pools, req.rid)
+        self.cache_queries += 1
+        self.cache_hits += bool(match.length)
+        self.cache_hit_tokens += match.length
         working = req.slots.working.slot
         if node is not None:
             self.pools.kv.borrow(req.slots.row.slot, match.pages)

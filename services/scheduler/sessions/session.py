@@ -28,3 +28,4 @@ class Session:
     turn: Request | None = None  # the turn in flight, at most one
     closing: bool = False  # close asked while a turn runs: completes when it ends
     closed: bool = False
+    api_key: str | None = None  # the key that opened it, when API keys are on

@@ -1,0 +1,74 @@
+"""What both HTTP route modules use: JSON errors, body parsing, server-sent events, and
+resolving the session a request names (with API keys on, only the key that opened a
+session may use it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from aiohttp import web
+
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.sessions.manager import SessionError
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+async def body_of(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidRequest(f"the body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def check_number(name: str, value: object, kind: type | tuple) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+
+
+def submitter(
+    service: SchedulerService,
+    request: web.Request,
+    tokens: list[int],
+    sid: object,
+    session_params: dict,
+) -> Callable[[Request], Request]:
+    """How to queue a request: plain, or the next turn of a session the caller owns (with
+    API keys on, a session is visible only to the key that opened it)."""
+    engine = service.engine
+    if sid is None:
+        return engine.submit
+    own_session(service, request, sid)
+    return lambda r: engine.submit_turn(sid, np.asarray(tokens), r, session_params)
+
+
+def own_session(service: SchedulerService, request: web.Request, sid: object) -> None:
+    if not isinstance(sid, str):
+        raise InvalidRequest("a session id must be a string")
+    if service.engine.sessions.get(sid).api_key != request.get("api_key"):
+        raise SessionError(f"session {sid} not found", "not_found")
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    sse = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await sse.prepare(request)
+    return sse
+
+
+async def send_sse(sse: web.StreamResponse, payload: dict | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    await sse.write(f"data: {data}\n\n".encode())

@@ -1,0 +1,107 @@
+"""The scheduler's Prometheus metrics.
+
+Pool occupancy, sessions, queues and counters are read from live state at scrape time
+(the ledger's owner tables, the engine's queues), so a metric can never drift from what
+it measures. Latencies are histograms observed as tokens arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class LiveState(Collector):
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator:
+        engine, pools = self.service.engine, self.service.pools
+        capacity = GaugeMetricFamily("custody_pool_capacity", "slots in the pool", labels=["pool"])
+        free = GaugeMetricFamily("custody_pool_free", "free slots", labels=["pool"])
+        held = GaugeMetricFamily(
+            "custody_pool_held", "slots held, by owner kind", labels=["pool", "owner_kind"]
+        )
+        for pool in pools.ledger.by_id:
+            capacity.add_metric([pool.name], pool.capacity)
+            free.add_metric([pool.name], pool.free_count)
+            for kind, n in pool.held_by_kind().items():
+                if kind.name != "FREE":
+                    held.add_metric([pool.name, kind.name.lower()], n)
+        yield from (capacity, free, held)
+        yield _gauge(
+            "custody_sessions_open", "open streaming sessions", len(engine.sessions.sessions)
+        )
+        yield _gauge("custody_requests_running", "requests running", len(engine.running))
+        yield _gauge("custody_requests_queued", "requests waiting", len(engine.waiting))
+        yield _counter(
+            "custody_invariant_check_failures",
+            "ownership invariant violations found",
+            engine.guard.failures,
+        )
+        yield _counter("custody_retractions", "running requests preempted", engine.retractions)
+        yield _counter("custody_prefix_cache_queries", "prefix cache lookups", engine.cache_queries)
+        yield _counter(
+            "custody_prefix_cache_hits", "prefix cache lookups that matched", engine.cache_hits
+        )
+        yield _counter(
+            "custody_prefix_cache_hit_tokens",
+            "tokens served from the prefix cache",
+            engine.cache_hit_tokens,
+        )
+        yield _counter(
+            "custody_executor_restarts",
+            "executor losses seen (device state lost)",
+            self.service.executor_losses,
+        )
+        lag = GaugeMetricFamily(
+            "custody_stream_lag_entries", "entries not yet read by a group", labels=["stream"]
+        )
+        for stream, entries in self.service.stream_lag.items():
+            lag.add_metric([stream], entries)
+        yield lag
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+class SchedulerMetrics:
+    def __init__(self, service: SchedulerService) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(LiveState(service))
+        self.ttft = Histogram(
+            "custody_ttft_seconds", "time to first token", buckets=BUCKETS, registry=self.registry
+        )
+        self.itl = Histogram(
+            "custody_inter_token_latency_seconds",
+            "time between tokens",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "custody_request_seconds",
+            "arrival to end of a request",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,91 @@
+"""Starting the three services as processes against the test Redis, and talking to them."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+from custody.inprocess import InProcess, LocalConfig
+from custody.up import Stack
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.sampling import SamplingParams
+from shared.config import Settings
+from shared.redis_server import free_port
+
+POOLS = {
+    "page_size": 4,
+    "kv_pages": 512,
+    "mamba_slots": 48,
+    "max_running_requests": 12,
+    "context_len": 1024,
+    "chunk_size": 32,
+    "max_step_tokens": 128,
+    "track_interval": 8,
+}
+
+
+def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> object:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method="GET" if body is None else "POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def start_stack(settings: Settings) -> Stack:
+    """The three services, up and with an executor, or an error."""
+    stack = Stack(settings).start_all()
+    try:
+        wait_up(stack)
+    except RuntimeError:
+        stack.stop()
+        raise
+    return stack
+
+
+def stack_settings(redis_url: str, **overrides: object) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        port=free_port(),
+        store_port=free_port(),
+        executor_metrics_port=free_port(),
+        heartbeat_seconds=0.2,
+        executor_timeout_seconds=1.5,
+        **(POOLS | overrides),
+    )
+
+
+def one_shot(prompt: list[int], n: int) -> list[int]:
+    local = InProcess(LocalConfig(**POOLS))
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    req = local.engine.submit(Request("x", np.asarray(prompt), params))
+    local.run_until_idle()
+    return req.output
+
+
+def ledger_when_idle(stack: Stack) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        view = call(stack.settings.store_port, "/ledger")
+        busy = any(c["request"] or c["track"] or c["session"] for c in view["counts"].values())
+        if not busy or time.monotonic() > deadline:
+            return view
+        time.sleep(0.2)
+
+
+def wait_up(stack: Stack) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        stack.supervise_once()
+        try:
+            if call(stack.settings.port, "/health", timeout=2)["executor"]:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the stack did not come up")

@@ -1,0 +1,303 @@
+"""The HTTP API over real HTTP against the real services on the test Redis: every
+endpoint, server-sent events, the official `openai` client, 200+ bad inputs, API keys,
+and the metrics against the independent ledger."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.services_harness import (
+    POOLS,
+    call,
+    ledger_when_idle,
+    one_shot,
+    stack_settings,
+    start_stack,
+)
+
+
+def raw_call(
+    port: int, path: str, data: bytes | None, headers: dict | None = None, method: str = "POST"
+) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method=method, headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def sse_events(port: int, path: str, body: dict) -> list:
+    status, raw = raw_call(port, path, json.dumps(body).encode())
+    assert status == 200
+    events = [
+        line[len("data: ") :] for line in raw.decode().split("\n") if line.startswith("data: ")
+    ]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_every_endpoint(stack):
+    port = stack.settings.port
+    assert call(port, "/health")["status"] == "ok"
+    info = call(port, "/get_model_info")
+    assert (
+        info["context_length"] == POOLS["context_len"] and info["page_size"] == POOLS["page_size"]
+    )
+    sid = call(port, "/open_session", {"session_id": "api"})
+    first = call(
+        port,
+        "/generate",
+        {
+            "text": "Hi there.",
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+            "session_params": {"id": sid},
+        },
+    )
+    assert first["meta_info"]["cached_tokens"] == 0 and len(first["output_ids"]) == 5
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    events = sse_events(
+        port,
+        "/generate",
+        {
+            "input_ids": [1, 2, 3],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            "session_params": {"id": sid},
+        },
+    )
+    assert (
+        len(events) >= 2
+        and events[-1]["output_ids"][: len(events[0]["output_ids"])] == events[0]["output_ids"]
+    )
+    assert events[-1]["meta_info"]["cached_tokens"] == len("Hi there.") + 5 - 1
+    plain = call(
+        port,
+        "/generate",
+        {"input_ids": [9, 8, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+    )
+    assert plain["output_ids"] == one_shot([9, 8, 7], 3)
+    assert call(port, "/abort_request", {"rid": "nothing-running"}) is True
+    assert call(port, "/abort_request", {"abort_all": True}) is True
+    assert call(port, "/flush_cache", {}) is True
+    assert call(port, "/close_session", {"session_id": sid}) is True
+    status, metrics = raw_call(port, "/metrics", None, method="GET")
+    assert status == 200 and b"custody_pool_capacity" in metrics
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_openai_client_completions_and_chat(stack):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.settings.port}/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["custody"]
+    done = client.completions.create(
+        model="custody", prompt="Once upon", max_tokens=4, temperature=0
+    )
+    assert done.usage.completion_tokens == 4 and done.choices[0].finish_reason in ("length", "stop")
+    streamed = client.completions.create(
+        model="custody", prompt="Once upon", max_tokens=4, temperature=0, stream=True
+    )
+    assert sum(1 for _ in streamed) >= 1
+    call(stack.settings.port, "/open_session", {"session_id": "agent"})
+    messages = [{"role": "user", "content": "Plan a trip."}]
+    reply = client.chat.completions.create(
+        model="custody",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"session_id": "agent"},
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "Shorter."},
+    ]
+    again = client.chat.completions.create(
+        model="custody",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"session_id": "agent"},
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the agent loop kept its cache
+    chunks = list(
+        client.chat.completions.create(
+            model="custody",
+            messages=[{"role": "user", "content": "Stream?"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    call(stack.settings.port, "/close_session", {"session_id": "agent"})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+
+
+def bad_inputs() -> list[tuple[str, bytes]]:
+    """Hand-picked and generated: malformed bodies, wrong types, unknown values, absurd
+    limits, over-long prompts, unknown sessions, forbidden session parameters."""
+    hand = [
+        ("/generate", b""),
+        ("/generate", b"{"),
+        ("/generate", b"[]"),
+        ("/generate", b"null"),
+        ("/generate", b"\xff\xfe"),
+        ("/generate", json.dumps({}).encode()),
+        ("/generate", json.dumps({"text": 5}).encode()),
+        ("/generate", json.dumps({"input_ids": "abc"}).encode()),
+        ("/generate", json.dumps({"input_ids": [1, "2"]}).encode()),
+        ("/generate", json.dumps({"input_ids": [1, True]}).encode()),
+        ("/generate", json.dumps({"input_ids": []}).encode()),
+        ("/generate", json.dumps({"input_ids": [-1]}).encode()),
+        ("/generate", json.dumps({"input_ids": [10**9]}).encode()),
+        ("/generate", json.dumps({"input_ids": [1] * 5000}).encode()),
+        ("/generate", json.dumps({"text": "x" * 5000}).encode()),
+        ("/generate", json.dumps({"text": "x", "sampling_params": []}).encode()),
+        ("/generate", json.dumps({"text": "x", "sampling_params": {"bogus": 1}}).encode()),
+        ("/generate", json.dumps({"text": "x", "session_params": {"id": "nope"}}).encode()),
+        ("/generate", json.dumps({"text": "x", "session_params": 3}).encode()),
+        ("/open_session", b"{}x"),
+        ("/open_session", json.dumps({"session_id": ""}).encode()),
+        ("/open_session", json.dumps({"session_id": "a b"}).encode()),
+        ("/open_session", json.dumps({"session_id": 7}).encode()),
+        ("/open_session", json.dumps({"timeout": -1}).encode()),
+        ("/open_session", json.dumps({"timeout": "soon"}).encode()),
+        ("/close_session", json.dumps({"session_id": "never-opened"}).encode()),
+        ("/close_session", json.dumps({"session_id": None}).encode()),
+        ("/close_session", b"not json"),
+        ("/abort_request", b"[1]"),
+        ("/v1/completions", json.dumps({"prompt": 3}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "stop": ["\n"]}).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(),
+        ),
+        ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode()),
+        ("/generate", b"x" * (9 * 1024 * 1024)),  # over the body limit: 413
+    ]
+    rng = random.Random(7)
+    fields = {
+        "max_new_tokens": [0, -1, 10**9, 1.5, "5", None, True, [], {}],
+        "temperature": [-1, 101, "hot", None, [], float("nan")],
+        "top_p": [0, -0.5, 1.5, "all", []],
+        "top_k": [0, -2, 10**6, 2.5, "k"],
+        "seed": ["s", 1.5, [], {}],
+        "stop_token_ids": [[-1], [10**6], "x", [1.5], 5],
+        "ignore_eos": ["yes", 1, [], None],
+    }
+    generated = []
+    for key, values in itertools.cycle(fields.items()):
+        if len(generated) >= 180:
+            break
+        value = rng.choice(values)
+        body = {
+            "input_ids": [rng.randrange(256) for _ in range(rng.randint(1, 6))],
+            "sampling_params": {"max_new_tokens": 2, key: value},
+        }
+        if rng.random() < 0.3:
+            body["session_params"] = rng.choice(
+                [
+                    {"id": "bad-session"},
+                    {"id": 5},
+                    {"id": "s-ok", "offset": 1},
+                    {"id": "s-ok", "replace": True},
+                    {"id": "s-ok", "drop_previous_output": True},
+                ]
+            )
+        data = json.dumps(body, allow_nan=True).encode()
+        if (key == "max_new_tokens" and value == 10**9) or (key == "ignore_eos" and value is None):
+            continue
+        generated.append(("/generate", data))
+    return hand + generated
+
+
+def test_200_bad_inputs_get_4xx_and_change_nothing(stack):
+    port = stack.settings.port
+    call(port, "/open_session", {"session_id": "s-ok"})
+    cases = bad_inputs()
+    assert len(cases) >= 200
+    for path, data in cases:
+        status, body = raw_call(port, path, data, {"Content-Type": "application/json"})
+        assert 400 <= status < 500, (path, data[:120], status, body[:200])
+        assert "error" in json.loads(body) and "message" in json.loads(body)["error"]
+    assert call(port, "/health")["executor"]
+    call(port, "/close_session", {"session_id": "s-ok"})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+    assert {p: c["free"] for p, c in view["counts"].items()} == {
+        "kv": POOLS["kv_pages"],
+        "mamba": POOLS["mamba_slots"],
+        "req": POOLS["max_running_requests"],
+    }
+
+
+def test_metrics_match_the_ledger(stack):
+    port = stack.settings.port
+    call(port, "/open_session", {"session_id": "m"})
+    call(
+        port,
+        "/generate",
+        {
+            "input_ids": [4, 5, 6],
+            "sampling_params": {"max_new_tokens": 3},
+            "session_params": {"id": "m"},
+        },
+    )
+    for phase in ("open", "closed"):
+        if phase == "closed":
+            call(port, "/close_session", {"session_id": "m"})
+        view = ledger_when_idle(stack)
+        _, raw = raw_call(port, "/metrics", None, method="GET")
+        text = raw.decode()
+        for pool, counts in view["counts"].items():
+            free = re.search(rf'custody_pool_free{{pool="{pool}"}} (\S+)', text)
+            assert float(free.group(1)) == counts["free"], (phase, pool)
+            for kind in ("request", "session", "cache", "track"):
+                held = re.search(
+                    rf'custody_pool_held{{owner_kind="{kind}",pool="{pool}"}} (\S+)', text
+                )
+                assert float(held.group(1)) == counts[kind], (phase, pool, kind)
+
+
+@pytest.fixture
+def keyed_stack(redis_url, redis_client):
+    running = start_stack(stack_settings(redis_url, api_keys="alpha,beta"))
+    yield running
+    running.stop()
+
+
+def test_api_keys_guard_everything_but_health_and_metrics(keyed_stack):
+    port = keyed_stack.settings.port
+    assert raw_call(port, "/health", None, method="GET")[0] == 200
+    assert raw_call(port, "/metrics", None, method="GET")[0] == 200
+    body = json.dumps({"session_id": "mine"}).encode()
+    assert raw_call(port, "/open_session", body)[0] == 401
+    assert raw_call(port, "/open_session", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert raw_call(port, "/open_session", body, {"Authorization": "Bearer alpha"})[0] == 200
+    turn = json.dumps(
+        {
+            "input_ids": [1, 2],
+            "sampling_params": {"max_new_tokens": 2},
+            "session_params": {"id": "mine"},
+        }
+    ).encode()
+    assert raw_call(port, "/generate", turn, {"Authorization": "Bearer beta"})[0] == 404
+    assert raw_call(port, "/generate", turn, {"Authorization": "Bearer alpha"})[0] == 200
+    close = json.dumps({"session_id": "mine"}).encode()
+    assert raw_call(port, "/close_session", close, {"Authorization": "Bearer beta"})[0] == 404
+    assert raw_call(port, "/close_session", close, {"Authorization": "Bearer alpha"})[0] == 200
