@@ -9,6 +9,7 @@ its source, and nothing waits on the host until the sampled tokens are read back
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +38,15 @@ class ModelRunner:
         self.model, self.pools = model, pools
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.last_ops_seconds = 0.0  # host time to queue the last step's state ops
 
     def execute(self, rows: list[Row], ops: DeferredOps, keep_logits: bool = False) -> StepResult:
         self.validate(rows, ops)
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
+            start = time.perf_counter()
             self.apply_ops(ops)
+            self.last_ops_seconds = time.perf_counter() - start
             batch = ForwardBatch(rows, self.device)
             hidden = self.model(batch, self.pools)
             logits = self.model.lm_head(hidden[batch.last_positions])

@@ -30,6 +30,7 @@ log = logging.getLogger("custody.executor")
 STEPS = Counter("custody_executor_steps_total", "forward steps run", ["outcome"])
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
+OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
 
 
 class ExecutorService:
@@ -124,6 +125,7 @@ class ExecutorService:
                 result_body(msg["step"], self.epoch, sampling, [], [], str(err)),
             )
         STEPS.labels("ok").inc()
+        OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
         return encode(
             "result",

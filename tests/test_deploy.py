@@ -1,0 +1,105 @@
+"""The compose stack and the Grafana dashboard refer only to things that exist: files,
+modules, ports, and metrics that the running services really export."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from shared.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy/grafana/dashboards/custody-pool-health.json"
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_services_ports_volumes_and_provisioning_exist():
+    spec = compose()
+    services = spec["services"]
+    assert set(services) == {
+        "redis",
+        "session-store",
+        "executor",
+        "scheduler",
+        "prometheus",
+        "grafana",
+    }
+    defaults = Settings()
+    ports = {
+        "scheduler": defaults.port,
+        "session-store": defaults.store_port,
+        "executor": defaults.executor_metrics_port,
+    }
+    for name, service in services.items():
+        assert service.get("restart") == "unless-stopped", name
+        if name in ports:
+            assert (ROOT / service["build"] / "Dockerfile").exists()
+            module = service["command"][-1]
+            assert importlib.util.find_spec(module) is not None, module
+            assert service["ports"] == [f"{ports[name]}:{ports[name]}"]
+            assert service["environment"]["CUSTODY_REDIS_URL"].startswith("redis://redis:")
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), (name, source)
+            else:
+                assert source in spec["volumes"], (name, source)
+    assert "--appendonly" in services["redis"]["command"]
+    assert services["executor"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "capabilities"
+    ] == ["gpu"]
+    targets = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    scraped = set(targets["scrape_configs"][0]["static_configs"][0]["targets"])
+    assert scraped == {f"{name}:{port}" for name, port in ports.items()}
+    provider = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/dashboards/custody.yml").read_text()
+    )
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
+    dashboards_dir = ROOT / mounted[provider["providers"][0]["options"]["path"]]
+    assert DASHBOARD.parent == dashboards_dir.resolve()
+    datasource = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def exported(port: int) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_the_dashboard_uses_only_metrics_the_services_export(stack):
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] == "custody pool health"
+    call_body = json.dumps(
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+    ).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.settings.port}/generate", data=call_body)
+    urllib.request.urlopen(req, timeout=60).read()
+    s = stack.settings
+    names = exported(s.port) | exported(s.store_port) | exported(s.executor_metrics_port)
+    used = {
+        m
+        for panel in dash["panels"]
+        for target in panel["targets"]
+        for m in re.findall(r"custody_[a-z0-9_]+", target["expr"])
+    }
+    assert used and used <= names, sorted(used - names)
+    pool_panels = [p for p in dash["panels"] if "occupancy by owner kind" in p["title"]]
+    assert len(pool_panels) == 3
+    assert all(
+        p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal" for p in pool_panels
+    )
