@@ -181,7 +181,7 @@ def bad_inputs() -> list[tuple[str, bytes]]:
         ("/v1/completions", json.dumps({"prompt": 3}).encode()),
         ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}).encode()),
         ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode()),
-        ("/v1/completions", json.dumps({"prompt": "x", "stop": ["\n"]}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "stop": 5}).encode()),
         ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
         (
             "/v1/chat/completions",
@@ -301,3 +301,27 @@ def test_api_keys_guard_everything_but_health_and_metrics(keyed_stack):
     close = json.dumps({"session_id": "mine"}).encode()
     assert raw_call(port, "/close_session", close, {"Authorization": "Bearer beta"})[0] == 404
     assert raw_call(port, "/close_session", close, {"Authorization": "Bearer alpha"})[0] == 200
+
+
+def test_stop_strings_end_a_request_and_are_trimmed(stack):
+    port = stack.settings.port
+    free = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [3, 1, 4, 1, 5],
+            "sampling_params": {"max_new_tokens": 40, "ignore_eos": True},
+        },
+    )
+    text = free["text"]
+    stop = next(ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd")
+    cut = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [3, 1, 4, 1, 5],
+            "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "stop": stop},
+        },
+    )
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in cut["text"] and text.startswith(cut["text"])

@@ -24,8 +24,10 @@ from services.scheduler.http_common import (
     check_number,
     error,
     open_sse,
+    output_text,
     own_session,
     send_sse,
+    stop_strings,
     submitter,
 )
 from services.scheduler.sessions.manager import SessionError
@@ -40,6 +42,7 @@ SAMPLING_KEYS = {
     "top_p",
     "top_k",
     "seed",
+    "stop",
     "stop_token_ids",
     "ignore_eos",
     "no_stop_trim",
@@ -67,7 +70,10 @@ def sampling_from(raw: object) -> SamplingParams:
     seed = raw.get("seed")
     if seed is not None:
         check_number("sampling_params.seed", seed, int)
-    params = SamplingParams(**{k: tuple(v) if k == "stop_token_ids" else v for k, v in raw.items()})
+    values = dict(raw)
+    values["stop"] = stop_strings(raw.get("stop"))
+    values["stop_token_ids"] = tuple(stop)
+    params = SamplingParams(**values)
     for name, kind in (
         ("max_new_tokens", int),
         ("top_k", int),
@@ -91,18 +97,20 @@ def token_input(service: SchedulerService, body: dict) -> list[int]:
     raise InvalidRequest("give text (a string) or input_ids (a list of integers)")
 
 
-def response_of(service: SchedulerService, req: Request) -> dict:
-    return {
-        "text": service.tokenizer.decode(req.output),
-        "output_ids": list(req.output),
-        "meta_info": {
-            "id": req.rid,
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt),
-            "completion_tokens": len(req.output),
-            "cached_tokens": req.cached_tokens,
-        },
+def response_of(service: SchedulerService, req: Request, logprobs: bool = False) -> dict:
+    meta = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt),
+        "completion_tokens": len(req.output),
+        "cached_tokens": req.cached_tokens,
     }
+    if logprobs:  # SGLang's shape: [logprob, token id, token text]
+        meta["output_token_logprobs"] = [
+            [lp, tok, service.tokenizer.decode([tok])]
+            for lp, tok in zip(req.logprobs, req.output, strict=False)
+        ]
+    return {"text": output_text(service, req), "output_ids": list(req.output), "meta_info": meta}
 
 
 def build_app(service: SchedulerService) -> web.Application:
@@ -174,12 +182,14 @@ def build_app(service: SchedulerService) -> web.Application:
             str(body.get("rid") or f"req-{next(rids)}"), np.asarray(tokens, dtype=np.int64), params
         )
         submit = submitter(service, request, tokens, session.get("id"), session)
+        logprobs = body.get("return_logprob") is True
         if not body.get("stream"):
-            return web.json_response(response_of(service, await service.run_request(req, submit)))
+            done = await service.run_request(req, submit)
+            return web.json_response(response_of(service, done, logprobs))
         sse = await open_sse(request)
 
         async def progress(r: Request) -> None:
-            await send_sse(sse, response_of(service, r))
+            await send_sse(sse, response_of(service, r, logprobs))
 
         await service.run_request(req, submit, progress)
         await send_sse(sse, "[DONE]")

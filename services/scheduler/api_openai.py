@@ -18,7 +18,15 @@ from aiohttp import web
 
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
-from services.scheduler.http_common import body_of, check_number, open_sse, send_sse, submitter
+from services.scheduler.http_common import (
+    body_of,
+    check_number,
+    open_sse,
+    output_text,
+    send_sse,
+    stop_strings,
+    submitter,
+)
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
@@ -47,8 +55,6 @@ def check_messages(raw: object) -> list[dict]:
 
 
 def params_of(body: dict, default_max: int) -> SamplingParams:
-    if body.get("stop") not in (None, [], ""):
-        raise InvalidRequest("stop strings are not supported; stop at the model's end token")
     if body.get("n", 1) != 1:
         raise InvalidRequest("only n=1 is supported")
     values = {
@@ -67,6 +73,7 @@ def params_of(body: dict, default_max: int) -> SamplingParams:
         top_p=values["top_p"],
         seed=seed,
         logprobs=bool(body.get("logprobs")),
+        stop=stop_strings(body.get("stop")),
     )
 
 
@@ -114,7 +121,7 @@ def add_openai_routes(app: web.Application, service: SchedulerService) -> None:
                     "object": kind,
                     "created": created,
                     "model": MODEL_ID,
-                    "choices": [choice(service.tokenizer.decode(done.output), finish(done))],
+                    "choices": [choice(output_text(service, done), finish(done))],
                     "usage": usage(done),
                 }
             )

@@ -72,3 +72,22 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
 async def send_sse(sse: web.StreamResponse, payload: dict | str) -> None:
     data = payload if isinstance(payload, str) else json.dumps(payload)
     await sse.write(f"data: {data}\n\n".encode())
+
+
+def stop_strings(raw: object) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        return (raw,)
+    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
+        return tuple(raw)
+    raise InvalidRequest("stop must be a string or a list of strings")
+
+
+def output_text(service: SchedulerService, req: Request) -> str:
+    """The decoded output, cut before a matched stop string unless no_stop_trim."""
+    text = service.tokenizer.decode(req.output)
+    matched = (req.finish_reason or {}).get("matched")
+    if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
+        text = text[: text.index(matched)]
+    return text

@@ -62,6 +62,7 @@ class SchedulerService:
                 track_interval=settings.track_interval,
             ),
             strict=False,
+            decode=self.tokenizer.decode,
         )
         self.shipper = EventShipper(self.pools.ledger)
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
@@ -331,7 +332,7 @@ async def serve(settings: Settings) -> None:
     service = SchedulerService(settings)
     await service.start()
     app = build_app(service)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # a disconnect aborts its request
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("API listening on http://%s:%d", settings.host, settings.port)

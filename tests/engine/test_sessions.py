@@ -159,7 +159,9 @@ def test_s6_concurrency(logprobs):
 
 
 def test_s7_abort_heavy_chunked_prefill():
-    d = Driver(page_size=16, context=512, chunk=32, step_tokens=96, kv_pages=200, rows=12)
+    d = Driver(
+        page_size=16, context=512, chunk=32, step_tokens=96, kv_pages=200, rows=12, mamba_slots=48
+    )
     sids = [d.engine.sessions.open().sid for _ in range(4)]
     for i, sid in enumerate(sids):
         d.turn(sid, text(40, i), max_new=4)

@@ -9,7 +9,9 @@ Aborts and retracts take effect between steps, never under a running forward.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +30,8 @@ from services.scheduler.ownership.invariants import (
 )
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
+
+log = logging.getLogger("custody.engine")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,13 @@ class EngineConfig:
 
 
 class EngineCore:
-    def __init__(self, pools: Pools, config: EngineConfig, strict: bool = True) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        config: EngineConfig,
+        strict: bool = True,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         config.check(pools.config.page_size)
         if config.context_len > pools.config.max_context:
             raise ValueError("context_len exceeds the row table's max_context")
@@ -58,6 +68,7 @@ class EngineCore:
             raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
         self.pools = pools
         self.config = config
+        self.decode = decode  # detokenizer, for stop strings
         self.cache = RadixCache(pools)
         self.sessions = SessionManager(pools, self.cache)
         self.waiting: deque[Request] = deque()
@@ -287,8 +298,18 @@ class EngineCore:
                 self.cache.evict_kv(pages - p.kv_pages.free_count)
             if mamba > p.mamba.free_count:
                 self.cache.evict_mamba(mamba - p.mamba.free_count)
-            if short() and not self.sessions.drop_idle_state():
-                return False
+            if short():
+                log.info(
+                    "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
+                    pages,
+                    p.kv_pages.free_count,
+                    mamba,
+                    p.mamba.free_count,
+                    rows,
+                    p.req.free_count,
+                )
+                if not self.sessions.drop_idle_state():
+                    return False
         return True
 
     def _pages_to_grow(self, length: int, n: int) -> int:
@@ -335,6 +356,12 @@ class EngineCore:
     def _finish_reason(self, req: Request, token: int) -> dict | None:
         if req.params.stops_at(token, self.config.eos_token_id):
             return {"type": "stop", "matched": token}
+        if req.params.stop and self.decode is not None:
+            window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode
+            tail = self.decode(req.output[-window:])
+            for stop in req.params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
         if len(req.output) >= req.params.max_new_tokens:
             return {"type": "length", "length": req.params.max_new_tokens}
         if req.length >= self.config.context_len:

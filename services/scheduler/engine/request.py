@@ -73,6 +73,7 @@ class Request:
         """The output as it enters a session's history: a stop token is trimmed unless
         the request asked to keep it."""
         reason = self.finish_reason or {}
-        if reason.get("type") == "stop" and "matched" in reason and not self.params.no_stop_trim:
+        matched_token = isinstance(reason.get("matched"), int)
+        if reason.get("type") == "stop" and matched_token and not self.params.no_stop_trim:
             return self.output[:-1]
         return list(self.output)

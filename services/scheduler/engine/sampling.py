@@ -17,6 +17,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded output
     ignore_eos: bool = False
     no_stop_trim: bool = False
     logprobs: bool = False
@@ -34,6 +35,10 @@ class SamplingParams:
             raise InvalidRequest(
                 f"top_k must be -1 or lie in [1, {vocab_size}], got {self.top_k!r}"
             )
+        if len(self.stop) > 16 or any(
+            not isinstance(x, str) or not 0 < len(x) <= 256 for x in self.stop
+        ):
+            raise InvalidRequest("stop must be at most 16 non-empty strings of <= 256 characters")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")

@@ -10,6 +10,7 @@ turn still prefills only its new tokens.
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import time
@@ -30,6 +31,7 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.sessions.session import Session
 from shared.deferred_ops import DeferredOps
 
+log = logging.getLogger("custody.sessions")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 
@@ -52,6 +54,7 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
+        self.states_dropped = 0
 
     # ---- client-facing ----
     def open(self, sid: str | None = None, timeout: float | None = None) -> Session:
@@ -141,7 +144,14 @@ class SessionManager:
         idle = [s for s in self.sessions.values() if s.turn is None and s.slots is not None]
         if not idle:
             return False
-        self._drop_state(min(idle, key=lambda s: s.last_used))
+        victim = min(idle, key=lambda s: s.last_used)
+        log.info(
+            "memory pressure: session %s gives up its device state (%d positions)",
+            victim.sid,
+            victim.cached_len,
+        )
+        self._drop_state(victim)
+        self.states_dropped += 1
         return True
 
     def drop_all_state(self) -> None:
