@@ -2,10 +2,11 @@
 
 from collections.abc import Callable
 
-from custody.bench import allocators, events, executor, sessions
+from custody.bench import allocators, e2e, events, executor, sessions
 
 BENCHMARKS: dict[str, Callable[[int], dict]] = {
     "allocators": allocators.run,
+    "e2e": e2e.run,
     "events": events.run,
     "executor": executor.run,
     "sessions": sessions.run,

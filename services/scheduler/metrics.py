@@ -102,6 +102,12 @@ class SchedulerMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.step = Histogram(
+            "custody_step_seconds",
+            "one step from planning to completion: scheduling, Redis hops and the forward",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

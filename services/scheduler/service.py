@@ -190,6 +190,7 @@ class SchedulerService:
     async def step(self) -> None:
         await self._check_executor()
         await self._ship_events()
+        started = time.perf_counter()
         if self.executor_epoch is None or (plan := self.engine.plan_step()) is None:
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -218,6 +219,7 @@ class SchedulerService:
         )
         self._tokens_arrived(result["rids"])
         self.finish(ended)
+        self.metrics.step.observe(time.perf_counter() - started)
 
     def _wire(self, plan: StepPlan) -> dict:
         rows = [

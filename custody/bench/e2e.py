@@ -1,0 +1,130 @@
+"""`custody bench e2e`: 16 concurrent clients, each running a multi-turn streaming
+session against `custody up`'s services (private Redis, built-in model). Reports output
+throughput, TTFT and inter-token latency percentiles measured by the clients (server-sent
+events), and `overhead_share`: the share of step time spent outside the executor's forward
+(scheduling, the Redis hops, serialisation), from the services' own metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import re
+import statistics
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from custody.bench.harness import RESULTS_DIR, progress
+from custody.bench.sessions import _post, _wait
+from custody.up import Stack
+from shared.config import Settings
+from shared.redis_server import free_port
+
+CLIENTS, TURNS, INPUT, OUTPUT = 16, 4, 32, 32
+
+
+def _metric_sum(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(m) for m in re.findall(rf"^{name}_sum(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _client(port: int, name: str, ttft: list, itl: list, tokens: list) -> None:
+    rng = random.Random(name)
+    sid = _post(port, "/open_session", {"session_id": name})
+    for _ in range(TURNS):
+        body = {
+            "input_ids": [rng.randrange(256) for _ in range(INPUT)],
+            "stream": True,
+            "session_params": {"id": sid},
+            "sampling_params": {"max_new_tokens": OUTPUT, "ignore_eos": True},
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        start = last = time.perf_counter()
+        conn.request("POST", "/generate", json.dumps(body))
+        resp = conn.getresponse()
+        seen = 0
+        for line in resp:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            count = len(json.loads(line[6:])["output_ids"])
+            if seen == 0 and count:
+                ttft.append(now - start)
+            elif count > seen:
+                itl.extend([(now - last) / (count - seen)] * (count - seen))
+            seen, last = count, now
+        conn.close()
+        tokens.append(seen)
+    _post(port, "/close_session", {"session_id": sid})
+
+
+def _one_run(settings: Settings, run: int) -> dict:
+    ttft, itl, tokens = [], [], []
+    step0 = _metric_sum(settings.port, "custody_step_seconds")
+    fwd0 = _metric_sum(settings.executor_metrics_port, "custody_forward_seconds")
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=_client, args=(settings.port, f"e2e-{run}-{k}", ttft, itl, tokens))
+        for k in range(CLIENTS)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    step = _metric_sum(settings.port, "custody_step_seconds") - step0
+    fwd = _metric_sum(settings.executor_metrics_port, "custody_forward_seconds") - fwd0
+    return {
+        "tokens_per_s": sum(tokens) / wall,
+        "ttft": ttft,
+        "itl": itl,
+        "overhead_share": 1 - fwd / step if step else float("nan"),
+    }
+
+
+def run(repeats: int = 3) -> dict:
+    settings = Settings(port=free_port(), store_port=free_port(), executor_metrics_port=free_port())
+    stack = Stack(settings).start_all()
+    runs = []
+    try:
+        _wait(stack)
+        for i in range(repeats):
+            runs.append(_one_run(settings, i))
+            progress("e2e", i + 1, repeats)
+    finally:
+        stack.stop()
+    ttft = np.concatenate([r["ttft"] for r in runs]) * 1e3
+    itl = np.concatenate([r["itl"] for r in runs]) * 1e3
+    share = statistics.median(r["overhead_share"] for r in runs)
+    payload = {
+        "clients": CLIENTS,
+        "turns": TURNS,
+        "input_tokens": INPUT,
+        "output_tokens": OUTPUT,
+        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
+        "ttft_ms": {p: round(float(np.percentile(ttft, p)), 1) for p in (50, 90, 99)},
+        "itl_ms": {p: round(float(np.percentile(itl, p)), 2) for p in (50, 90, 99)},
+        "overhead_share": round(share, 3),
+        "repeats": repeats,
+    }
+    ttft_text = " / ".join(str(v) for v in payload["ttft_ms"].values())
+    itl_text = " / ".join(str(v) for v in payload["itl_ms"].values())
+    verdict = "met" if share <= 0.15 else "NOT met"
+    lines = [
+        "| figure | value |",
+        "|---|---|",
+        f"| output throughput, {CLIENTS} sessions x {TURNS} turns | "
+        f"{payload['tokens_per_s']} tokens/s |",
+        f"| TTFT p50 / p90 / p99 | {ttft_text} ms |",
+        f"| inter-token p50 / p90 / p99 | {itl_text} ms |",
+        f"| overhead_share (target <= 0.15) | {share:.3f} {verdict} |",
+    ]
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "e2e.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (RESULTS_DIR / "e2e.md").write_text("\n".join(lines) + "\n")
+    payload["table"] = "\n".join(lines)
+    return payload
