@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from custody.inprocess import InProcess, LocalConfig
+from custody.inprocess import InProcess
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import SamplingParams
+from shared.config import Settings
 
 TURNS = [
     "You are a careful assistant. Keep a running list of what I tell you.\nFirst: apples.",
@@ -21,7 +22,7 @@ TURNS = [
 
 
 def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
-    local = InProcess(LocalConfig(model_dir=model_dir))
+    local = InProcess(Settings(model=model_dir))
     sid = local.engine.sessions.open().sid
     print(f"session {sid}: {turns} turns, {max_new_tokens} new tokens each\n")
     for k, text in enumerate((TURNS * turns)[:turns]):

@@ -1,70 +1,34 @@
-"""The scheduler core and the executor in one process, without Redis.
+"""The scheduler core and the executor in one process, without Redis (`custody demo`,
+and tests that need real tensors but not the services).
 
-This is how a request goes end to end until the services talk over streams: the
-scheduler plans a step (rows, KV indices, slots, deferred ops), the executor validates
-and runs it on the model, and the sampled tokens complete the step.
+A step goes the same way as between the services, minus the streams: the scheduler
+plans it (rows, KV indices, slots, deferred ops), its rows take their wire form, and the
+executor validates and runs them; the sampled tokens complete the step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from services.executor.batch import Row, Sampling
+from services.executor.batch import Row
 from services.executor.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import load_model
-from services.scheduler.allocators.pools import PoolConfig, Pools
-from services.scheduler.engine.core import EngineConfig, EngineCore
 from services.scheduler.engine.request import Request
-from services.scheduler.engine.step import RowPlan
+from services.scheduler.engine.setup import build_engine
+from shared.config import Settings
 from shared.tokenizer import load_tokenizer
 
 
-@dataclass(frozen=True)
-class LocalConfig:
-    model_dir: Path | None = None
-    page_size: int = 16
-    kv_pages: int = 1024
-    mamba_slots: int = 64
-    max_running_requests: int = 16
-    context_len: int = 8192
-    chunk_size: int = 512
-    max_step_tokens: int = 1024
-    track_interval: int = 64
-
-
 class InProcess:
-    def __init__(self, config: LocalConfig = LocalConfig()) -> None:
-        self.model = load_model(config.model_dir, torch.device("cpu"))
-        cfg = self.model.cfg
-        self.tokenizer = load_tokenizer(config.model_dir, cfg.eos_token_id)
-        self.pools = Pools(
-            PoolConfig(
-                config.kv_pages,
-                config.page_size,
-                config.mamba_slots,
-                config.max_running_requests,
-                config.context_len,
-            )
-        )
-        self.engine = EngineCore(
-            self.pools,
-            EngineConfig(
-                context_len=config.context_len,
-                vocab_size=cfg.vocab_size,
-                eos_token_id=cfg.eos_token_id,
-                chunk_size=config.chunk_size,
-                max_step_tokens=config.max_step_tokens,
-                track_interval=config.track_interval,
-            ),
-        )
+    def __init__(self, settings: Settings) -> None:
+        self.model = load_model(settings.model, torch.device("cpu"))
+        self.tokenizer = load_tokenizer(settings.model, self.model.cfg.eos_token_id)
+        self.engine = build_engine(settings, self.model.cfg, self.tokenizer, strict=True)
+        self.pools = self.engine.pools
         device_pools = DevicePools(
-            cfg,
-            PoolSizes(config.kv_pages, config.page_size, config.mamba_slots),
+            self.model.cfg,
+            PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             torch.device("cpu"),
         )
         self.runner = ModelRunner(self.model, device_pools)
@@ -74,7 +38,7 @@ class InProcess:
         plan = self.engine.plan_step()
         if plan is None:
             return []
-        result = self.runner.execute([_row(r) for r in plan.rows], plan.ops)
+        result = self.runner.execute([Row.from_wire(r) for r in plan.wire_rows()], plan.ops)
         sampling = [r.rid for r in plan.rows if r.sample]
         return self.engine.complete_step(
             plan,
@@ -88,17 +52,3 @@ class InProcess:
                 return
             self.step()
         raise RuntimeError("the engine did not become idle")
-
-
-def _row(plan: RowPlan) -> Row:
-    p = plan.params
-    return Row(
-        torch.from_numpy(np.ascontiguousarray(plan.tokens)),
-        plan.start,
-        torch.from_numpy(np.ascontiguousarray(plan.kv_indices)),
-        plan.mamba_slot,
-        plan.snapshot_slot,
-        plan.snapshot_len,
-        plan.sample,
-        Sampling(p.temperature, p.top_p, p.top_k, p.seed),
-    )

@@ -9,7 +9,7 @@ import urllib.request
 
 import numpy as np
 
-from custody.inprocess import InProcess, LocalConfig
+from custody.inprocess import InProcess
 from custody.up import Stack
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import SamplingParams
@@ -61,7 +61,7 @@ def stack_settings(redis_url: str, **overrides: object) -> Settings:
 
 
 def one_shot(prompt: list[int], n: int) -> list[int]:
-    local = InProcess(LocalConfig(**POOLS))
+    local = InProcess(Settings(**POOLS))
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     req = local.engine.submit(Request("x", np.asarray(prompt), params))
     local.run_until_idle()

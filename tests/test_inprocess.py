@@ -4,11 +4,12 @@ real tensors), an aborted turn keeps the cache (S4), and the ledger is clean at 
 
 import numpy as np
 
-from custody.inprocess import InProcess, LocalConfig
+from custody.inprocess import InProcess
 from services.scheduler.engine.request import Request, Status
 from services.scheduler.engine.sampling import SamplingParams
+from shared.config import Settings
 
-SMALL = LocalConfig(
+SMALL = Settings(
     page_size=4,
     kv_pages=256,
     mamba_slots=16,

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
+
+from shared.wire import WireRow
 
 
 @dataclass
@@ -36,6 +39,19 @@ class Row:
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @classmethod
+    def from_wire(cls, r: WireRow) -> Row:
+        return cls(
+            torch.from_numpy(np.ascontiguousarray(r.tokens)),
+            r.start,
+            torch.from_numpy(np.ascontiguousarray(r.kv_indices)),
+            r.mamba_slot,
+            r.snapshot_slot,
+            r.snapshot_len,
+            r.sample,
+            Sampling(r.temperature, r.top_p, r.top_k, r.seed),
+        )
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,12 +12,11 @@ import logging
 import secrets
 import time
 
-import numpy as np
 import redis
 import torch
 from prometheus_client import Counter, Histogram, start_http_server
 
-from services.executor.batch import Row, Sampling
+from services.executor.batch import Row
 from services.executor.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner
 from services.executor.weights import load_model
@@ -114,7 +113,7 @@ class ExecutorService:
         sampling = [r.rid for r in rows if r.sample]
         try:
             with FORWARD.time():
-                result = self.runner.execute([_row(r) for r in rows], ops)
+                result = self.runner.execute([Row.from_wire(r) for r in rows], ops)
         except BatchRefused as err:
             STEPS.labels("refused").inc()
             log.error("step %s refused: %s", msg["step"], err)
@@ -133,19 +132,6 @@ class ExecutorService:
             msg["step"],
             result_body(msg["step"], self.epoch, sampling, result.tokens, result.logprobs),
         )
-
-
-def _row(r: WireRow) -> Row:
-    return Row(
-        torch.from_numpy(np.ascontiguousarray(r.tokens)),
-        r.start,
-        torch.from_numpy(np.ascontiguousarray(r.kv_indices)),
-        r.mamba_slot,
-        r.snapshot_slot,
-        r.snapshot_len,
-        r.sample,
-        Sampling(r.temperature, r.top_p, r.top_k, r.seed),
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

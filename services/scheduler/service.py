@@ -19,10 +19,9 @@ import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.api import build_app
-from services.scheduler.engine.core import EngineConfig, EngineCore
 from services.scheduler.engine.request import Request
+from services.scheduler.engine.setup import build_engine
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
 from services.scheduler.metrics import SchedulerMetrics
@@ -30,7 +29,7 @@ from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
 from shared.tokenizer import load_tokenizer
-from shared.wire import WireError, WireRow, decode, encode, step_body, unpack_ints
+from shared.wire import WireError, decode, encode, step_body, unpack_ints
 
 log = logging.getLogger("custody.scheduler")
 
@@ -42,28 +41,8 @@ class SchedulerService:
             builtin_config() if settings.model is None else ModelConfig.from_dir(settings.model)
         )
         self.tokenizer = load_tokenizer(settings.model, self.model.eos_token_id)
-        self.pools = Pools(
-            PoolConfig(
-                settings.kv_pages,
-                settings.page_size,
-                settings.mamba_slots,
-                settings.max_running_requests,
-                settings.context_len,
-            )
-        )
-        self.engine = EngineCore(
-            self.pools,
-            EngineConfig(
-                context_len=settings.context_len,
-                vocab_size=self.model.vocab_size,
-                eos_token_id=self.model.eos_token_id,
-                chunk_size=settings.chunk_size,
-                max_step_tokens=settings.max_step_tokens,
-                track_interval=settings.track_interval,
-            ),
-            strict=False,
-            decode=self.tokenizer.decode,
-        )
+        self.engine = build_engine(settings, self.model, self.tokenizer, strict=False)
+        self.pools = self.engine.pools
         self.shipper = EventShipper(self.pools.ledger)
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
@@ -222,24 +201,9 @@ class SchedulerService:
         self.metrics.step.observe(time.perf_counter() - started)
 
     def _wire(self, plan: StepPlan) -> dict:
-        rows = [
-            WireRow(
-                r.rid,
-                r.tokens,
-                r.start,
-                r.kv_indices,
-                r.mamba_slot,
-                r.snapshot_slot,
-                r.snapshot_len,
-                r.sample,
-                r.params.temperature,
-                r.params.top_p,
-                r.params.top_k,
-                r.params.seed,
-            )
-            for r in plan.rows
-        ]
-        return step_body(plan.step_id, self.executor_epoch, rows, plan.ops.clears, plan.ops.copies)
+        return step_body(
+            plan.step_id, self.executor_epoch, plan.wire_rows(), plan.ops.clears, plan.ops.copies
+        )
 
     async def _await_result(self, plan: StepPlan) -> dict | None:
         """The step's result, or None once the executor that was to run it is gone."""

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.allocators.paged_kv import pages_for
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit, release
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.sampling import InvalidRequest
-from services.scheduler.engine.step import RowPlan, StepPlan
+from services.scheduler.engine.step import StepPlan
+from services.scheduler.engine.step_builder import grow_kv, pages_to_grow, row_plan
+from services.scheduler.engine.stopping import finish_reason
+from services.scheduler.engine.validation import check_prompt_length, check_tokens
 from services.scheduler.ownership.invariants import (
     IntegrityReport,
     InvariantGuard,
@@ -83,7 +85,10 @@ class EngineCore:
     # ---- intake ----
     def submit(self, req: Request) -> Request:
         """Queue a request; bad input is refused here, before anything is allocated."""
-        self._validate(req)
+        req.prompt = check_tokens(req.prompt, self.config.vocab_size)
+        req.params.validate(self.config.vocab_size)
+        self._check_rid(req.rid)
+        check_prompt_length(len(req.prompt), self.config.context_len)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return req
@@ -92,7 +97,7 @@ class EngineCore:
         self, sid: str, new_tokens: np.ndarray, req: Request, session_params: dict | None = None
     ) -> Request:
         """Queue the next turn of session `sid` (the prompt becomes history + input)."""
-        tokens = self._tokens(new_tokens)
+        tokens = check_tokens(new_tokens, self.config.vocab_size)
         req.params.validate(self.config.vocab_size)
         self._check_rid(req.rid)
         turn = self.sessions.begin_turn(
@@ -138,8 +143,8 @@ class EngineCore:
             chosen.append((req, n))
         if not chosen:
             return None
-        self._grow_kv(chosen)
-        plan.rows = [self._row_plan(req, n) for req, n in chosen]
+        grow_kv(self.pools, chosen)
+        plan.rows = [row_plan(self.pools, self.config.track_interval, req, n) for req, n in chosen]
         self.in_flight = plan
         return plan
 
@@ -162,7 +167,9 @@ class EngineCore:
                 req.output.append(token)
                 if logprobs is not None and row.rid in logprobs:
                     req.logprobs.append(float(logprobs[row.rid]))
-                req.finish_reason = self._finish_reason(req, token)
+                req.finish_reason = finish_reason(
+                    req, token, self.config.eos_token_id, self.config.context_len, self.decode
+                )
                 if req.finish_reason is not None:
                     self._finish(req)
                     ended.append(req)
@@ -227,7 +234,7 @@ class EngineCore:
         n = min(req.length - req.computed, self.config.chunk_size, state.tokens)
         if n <= 0:
             return 0
-        need = self._pages_to_grow(req.computed, n)
+        need = pages_to_grow(self.pools.config.page_size, req.computed, n)
         planned = {id(r) for r, _ in chosen}
         while not self._room(need + state.pages, 0, 0):
             victims = [r for r in reversed(self.running) if r is not req and id(r) not in planned]
@@ -244,7 +251,7 @@ class EngineCore:
         session = req.session
         if session is not None and session.slots is not None:
             n = min(req.length - session.cached_len, self.config.chunk_size, state.tokens)
-            need = self._pages_to_grow(session.cached_len, n)
+            need = pages_to_grow(self.pools.config.page_size, session.cached_len, n)
             if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
                 return 0
             req.slots = self.sessions.restore(req, plan.ops)
@@ -256,7 +263,9 @@ class EngineCore:
             self.cache.lock(node)
             self.cache.lock_copy(node)  # the copy source survives any eviction below
         n = min(req.length - match.length, self.config.chunk_size, state.tokens)
-        need = self._pages_to_grow(match.length, n)  # a match ends on a page boundary
+        need = pages_to_grow(
+            self.pools.config.page_size, match.length, n
+        )  # a match ends on a page boundary
         if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
             if node is not None:
                 self.cache.unlock_copy(node)
@@ -312,62 +321,11 @@ class EngineCore:
                     return False
         return True
 
-    def _pages_to_grow(self, length: int, n: int) -> int:
-        ps = self.pools.config.page_size
-        return pages_for(length + n, ps) - pages_for(length, ps)
-
-    def _grow_kv(self, chosen: list[tuple[Request, int]]) -> None:
-        """One batched KV allocation for the whole step: decodes, then chunks."""
-        kv, lens = self.pools.kv, self.pools.rows.lens
-        one = np.array([r.slots.row.slot for r, n in chosen if n == 1], dtype=np.int64)
-        more = [(r.slots.row.slot, r.computed + n) for r, n in chosen if n > 1]
-        for req, _ in chosen:
-            assert lens[req.slots.row.slot] == req.computed, f"{req.rid}: KV length drifted"
-        if len(one):
-            kv.decode(one)
-        if more:
-            rows, new = np.array(more, dtype=np.int64).T
-            kv.extend(rows, new)
-
-    def _row_plan(self, req: Request, n: int) -> RowPlan:
-        ps, end = self.pools.config.page_size, req.computed + n
-        if n > 1:
-            snap_len = end - end % ps  # a chunk: the last page boundary it reaches
-        else:
-            snap_len = end if end % self.config.track_interval == 0 else 0
-        slot = 0
-        if snap_len > max(req.computed, req.slots.track.latest_len):
-            slot = req.slots.track.begin_snapshot() or 0
-        row = req.slots.row.slot
-        return RowPlan(
-            req.rid,
-            req.sequence[req.computed : end].copy(),
-            req.computed,
-            self.pools.rows.token_indices(row, 0, end),
-            req.slots.working.slot,
-            slot,
-            snap_len if slot else 0,
-            sample=end == req.length,
-            prefill=n > 1 or req.computed < len(req.prompt),
-            params=req.params,
-        )
+    def _check_rid(self, rid: str) -> None:
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid} is already in use")
 
     # ---- endings ----
-    def _finish_reason(self, req: Request, token: int) -> dict | None:
-        if req.params.stops_at(token, self.config.eos_token_id):
-            return {"type": "stop", "matched": token}
-        if req.params.stop and self.decode is not None:
-            window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode
-            tail = self.decode(req.output[-window:])
-            for stop in req.params.stop:
-                if stop in tail:
-                    return {"type": "stop", "matched": stop}
-        if len(req.output) >= req.params.max_new_tokens:
-            return {"type": "length", "length": req.params.max_new_tokens}
-        if req.length >= self.config.context_len:
-            return {"type": "length", "length": len(req.output)}
-        return None
-
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.running.remove(req)
@@ -438,31 +396,6 @@ class EngineCore:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.retractions += 1
-
-    # ---- validation ----
-    def _validate(self, req: Request) -> None:
-        req.prompt = self._tokens(req.prompt)
-        req.params.validate(self.config.vocab_size)
-        self._check_rid(req.rid)
-        if len(req.prompt) >= self.config.context_len:
-            raise InvalidRequest(
-                f"the input has {len(req.prompt)} tokens; the context length is "
-                f"{self.config.context_len} and must leave room for one output token"
-            )
-
-    def _check_rid(self, rid: str) -> None:
-        if rid in self.requests:
-            raise InvalidRequest(f"request id {rid} is already in use")
-
-    def _tokens(self, tokens: object) -> np.ndarray:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidRequest("input_ids must be a flat list of integers")
-        if arr.size == 0:
-            raise InvalidRequest("the input is empty")
-        if arr.min() < 0 or arr.max() >= self.config.vocab_size:
-            raise InvalidRequest(f"token ids must lie in [0, {self.config.vocab_size})")
-        return arr.astype(np.int64)
 
 
 @dataclass

@@ -10,6 +10,7 @@ import numpy as np
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.engine.sampling import SamplingParams
 from shared.deferred_ops import DeferredOps
+from shared.wire import WireRow
 
 
 @dataclass
@@ -40,3 +41,23 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.tokens) for r in self.rows)
+
+    def wire_rows(self) -> list[WireRow]:
+        """The rows as the executor receives them."""
+        return [
+            WireRow(
+                r.rid,
+                r.tokens,
+                r.start,
+                r.kv_indices,
+                r.mamba_slot,
+                r.snapshot_slot,
+                r.snapshot_len,
+                r.sample,
+                r.params.temperature,
+                r.params.top_p,
+                r.params.top_k,
+                r.params.seed,
+            )
+            for r in self.rows
+        ]

@@ -1,0 +1,34 @@
+"""Building the scheduling core from the settings, the one way every process does it."""
+
+from __future__ import annotations
+
+from services.scheduler.allocators.pools import PoolConfig, Pools
+from services.scheduler.engine.core import EngineConfig, EngineCore
+from shared.config import Settings
+from shared.model_config import ModelConfig
+from shared.tokenizer import Tokenizer
+
+
+def build_engine(
+    settings: Settings, model: ModelConfig, tokenizer: Tokenizer, strict: bool
+) -> EngineCore:
+    """The pools and the core for `settings`. `strict` makes an invariant violation
+    raise (tests, the in-process demo) instead of being logged and counted (services)."""
+    pools = Pools(
+        PoolConfig(
+            settings.kv_pages,
+            settings.page_size,
+            settings.mamba_slots,
+            settings.max_running_requests,
+            settings.context_len,
+        )
+    )
+    config = EngineConfig(
+        context_len=settings.context_len,
+        vocab_size=model.vocab_size,
+        eos_token_id=model.eos_token_id,
+        chunk_size=settings.chunk_size,
+        max_step_tokens=settings.max_step_tokens,
+        track_interval=settings.track_interval,
+    )
+    return EngineCore(pools, config, strict=strict, decode=tokenizer.decode)

@@ -1,0 +1,31 @@
+"""Why a request stops after the token it just sampled, if it does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.scheduler.engine.request import Request
+
+
+def finish_reason(
+    req: Request,
+    token: int,
+    eos_token_id: int | None,
+    context_len: int,
+    decode: Callable[[list[int]], str] | None,
+) -> dict | None:
+    """A stop token (its id is `matched`), a stop string (decoded from the output's tail),
+    the request's token limit, or the context length; None to go on."""
+    if req.params.stops_at(token, eos_token_id):
+        return {"type": "stop", "matched": token}
+    if req.params.stop and decode is not None:
+        window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode
+        tail = decode(req.output[-window:])
+        for stop in req.params.stop:
+            if stop in tail:
+                return {"type": "stop", "matched": stop}
+    if len(req.output) >= req.params.max_new_tokens:
+        return {"type": "length", "length": req.params.max_new_tokens}
+    if req.length >= context_len:
+        return {"type": "length", "length": len(req.output)}
+    return None
