@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--max-new-tokens", type=int, default=24)
+    soak = sub.add_parser("soak", help="concurrent sessions, aborts and faults; then checks")
+    soak.add_argument("--duration", type=float, default=180.0, help="seconds of load")
+    soak.add_argument("--chaos", action="store_true", help="kill services, restart Redis")
+    soak.add_argument("--json", action="store_true")
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)
     args = parser.parse_args(argv)
@@ -40,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(str(err))
         return up_job.run(settings)
+    if args.command == "soak":
+        from custody import soak as soak_job
+
+        if args.duration <= 0:
+            parser.error("--duration must be > 0")
+        return soak_job.run(args.duration, args.chaos, args.json)
     if args.command == "demo":
         from custody import demo as demo_job
 

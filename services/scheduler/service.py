@@ -196,6 +196,10 @@ class SchedulerService:
             dict(zip(result["rids"], tokens, strict=True)),
             dict(zip(result["rids"], logprobs, strict=True)),
         )
+        if ended:
+            # a finished turn's session record is on the stream before its client hears of
+            # it, so a scheduler restarted after the reply still knows that history
+            await self._ship_events()
         self._tokens_arrived(result["rids"])
         self.finish(ended)
         self.metrics.step.observe(time.perf_counter() - started)
