@@ -12,12 +12,15 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 
 from tests.services_harness import (
     POOLS,
     call,
     ledger_when_idle,
     one_shot,
+    stack_settings,
+    start_stack,
 )
 
 
@@ -286,3 +289,56 @@ def test_metrics_match_the_ledger(stack):
         executor = scrape(stack.settings.executor_metrics_port)
         assert sample(executor, "custody_executor_steps_total", outcome="ok") > 0
         assert sample(executor, "custody_forward_seconds_count") > 0
+
+
+@pytest.fixture
+def keyed_stack(redis_url, redis_client):
+    running = start_stack(stack_settings(redis_url, api_keys="alpha,beta"))
+    yield running
+    running.stop()
+
+
+def test_api_keys_guard_everything_but_health_and_metrics(keyed_stack):
+    port = keyed_stack.settings.port
+    assert raw_call(port, "/health", None, method="GET")[0] == 200
+    assert raw_call(port, "/metrics", None, method="GET")[0] == 200
+    body = json.dumps({"session_id": "mine"}).encode()
+    assert raw_call(port, "/open_session", body)[0] == 401
+    assert raw_call(port, "/open_session", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert raw_call(port, "/open_session", body, {"Authorization": "Bearer alpha"})[0] == 200
+    turn = json.dumps(
+        {
+            "input_ids": [1, 2],
+            "sampling_params": {"max_new_tokens": 2},
+            "session_params": {"id": "mine"},
+        }
+    ).encode()
+    assert raw_call(port, "/generate", turn, {"Authorization": "Bearer beta"})[0] == 404
+    assert raw_call(port, "/generate", turn, {"Authorization": "Bearer alpha"})[0] == 200
+    close = json.dumps({"session_id": "mine"}).encode()
+    assert raw_call(port, "/close_session", close, {"Authorization": "Bearer beta"})[0] == 404
+    assert raw_call(port, "/close_session", close, {"Authorization": "Bearer alpha"})[0] == 200
+
+
+def test_stop_strings_end_a_request_and_are_trimmed(stack):
+    port = stack.settings.port
+    free = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [3, 1, 4, 1, 5],
+            "sampling_params": {"max_new_tokens": 40, "ignore_eos": True},
+        },
+    )
+    text = free["text"]
+    stop = next(ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd")
+    cut = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [3, 1, 4, 1, 5],
+            "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "stop": stop},
+        },
+    )
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in cut["text"] and text.startswith(cut["text"])

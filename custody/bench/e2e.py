@@ -17,7 +17,7 @@ import urllib.request
 
 import numpy as np
 
-from custody.bench.harness import RESULTS_DIR, progress
+from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.bench.sessions import _post, _wait
 from custody.up import Stack
 from shared.config import Settings
@@ -126,5 +126,15 @@ def run(repeats: int = 3) -> dict:
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "e2e.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS_DIR / "e2e.md").write_text("\n".join(lines) + "\n")
+    plot(
+        "e2e",
+        f"{CLIENTS} concurrent sessions",
+        ["p50", "p90", "p99"],
+        {
+            "TTFT": list(payload["ttft_ms"].values()),
+            "inter-token": list(payload["itl_ms"].values()),
+        },
+        "milliseconds",
+    )
     payload["table"] = "\n".join(lines)
     return payload

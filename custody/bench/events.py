@@ -18,7 +18,7 @@ import time
 import numpy as np
 import redis
 
-from custody.bench.harness import RESULTS_DIR, progress
+from custody.bench.harness import RESULTS_DIR, plot, progress
 from shared import streams
 from shared.redis_server import PrivateRedis
 
@@ -159,5 +159,12 @@ def run(repeats: int = 3) -> dict:
         ]
     )
     (RESULTS_DIR / "events.md").write_text(table + "\n")
+    plot(
+        "events",
+        "ownership events vs raw XADD",
+        ["per second"],
+        {"ownership events applied": [events], "raw XADD entries": [raw]},
+        "per second",
+    )
     payload["table"] = table
     return payload

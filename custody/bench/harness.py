@@ -81,4 +81,49 @@ def write_results(name: str, rows: list[Row], extra: dict) -> dict:
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS_DIR / f"{name}.md").write_text(table(rows) + "\n")
+    plot(
+        name,
+        f"{name}: custody vs {rows[0].reference}",
+        [r.what for r in rows],
+        {
+            "custody": [r.ours_s * 1e6 for r in rows],
+            rows[0].reference: [r.reference_s * 1e6 for r in rows],
+        },
+        "microseconds per operation",
+        log=True,
+    )
     return payload
+
+
+def plot(
+    name: str,
+    title: str,
+    labels: list[str],
+    series: dict[str, list[float]],
+    ylabel: str,
+    log: bool = False,
+) -> Path:
+    """A grouped bar chart of each series over `labels`, saved as bench-results/<name>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=label)
+    ax.set_xticks(
+        [x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize=8
+    )
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -11,7 +11,7 @@ import statistics
 import time
 import urllib.request
 
-from custody.bench.harness import RESULTS_DIR, progress
+from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.up import Stack
 from shared.config import Settings
 from shared.redis_server import free_port
@@ -122,5 +122,15 @@ def run(repeats: int = 5) -> dict:
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "sessions.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS_DIR / "sessions.md").write_text("\n".join(lines) + "\n")
+    plot(
+        "sessions",
+        "time to first token of a short turn",
+        [str(r["history"]) for r in rows],
+        {
+            "session": [r["session_ttft_s"] * 1e3 for r in rows],
+            "recompute": [r["recompute_ttft_s"] * 1e3 for r in rows],
+        },
+        "milliseconds",
+    )
     payload["table"] = "\n".join(lines)
     return payload
