@@ -163,21 +163,6 @@ class Soak:
                 self.stack.kill(victim, signal.SIGKILL)
             self.error(f"chaos_{victim}")
 
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.stack.supervise_once()
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.settings.port}/health", timeout=2
-                ) as resp:
-                    if json.loads(resp.read())["executor"]:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("the services did not come back")
-
     def ledger(self) -> dict:
         url = f"http://127.0.0.1:{self.settings.store_port}/ledger"
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -186,7 +171,7 @@ class Soak:
     def run(self) -> dict:
         self.stack.start_all()
         try:
-            self.wait_healthy()
+            self.stack.wait_healthy()
             deadline = time.monotonic() + self.duration
             threads = [
                 threading.Thread(target=self.worker, args=(k, deadline)) for k in range(WORKERS)
@@ -200,7 +185,7 @@ class Soak:
             while any(t.is_alive() for t in threads):
                 self.stack.supervise_once()
                 time.sleep(0.2)
-            self.wait_healthy()
+            self.stack.wait_healthy()
             for sid in sorted(self.opened):  # a close lost to a fault is retried now
                 self.close(sid)
             self.post("/flush_cache", {})

@@ -5,12 +5,14 @@ logged and counted. Ctrl-C or SIGTERM stops everything and removes what it creat
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from shared.config import Settings
 from shared.redis_server import PrivateRedis
@@ -63,6 +65,21 @@ class Stack:
                 self.start(name)
                 self._backoff[name] = min(self._backoff[name] * 2, 30.0)
                 del self._due[name]
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        """Until the scheduler answers and has an executor, restarting what died."""
+        url = f"http://127.0.0.1:{self.settings.port}/health"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.supervise_once()
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if json.loads(resp.read())["executor"]:
+                        return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("the services did not come up")
 
     def stop(self) -> None:
         for child in self.children.values():

@@ -41,7 +41,7 @@ def start_stack(settings: Settings) -> Stack:
     """The three services, up and with an executor, or an error."""
     stack = Stack(settings).start_all()
     try:
-        wait_up(stack)
+        stack.wait_healthy()
     except RuntimeError:
         stack.stop()
         raise
@@ -76,16 +76,3 @@ def ledger_when_idle(stack: Stack) -> dict:
         if not busy or time.monotonic() > deadline:
             return view
         time.sleep(0.2)
-
-
-def wait_up(stack: Stack) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        stack.supervise_once()
-        try:
-            if call(stack.settings.port, "/health", timeout=2)["executor"]:
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("the stack did not come up")

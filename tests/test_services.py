@@ -12,7 +12,7 @@ import urllib.request
 from custody.up import Stack
 from shared.config import Settings
 from shared.redis_server import free_port
-from tests.services_harness import POOLS, call, ledger_when_idle, one_shot, wait_up
+from tests.services_harness import POOLS, call, ledger_when_idle, one_shot
 
 
 def test_three_sessions_four_turns_equal_one_shot_generations(stack):
@@ -174,7 +174,7 @@ def test_a_redis_restart_loses_nothing(tmp_path):
     )
     stack = Stack(settings).start_all()
     try:
-        wait_up(stack)
+        stack.wait_healthy()
         port = settings.port
         sid = call(port, "/open_session", {"session_id": "r"})
         first = call(
@@ -219,7 +219,7 @@ def test_a_redis_restart_loses_nothing(tmp_path):
             history += [3, 4] + result["out"]["output_ids"]
         else:
             assert 400 <= result["error"][0] < 600 and "error" in result["error"][1]
-        wait_up(stack)
+        stack.wait_healthy()
         after = call(
             port,
             "/generate",
@@ -260,7 +260,7 @@ def test_a_killed_scheduler_is_rebuilt_from_the_session_store(stack):
     while stack.restarts["scheduler"] == 0 and time.monotonic() < deadline:
         stack.supervise_once()
         time.sleep(0.2)
-    wait_up(stack)
+    stack.wait_healthy()
     out = call(
         port,
         "/generate",

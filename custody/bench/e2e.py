@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 
 from custody.bench.harness import RESULTS_DIR, plot, progress
-from custody.bench.sessions import _post, _wait
+from custody.bench.sessions import _post
 from custody.up import Stack
 from shared.config import Settings
 from shared.redis_server import free_port
@@ -91,7 +91,7 @@ def run(repeats: int = 3) -> dict:
     stack = Stack(settings).start_all()
     runs = []
     try:
-        _wait(stack)
+        stack.wait_healthy()
         for i in range(repeats):
             runs.append(_one_run(settings, i))
             progress("e2e", i + 1, repeats)

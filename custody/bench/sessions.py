@@ -32,21 +32,6 @@ def _timed(port: int, path: str, body: dict) -> float:
     return time.perf_counter() - start
 
 
-def _wait(stack: Stack) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{stack.settings.port}/health", timeout=2
-            ) as resp:
-                if json.loads(resp.read())["executor"]:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("the services did not come up")
-
-
 def run(repeats: int = 5) -> dict:
     settings = Settings(
         port=free_port(),
@@ -61,7 +46,7 @@ def run(repeats: int = 5) -> dict:
     rng = random.Random(0)
     rows = []
     try:
-        _wait(stack)
+        stack.wait_healthy()
         port = settings.port
         for n, length in enumerate(LENGTHS):
             sid = f"bench-{length}"
