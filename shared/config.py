@@ -19,12 +19,13 @@ class Settings:
     executor_metrics_port: int = 30002
     page_size: int = 16
     kv_pages: int = 2048
-    mamba_slots: int = 96
+    mamba_slots: int = 192  # a running request holds 4, a session between turns 1
     max_running_requests: int = 32
     context_len: int = 8192
     chunk_size: int = 512
     max_step_tokens: int = 2048
     track_interval: int = 64
+    pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0 or 1
     stream_maxlen: int = 100_000
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
@@ -46,6 +47,8 @@ class Settings:
         for name in ("chunk_size", "track_interval"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(f"{name} must be a multiple of page_size ({self.page_size})")
+        if self.pipeline_depth not in (0, 1):
+            raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
 

@@ -113,7 +113,8 @@ class WireRow:
     tokens: np.ndarray
     start: int
     kv_indices: np.ndarray
-    mamba_slot: int
+    mamba_slot: int  # the state is read from here
+    mamba_out: int  # and written here after the step's tokens
     snapshot_slot: int
     snapshot_len: int
     sample: bool
@@ -121,6 +122,7 @@ class WireRow:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    future: bool = False  # tokens[0] is a placeholder for the token the step before sampled
 
     def body(self) -> dict:
         return {
@@ -129,6 +131,7 @@ class WireRow:
             "start": self.start,
             "kv": pack_ints(self.kv_indices, "<i4"),
             "slot": self.mamba_slot,
+            "out": self.mamba_out,
             "snap_slot": self.snapshot_slot,
             "snap_len": self.snapshot_len,
             "sample": self.sample,
@@ -136,6 +139,7 @@ class WireRow:
             "p": self.top_p,
             "k": self.top_k,
             "seed": self.seed,
+            "future": self.future,
         }
 
     @classmethod
@@ -146,6 +150,7 @@ class WireRow:
             b["start"],
             unpack_ints(b["kv"], "<i4").astype(np.int64),
             b["slot"],
+            b["out"],
             b["snap_slot"],
             b["snap_len"],
             bool(b["sample"]),
@@ -153,18 +158,24 @@ class WireRow:
             float(b["p"]),
             int(b["k"]),
             b["seed"],
+            bool(b["future"]),
         )
 
 
 def step_body(
     step: int,
+    after: int | None,
     executor_epoch: str,
     rows: list[WireRow],
     clears: list[int],
     copies: list[tuple[int, int]],
 ) -> dict:
+    """`after`: the step this one was planned on top of (its rows read the state that
+    step writes and its future tokens are that step's samples); None when it builds on
+    nothing in flight. An executor refuses a step whose `after` it did not just run."""
     return {
         "step": step,
+        "after": after,
         "executor_epoch": executor_epoch,
         "rows": [r.body() for r in rows],
         "clears": pack_ints(clears, "<i4"),
@@ -174,6 +185,7 @@ def step_body(
 
 def result_body(
     step: int,
+    scheduler_epoch: str,
     executor_epoch: str,
     rids: list[str],
     tokens: list[int],
@@ -182,6 +194,7 @@ def result_body(
 ) -> dict:
     return {
         "step": step,
+        "scheduler_epoch": scheduler_epoch,  # step ids restart with each scheduler life
         "executor_epoch": executor_epoch,
         "rids": rids,
         "tokens": pack_ints(tokens, "<i4"),

@@ -1,8 +1,9 @@
 """One forward step's rows, as the executor runs them.
 
 Each row brings its own tokens, where they start, the KV token indices of its whole
-context, its Mamba working slot and, optionally, a snapshot slot and the length at which
-to snapshot. Rows of one token (decode) are run together; longer rows (prefill chunks)
+context, the Mamba slot its state is read from and the one the new state is written to
+(the same slot for an update in place) and, optionally, a snapshot slot and the length
+at which to snapshot. Rows of one token (decode) are run together; longer rows (prefill chunks)
 one at a time, since their lengths differ.
 """
 
@@ -35,6 +36,10 @@ class Row:
     snapshot_len: int = 0
     sample: bool = True
     sampling: Sampling = field(default_factory=Sampling)
+    mamba_out: int = 0  # 0: write back to mamba_slot
+
+    def __post_init__(self) -> None:
+        self.mamba_out = self.mamba_out or self.mamba_slot
 
     @property
     def end(self) -> int:
@@ -51,6 +56,7 @@ class Row:
             r.snapshot_len,
             r.sample,
             Sampling(r.temperature, r.top_p, r.top_k, r.seed),
+            r.mamba_out,
         )
 
 
@@ -80,6 +86,7 @@ class ForwardBatch:
             slice(0, len(rows)) if only_decode else to([self.offsets[i] for i in self.decode])
         )
         self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
+        self.decode_out_slots = to([rows[i].mamba_out for i in self.decode])
         # KV rows written this step, in token order
         self.new_kv = to_device(torch.cat([r.kv_indices[r.start :] for r in rows]), device)
         self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])

@@ -23,7 +23,8 @@ from shared.deferred_ops import DeferredOps, DeferredOpsError
 
 
 class BatchRefused(ValueError):
-    """A step names the padding sink, an index out of range or a slot twice."""
+    """A step names the padding sink, an index out of range or a slot twice, or does not
+    follow the step it was planned on top of."""
 
 
 @dataclass
@@ -76,13 +77,17 @@ class ModelRunner:
             ops.validate(slots)
         except DeferredOpsError as err:
             raise BatchRefused(f"deferred ops: {err}") from err
-        working = [r.mamba_slot for r in rows]
-        snapshots = [r.snapshot_slot for r in rows if r.snapshot_slot]
-        named = working + snapshots
-        if any(not 0 < s < slots for s in named):
-            raise BatchRefused(f"Mamba slots {named} must lie in 1..{slots - 1}")
-        if len(set(named)) != len(named):
-            raise BatchRefused(f"a Mamba slot is written by two rows: {named}")
+        reads = [r.mamba_slot for r in rows]
+        writes = [r.mamba_out for r in rows] + [r.snapshot_slot for r in rows if r.snapshot_slot]
+        if any(not 0 < s < slots for s in reads + writes):
+            raise BatchRefused(f"Mamba slots {reads + writes} must lie in 1..{slots - 1}")
+        if len(set(writes)) != len(writes):
+            raise BatchRefused(f"a Mamba slot is written twice: {writes}")
+        for r in rows:
+            if r.mamba_slot in writes and r.mamba_slot != r.mamba_out:
+                raise BatchRefused(
+                    f"Mamba slot {r.mamba_slot} is read by one row, written by another"
+                )
         for i, r in enumerate(rows):
             if len(r.tokens) == 0 or len(r.kv_indices) != r.end:
                 raise BatchRefused(

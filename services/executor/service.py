@@ -2,7 +2,8 @@
 
 Each life of the process has its own epoch, announced with a heartbeat key. A step names
 the executor epoch it was planned for: a step planned for an earlier life (whose device
-state died with it) is acknowledged and dropped, never run against empty pools.
+state died with it) is acknowledged and dropped, never run against empty pools. Steps run
+in stream order, each only right after the step it was planned on (step_chain.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import Counter, Histogram, start_http_server
 from services.executor.batch import Row
 from services.executor.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner
+from services.executor.step_chain import StepChain
 from services.executor.weights import load_model
 from shared import streams
 from shared.config import Settings
@@ -47,6 +49,7 @@ class ExecutorService:
             model.lm_head.weight.device,
         )
         self.runner = ModelRunner(model, self.pools)
+        self.chain = StepChain()
         self._beat = 0.0
         streams.ensure_group(self.client, streams.FORWARD, streams.EXECUTOR_GROUP)
 
@@ -109,28 +112,33 @@ class ExecutorService:
         except (WireError, KeyError, TypeError, ValueError) as err:
             STEPS.labels("refused").inc()
             log.error("refused an undecodable step: %s", err)
+            self.chain.broken()
             return None
         sampling = [r.rid for r in rows if r.sample]
+        scheduler, step = msg["epoch"], msg["step"]
         try:
+            self.chain.resolve(scheduler, msg.get("after"), rows)
             with FORWARD.time():
                 result = self.runner.execute([Row.from_wire(r) for r in rows], ops)
         except BatchRefused as err:
             STEPS.labels("refused").inc()
-            log.error("step %s refused: %s", msg["step"], err)
+            log.error("step %s refused: %s", step, err)
+            self.chain.broken()
             return encode(
                 "result",
                 self.epoch,
-                msg["step"],
-                result_body(msg["step"], self.epoch, sampling, [], [], str(err)),
+                step,
+                result_body(step, scheduler, self.epoch, sampling, [], [], str(err)),
             )
+        self.chain.ran(scheduler, step, sampling, result.tokens)
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
         return encode(
             "result",
             self.epoch,
-            msg["step"],
-            result_body(msg["step"], self.epoch, sampling, result.tokens, result.logprobs),
+            step,
+            result_body(step, scheduler, self.epoch, sampling, result.tokens, result.logprobs),
         )
 
 

@@ -1,9 +1,12 @@
 """The scheduler service: the engine core driven by an asyncio loop, talking to the
 executor over Redis streams, shipping ownership events, serving the HTTP API.
 
-One step at a time: plan, publish the step, wait for its result (or for the executor to
-be declared dead), complete. When the executor's epoch changes, its device state is gone:
-the engine re-queues what ran and sessions rebuild from their history.
+Pipelined: with `pipeline_depth` 1 the loop plans and publishes step N+1 before it
+waits for the result of step N, so the executor finds the next step on the stream as soon
+as it is done, and the scheduler's planning, its Redis round trips and the completion of
+N overlap the forward of N+1 (see engine/core.py for why that is safe). When the
+executor's epoch changes, its device state is gone: the engine re-queues what ran and
+sessions rebuild from their history.
 """
 
 from __future__ import annotations
@@ -161,36 +164,42 @@ class SchedulerService:
                 await self.step()
             except (ConnectionError, aioredis.ConnectionError, OSError) as err:
                 log.warning("redis unavailable (%s); retrying", err)
-                if self.engine.in_flight is not None:
+                if self.engine.in_flight:
                     # whether the executor ran the step is unknown: its state is not trusted
                     self._executor_lost(None)
                 await asyncio.sleep(0.5)
 
     async def step(self) -> None:
+        """Plan and publish a step if the pipeline has room; then, unless there is room
+        for one more, complete the oldest step in flight."""
         await self._check_executor()
         await self._ship_events()
         started = time.perf_counter()
-        if self.executor_epoch is None or (plan := self.engine.plan_step()) is None:
+        engine, depth = self.engine, self.settings.pipeline_depth
+        plan = None
+        if self.executor_epoch is not None and len(engine.in_flight) <= depth:
+            plan = engine.plan_step()
+            if plan is not None:
+                message = encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
+                await self._publish(streams.FORWARD, message)
+        if not engine.in_flight:
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=self.settings.heartbeat_seconds)
             return
-        await self._publish(
-            streams.FORWARD, encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
-        )
-        result = await self._await_result(plan)
-        if result is None:
+        if plan is not None and len(engine.in_flight) <= depth:
             return
+        plan = engine.in_flight[0]
+        result = await self._await_result(plan)
+        if result is None or not engine.in_flight or engine.in_flight[0] is not plan:
+            return  # the executor was lost meanwhile: everything in flight was abandoned
         if result.get("error"):
             log.error("step %s refused by the executor: %s", plan.step_id, result["error"])
-            self.engine.abandon_step(plan)
-            for row in plan.rows:
-                self.finish(
-                    self.engine.abort(row.rid, f"executor refused the step: {result['error']}")
-                )
+            self.finish(engine.step_refused(plan, result["error"]))
             return
         tokens = unpack_ints(result["tokens"], "<i4").tolist()
         logprobs = unpack_ints(result["logprobs"], "<f4").tolist()
+        arrived = [row.rid for row in plan.rows if row.sample and not row.dropped]
         ended = self.engine.complete_step(
             plan,
             dict(zip(result["rids"], tokens, strict=True)),
@@ -200,13 +209,18 @@ class SchedulerService:
             # a finished turn's session record is on the stream before its client hears of
             # it, so a scheduler restarted after the reply still knows that history
             await self._ship_events()
-        self._tokens_arrived(result["rids"])
+        self._tokens_arrived(arrived)
         self.finish(ended)
         self.metrics.step.observe(time.perf_counter() - started)
 
     def _wire(self, plan: StepPlan) -> dict:
         return step_body(
-            plan.step_id, self.executor_epoch, plan.wire_rows(), plan.ops.clears, plan.ops.copies
+            plan.step_id,
+            plan.after,
+            self.executor_epoch,
+            plan.wire_rows(),
+            plan.ops.clears,
+            plan.ops.copies,
         )
 
     async def _await_result(self, plan: StepPlan) -> dict | None:
@@ -225,6 +239,7 @@ class SchedulerService:
                         continue
                     if (
                         msg.get("step") == plan.step_id
+                        and msg.get("scheduler_epoch") == self.shipper.epoch
                         and msg.get("executor_epoch") == self.executor_epoch
                     ):
                         return msg

@@ -2,7 +2,10 @@
 
 KV cells hold (token, position); a Mamba slot holds a rolling hash of the tokens fed
 through it. A step applies its deferred ops, writes KV through the plan's indices and
-updates each row's state in its slot, exactly as the executor does to tensors. The
+writes each row's new state from its read slot to its write slot, filling a future token
+with what the step before sampled for that row, exactly as the executor does to tensors.
+Dropped rows (requests that ended while the step was in flight) are run too, as the
+executor runs them: their writes must land where they harm nobody. The
 "model" then samples from what it read: the state hash and every KV cell of the row's
 context. A wrong slot, a stale copy or a KV index pointing at another row's data changes
 the token, so equality with a one-shot reference proves the bookkeeping, not just lists.
@@ -10,7 +13,7 @@ the token, so equality with a one-shot reference proves the bookkeeping, not jus
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -38,8 +41,11 @@ def next_token(h: int, kv_tokens: np.ndarray, kv_positions: np.ndarray, vocab: i
     return (h ^ k) % vocab
 
 
-def reference(prompt: list[int], max_new: int, vocab: int, eos: int | None = None) -> list[int]:
-    """One-shot greedy generation over `prompt`, no cache, no sessions."""
+def reference(
+    prompt: list[int], max_new: int, vocab: int, stops: Collection[int] = ()
+) -> list[int]:
+    """One-shot greedy generation over `prompt`, no cache, no sessions; it ends after
+    `max_new` tokens or a token of `stops` (kept, as a request's output keeps it)."""
     seq = list(prompt)
     h = state_of(seq)
     out = []
@@ -47,7 +53,7 @@ def reference(prompt: list[int], max_new: int, vocab: int, eos: int | None = Non
         pos = np.arange(len(seq))
         token = next_token(h, np.asarray(seq), pos, vocab)
         out.append(token)
-        if token == eos:
+        if token in stops:
             break
         seq.append(token)
         h = mix(h, token)
@@ -66,28 +72,33 @@ class DataModelExecutor:
         self.vocab = vocab
         self.sequence_of = sequence_of  # when given, each row's starting state is checked
         self.rows_checked = 0
+        self.sampled: dict[str, int] = {}  # by the last step run: the next one's future tokens
 
     def run(self, plan: StepPlan) -> dict[str, int]:
         apply_to_arrays(plan.ops, self.state)
         out = {}
         for row in plan.rows:
-            assert len(row.kv_indices) == row.end and row.mamba_slot > 0
+            assert len(row.kv_indices) == row.end and row.mamba_slot > 0 and row.mamba_out > 0
             h = int(self.state[row.mamba_slot])
-            if self.sequence_of is not None:
+            if self.sequence_of is not None and not row.dropped:
                 expected = state_of(self.sequence_of(row.rid)[: row.start])
                 assert h == expected, f"{row.rid} starts from a wrong state at {row.start}"
                 self.rows_checked += 1
+            tokens = row.tokens.copy()
+            if row.future:
+                tokens[0] = self.sampled[row.rid]
             new = row.kv_indices[row.start :]
-            self.kv_tokens[new] = row.tokens
+            self.kv_tokens[new] = tokens
             self.kv_positions[new] = np.arange(row.start, row.end)
-            for i, token in enumerate(row.tokens):
+            for i, token in enumerate(tokens):
                 h = mix(h, token)
                 if row.snapshot_slot and row.start + i + 1 == row.snapshot_len:
                     self.state[row.snapshot_slot] = h
-            self.state[row.mamba_slot] = h
+            self.state[row.mamba_out] = h
             if row.sample:
                 idx = row.kv_indices
                 out[row.rid] = next_token(
                     h, self.kv_tokens[idx], self.kv_positions[idx], self.vocab
                 )
+        self.sampled = out
         return out

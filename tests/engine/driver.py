@@ -1,4 +1,8 @@
-"""Runs the engine core against the data model, checking the busy invariant each step."""
+"""Runs the engine core against the data model, checking the busy invariant each step.
+
+With `depth` 1 (the services' default) it drives the core as the scheduler service does:
+it plans step N+1 before it completes step N, and the model runs each step only when it
+is completed, so everything the core did meanwhile has happened first."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class Driver:
         step_tokens: int = 512,
         track_interval: int | None = None,
         eos: int | None = None,
+        depth: int = 1,
     ) -> None:
         self.pools = Pools(
             PoolConfig(
@@ -52,6 +57,7 @@ class Driver:
         self._rids = itertools.count(1)
         self.ended: dict[str, Request] = {}
         self.steps = 0
+        self.depth = depth
 
     def _sequence(self, rid: str) -> np.ndarray:
         return self.engine.requests[rid].sequence
@@ -60,11 +66,15 @@ class Driver:
         return f"r{next(self._rids)}"
 
     def step(self) -> list[Request]:
-        plan = self.engine.plan_step()
-        if plan is None:
+        """Plan a step; complete the oldest in flight when the pipeline is full or there
+        was nothing new to plan."""
+        engine = self.engine
+        plan = engine.plan_step()
+        self.steps += plan is not None
+        if not engine.in_flight or (plan is not None and len(engine.in_flight) <= self.depth):
             return []
-        self.steps += 1
-        ended = self.engine.complete_step(plan, self.model.run(plan))
+        oldest = engine.in_flight[0]
+        ended = engine.complete_step(oldest, self.model.run(oldest))
         for req in ended:
             self.ended[req.rid] = req
         report = self.engine.check()
@@ -101,6 +111,8 @@ class Driver:
         return req
 
     def assert_idle_clean(self) -> None:
+        """Once the steps still in flight have come back, nothing is held."""
+        self.run()
         assert self.engine.idle
         report = self.engine.check(idle=True)
         assert report.ok, "\n".join(report.problems)

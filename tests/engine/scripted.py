@@ -60,7 +60,7 @@ class Scripted:
                 self.states[row.snapshot_slot] = self.marks.get(
                     (row.rid, row.snapshot_len), 1000 + row.snapshot_len
                 )
-            self.states[row.mamba_slot] = 500 + row.end
+            self.states[row.mamba_out] = 500 + row.end
             if row.sample:
                 out[row.rid] = self.script[row.rid].pop(0)
         return out

@@ -14,7 +14,7 @@ def test_p1_a_match_takes_a_fresh_slot_and_a_deferred_copy():
     assert s.states[node.mamba] == 77
     b = s.submit("b", [1, 2, 3, 4, 5, 6, 7, 50], [1])
     plan = s.engine.plan_step()
-    working = b.slots.working.slot
+    working = b.slots.state.current.slot
     assert working != node.mamba
     assert plan.ops.copies == [(node.mamba, working)]
     assert s.states[working] != 77  # nothing copied until the step runs
@@ -37,7 +37,7 @@ def test_p4_donation_lifecycle():
     r2 = s.submit("r2", [1, 2, 3, 4, 5, 16, 17], [1])
     plan = s.engine.plan_step()
     assert r2.cached_tokens == 5
-    assert (node5.mamba, r2.slots.working.slot) in plan.ops.copies
+    assert (node5.mamba, r2.slots.state.current.slot) in plan.ops.copies
     assert node5 in plan.copy_sources
     s.engine.complete_step(plan, s.run_plan(plan))
     assert s.started_with["r2"] == 42
@@ -55,7 +55,7 @@ def test_p5_finishing_without_a_snapshot_inserts_nothing():
     free = s.pools.mamba.free_count
     req = s.submit("short", [1, 2, 3], [4, 5])
     s.step()
-    taken = [req.slots.working.slot, *req.slots.track.slots]
+    taken = [*req.slots.state.held(), *req.slots.track.slots]
     s.run()
     assert list(s.engine.cache.nodes()) == []
     assert s.pools.mamba.free_count == free

@@ -1,6 +1,9 @@
 """Random interleavings of session turns (finished, aborted, disconnected, retracted,
 over-long), plain requests sharing prefixes, evictions under pressure and closes, over
-page sizes 1 and 16, on pools small enough that retracts and evictions are routine.
+page sizes 1 and 16, one step at a time and pipelined (the next step planned while one
+is in flight), on pools small enough that retracts and evictions are routine. Where a
+request asks for them, stop tokens end a sixth of the tokens, so requests often end while
+their next step is already in flight.
 
 After every step: the busy invariant. At the end: the idle invariant. Throughout: the
 data model checks that every row starts from the state of exactly its own prefix, and
@@ -19,14 +22,16 @@ from services.scheduler.engine.sampling import InvalidRequest
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 
-# 2 machines x 500 = 1,000 sequences by default; CUSTODY_HYPOTHESIS_EXAMPLES overrides.
-EXAMPLES = int(os.environ.get("CUSTODY_ENGINE_EXAMPLES", "500"))
+# 4 machines x 250 = 1,000 sequences by default; CUSTODY_ENGINE_EXAMPLES overrides.
+EXAMPLES = int(os.environ.get("CUSTODY_ENGINE_EXAMPLES", "250"))
+STOPS = tuple(range(0, VOCAB, 6))
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [21, 22, 23, 24] * 5]
 tokens = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24)
 
 
 class EngineMachine(RuleBasedStateMachine):
     page_size = 1
+    depth = 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,6 +45,7 @@ class EngineMachine(RuleBasedStateMachine):
             chunk=8 * ps if ps > 1 else 8,
             step_tokens=24 if ps == 1 else 48,
             track_interval=ps * 4,
+            depth=self.depth,
         )
         self.histories: dict[str, list[int]] = {}
         self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
@@ -54,8 +60,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.histories[self.d.engine.sessions.open(f"s{self.opened}").sid] = []
 
     @precondition(lambda self: self.histories)
-    @rule(data=st.data(), new=tokens, max_new=st.integers(1, 6), overlong=st.booleans())
-    def turn(self, data, new, max_new, overlong):
+    @rule(
+        data=st.data(),
+        new=tokens,
+        max_new=st.integers(1, 6),
+        overlong=st.booleans(),
+        stops=st.booleans(),
+    )
+    def turn(self, data, new, max_new, overlong, stops):
         sid = data.draw(st.sampled_from(sorted(self.histories)))
         session = self.d.engine.sessions.sessions.get(sid)
         if overlong:
@@ -64,7 +76,7 @@ class EngineMachine(RuleBasedStateMachine):
         too_long = len(self.histories[sid]) + len(new) >= self.d.engine.config.context_len
         before = self.d.pools.ledger.events.next_seq
         try:
-            req = self.d.turn(sid, new, max_new=max_new)
+            req = self.d.turn(sid, new, max_new=max_new, stop_token_ids=STOPS if stops else ())
         except InvalidRequest as err:
             assert busy or too_long, err
             assert self.d.pools.ledger.events.next_seq == before
@@ -80,9 +92,16 @@ class EngineMachine(RuleBasedStateMachine):
         del self.histories[sid]
 
     # ---- plain requests ----
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, max_new=st.integers(1, 5))
-    def plain_request(self, prefix, suffix, max_new):
-        req = self.d.generate(prefix[:40] + suffix[:8], max_new=max_new)
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=tokens,
+        max_new=st.integers(1, 5),
+        stops=st.booleans(),
+    )
+    def plain_request(self, prefix, suffix, max_new, stops):
+        req = self.d.generate(
+            prefix[:40] + suffix[:8], max_new=max_new, stop_token_ids=STOPS if stops else ()
+        )
         self.plain[req.rid] = req
 
     # ---- running ----
@@ -109,14 +128,19 @@ class EngineMachine(RuleBasedStateMachine):
                 assert turn.prompt.tolist() == prompt
                 sid = turn.session.sid
                 if req.status is Status.FINISHED:
-                    assert req.output == reference(prompt, req.params.max_new_tokens, VOCAB)
+                    assert req.output == reference(
+                        prompt, req.params.max_new_tokens, VOCAB, req.params.stop_token_ids
+                    )
                     if sid in self.histories:
-                        self.histories[sid] = prompt + req.output
+                        self.histories[sid] = prompt + req.committed_output()
             else:
                 plain = self.plain.pop(req.rid)
                 if req.status is Status.FINISHED:
                     assert plain.output == reference(
-                        plain.prompt.tolist(), plain.params.max_new_tokens, VOCAB
+                        plain.prompt.tolist(),
+                        plain.params.max_new_tokens,
+                        VOCAB,
+                        plain.params.stop_token_ids,
                     )
 
     @invariant()
@@ -139,8 +163,12 @@ class EngineMachine(RuleBasedStateMachine):
         ), report.counts
 
 
-def _machine(page_size: int) -> type:
-    machine = type(f"EngineMachinePage{page_size}", (EngineMachine,), {"page_size": page_size})
+def _machine(page_size: int, depth: int) -> type:
+    machine = type(
+        f"EngineMachinePage{page_size}Depth{depth}",
+        (EngineMachine,),
+        {"page_size": page_size, "depth": depth},
+    )
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=40,
@@ -150,5 +178,7 @@ def _machine(page_size: int) -> type:
     return machine
 
 
-TestEnginePage1 = _machine(1).TestCase
-TestEnginePage16 = _machine(16).TestCase
+TestEnginePage1 = _machine(1, 0).TestCase
+TestEnginePage16 = _machine(16, 0).TestCase
+TestEnginePage1Pipelined = _machine(1, 1).TestCase
+TestEnginePage16Pipelined = _machine(16, 1).TestCase

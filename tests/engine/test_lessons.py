@@ -22,14 +22,16 @@ def test_lesson_01_a_request_keeps_no_usable_reference_after_saving_to_its_sessi
     d.run()
     assert req.slots is None
     session = d.engine.sessions.get(sid)
-    assert session.slots.working.held == slots.working.held
+    assert session.slots.working.held == slots.state.current.held
     with pytest.raises(StaleHandle, match=f"owned by session:{sid}"):
-        _ = slots.working.slot
+        _ = slots.state.current.slot
     with pytest.raises(StaleHandle):
-        slots.working.release()
+        slots.state.current.release()
     next_turn = d.turn(sid, text(2, 2), max_new=2)
     d.step()
-    assert next_turn.slots.working.slot == slots.working.held  # restored, not re-allocated
+    assert (
+        next_turn.slots.state.current.slot == slots.state.current.held
+    )  # restored, not re-allocated
     d.run()
     close_all(d)
 
@@ -38,6 +40,7 @@ def test_lesson_02_freed_track_slots_leave_no_reference_behind():
     d = Driver()
     req = d.generate(text(8, 1), max_new=3)
     d.step()
+    d.step()  # the prefill has completed (and donated its snapshot, refilling the track)
     track = req.slots.track
     kept = list(track.slots)
     d.run()
@@ -70,7 +73,7 @@ def test_lesson_04_state_copies_and_clears_are_deferred_to_the_step():
     assert plan.ops.copies and plan.copy_sources
     source = plan.ops.copies[0][0]
     assert s.pools.mamba.owner_of(source) != b.slots.owner.id  # donated to the cache...
-    assert s.pools.mamba.owner_of(b.slots.working.slot) == b.slots.owner.id  # ...fresh slot
+    assert s.pools.mamba.owner_of(b.slots.state.current.slot) == b.slots.owner.id  # ...fresh slot
     s.engine.complete_step(plan, s.run_plan(plan))
 
 
@@ -155,9 +158,9 @@ def test_lesson_10_a_request_shorter_than_a_track_interval_inserts_no_empty_node
 
 
 def test_lesson_11_reserving_a_request_is_all_or_nothing():
-    d = Driver(mamba_slots=4)
+    d = Driver(mamba_slots=5)
     hog = d.pools.ledger.new_owner(OwnerKind.CACHE, "hog")
-    d.pools.mamba.alloc(2, hog)  # 2 left, 3 needed
+    d.pools.mamba.alloc(2, hog)  # 3 left, 4 needed
     before = d.pools.ledger.events.next_seq
     with pytest.raises(Exception, match="mamba"):
         admit(d.pools, "r")

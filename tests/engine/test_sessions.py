@@ -296,7 +296,7 @@ def test_a_lost_device_is_rebuilt_from_history(page_size):
     d.engine.device_lost()
     d.model = type(d.model)(d.pools, VOCAB, d._sequence)  # a new executor: empty pools
     assert d.engine.check(idle=False).ok
-    assert plan is not None and d.engine.in_flight is None
+    assert plan is not None and not d.engine.in_flight
     d.run()
     history = t1.prompt.tolist() + t1.output
     assert t2.status is Status.FINISHED and t2.output == reference(history + text(5, 2), 8, VOCAB)

@@ -53,7 +53,7 @@ def test_free_by_non_owner_names_both_owners(pools):
 def test_stale_handle_after_transfer(pools):
     req = admit(pools, "r1")
     session = pools.ledger.new_owner(OwnerKind.SESSION, "s1")
-    kept = req.working
+    kept = req.state.current
     moved = kept.move_to(session, "save")
     with pytest.raises(StaleHandle) as err:
         _ = kept.slot  # the request kept a reference it handed on (lesson 1)
@@ -134,7 +134,7 @@ def test_partial_page_tail_freed_without_alignment(pools):
 
 
 def test_admission_rolls_back_when_a_pool_is_short(pools):
-    held = [admit(pools, f"r{i}") for i in range(4)]  # 12 mamba slots: 4 requests x 3
+    held = [admit(pools, f"r{i}") for i in range(3)]  # 12 mamba slots: 3 requests x 4
     before = pools.ledger.events.next_seq
     with pytest.raises(Exception, match="need"):
         admit(pools, "r5")

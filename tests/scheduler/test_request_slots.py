@@ -24,9 +24,9 @@ def test_group_reservation_hands_out_and_returns_the_rest(pools):
         assert pools.mamba.held_by_kind()[OwnerKind.ADMISSION] == 5
         a = admit(pools, "a", group)
         assert group.remaining == 4
-        assert pools.mamba.owner_of(a.working.slot) == a.owner.id
+        assert pools.mamba.owner_of(a.state.current.slot) == a.owner.id
     assert pools.mamba.held_by_kind()[OwnerKind.ADMISSION] == 0
-    assert pools.mamba.free_count == 12 - 3
+    assert pools.mamba.free_count == 12 - 4
     release(pools, a)
     assert check_integrity(pools.ledger, [], idle=True).ok
 

@@ -1,6 +1,6 @@
-"""The Mamba2 mixer of NemotronH over pooled state: every row reads and updates the
-conv and SSM state in its own slot, and can leave a snapshot of both, taken after a
-given position, in a second slot."""
+"""The Mamba2 mixer of NemotronH over pooled state: every row reads the conv and SSM
+state from one slot and writes the state after its tokens to another (or the same), and
+can leave a snapshot of both, taken after a given position, in a third."""
 
 from __future__ import annotations
 
@@ -90,8 +90,9 @@ class Mamba2Mixer(nn.Module):
         )
         y[pos] = out.reshape(rows, self.heads, self.head_dim)
         state = state.view(rows, self.heads, self.head_dim, self.n)
-        pools.conv[layer, slots] = window[..., 1:]
-        pools.ssm[layer, slots] = state
+        out_slots = batch.decode_out_slots
+        pools.conv[layer, out_slots] = window[..., 1:]
+        pools.ssm[layer, out_slots] = state
         for j, i in enumerate(batch.decode):
             row = batch.rows[i]
             if row.snapshot_slot and row.snapshot_len == row.end:
@@ -119,5 +120,5 @@ class Mamba2Mixer(nn.Module):
                 pools.conv[layer, row.snapshot_slot] = full[:, cut : cut + keep]
                 pools.ssm[layer, row.snapshot_slot] = state
         y[span] = torch.cat(outs)
-        pools.conv[layer, row.mamba_slot] = full[:, full.shape[1] - keep :]
-        pools.ssm[layer, row.mamba_slot] = state
+        pools.conv[layer, row.mamba_out] = full[:, full.shape[1] - keep :]
+        pools.ssm[layer, row.mamba_out] = state

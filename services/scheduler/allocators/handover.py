@@ -1,7 +1,8 @@
 """Handing a finished turn's state to its session, and back to the next turn.
 
-Between turns a session owns its row, its KV pages and its working Mamba slot; while a
-turn runs, the turn's request owns them. Both moves are transfers of every slot, so the
+Between turns a session owns its row, its KV pages and one Mamba slot with its state;
+while a turn runs, the turn's request owns them (the slot as the committed half of its
+working pair). Both moves are transfers of every slot, so the
 state is never held (or counted) by both, and the side that gave it up keeps only dead
 leases. Track slots belong to a running request only and are freed at save.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots, row_state_claims
 from services.scheduler.allocators.track_buffer import PingPongTrack
+from services.scheduler.allocators.working_pair import WorkingPair
 from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import Lease, new_lease
@@ -27,24 +29,26 @@ class SessionSlots:
     borrowed: int = 0
 
     def claims(self, pools: Pools) -> list[Claim]:
-        return row_state_claims(pools, self.owner, self.row, self.working, self.borrowed)
+        return row_state_claims(pools, self.owner, self.row, [self.working.slot], self.borrowed)
 
 
 def save(
     pools: Pools, req: RequestSlots, session: Owner, state: Lease | None = None
 ) -> SessionSlots:
     """request -> session: the row and the request's own KV pages move; track slots are
-    freed. `state` is the Mamba state the session keeps: by default the turn's working
-    slot (it moves too); after an abort, the session's copy from the turn's start (then
-    the turn's working slot is freed)."""
+    freed. `state` is the Mamba state the session keeps: by default the turn's committed
+    working slot (it moves too, the spare is freed); after an abort, the session's copy
+    from the turn's start (then both working slots are freed)."""
     row = req.row.slot
     pages = pools.rows.row_pages(row, req.borrowed, int(pools.rows.lens[row]))
     pools.kv_pages.transfer(pages, req.owner, session, "save")
     if state is None:
-        state = req.working.move_to(session, "save")
+        state = req.state.current.move_to(session, "save")
+        req.state.spare.release("save")
     else:
         state.check()
-        req.working.release("discard")
+        for lease in req.state.leases:
+            lease.release("discard")
     kept = SessionSlots(session, req.row.move_to(session, "save"), state, req.borrowed)
     new_lease(pools.mamba, req.track.owner, req.track.checked_slots()).release("save")
     pools.ledger.retire(req.owner)
@@ -53,20 +57,21 @@ def save(
 
 
 def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
-    """session -> request `rid`: the reverse of `save`, plus two fresh track slots. All
-    or nothing: the track slots are taken before anything moves."""
-    if not pools.mamba.can_alloc(2):
-        raise PoolExhausted("mamba", 2, pools.mamba.free_count)
+    """session -> request `rid`: the reverse of `save`, plus a fresh spare working slot
+    and two track slots. All or nothing: the new slots are taken before anything moves."""
+    if not pools.mamba.can_alloc(3):
+        raise PoolExhausted("mamba", 3, pools.mamba.free_count)
     owner = pools.ledger.new_owner(OwnerKind.REQUEST, rid)
     track_owner = pools.ledger.new_owner(OwnerKind.TRACK, rid)
     track = PingPongTrack(pools.mamba, track_owner, pools.mamba.alloc(2, track_owner).tolist())
+    spare = new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "restore"))
     row = sess.row.slot
     pages = pools.rows.row_pages(row, sess.borrowed, int(pools.rows.lens[row]))
     pools.kv_pages.transfer(pages, sess.owner, owner, "restore")
     return RequestSlots(
         owner,
         sess.row.move_to(owner, "restore"),
-        sess.working.move_to(owner, "restore"),
+        WorkingPair((sess.working.move_to(owner, "restore"), spare)),
         track,
         sess.borrowed,
     )

@@ -14,7 +14,7 @@ from services.scheduler.ownership.ledger import Ledger
 class PoolConfig:
     kv_pages: int = 4096
     page_size: int = 1
-    mamba_slots: int = 96
+    mamba_slots: int = 192
     max_running_requests: int = 32
     max_context: int = 8192
 

@@ -1,6 +1,7 @@
 """Everything one running request holds, reserved in one step or not at all.
 
-A request needs a row, a working Mamba slot and two ping-pong track slots. Admission
+A request needs a row, two working Mamba slots (see working_pair.py) and two ping-pong
+track slots. Admission
 checks every pool first and only then takes; if taking still fails half-way (a bug),
 what was taken is given back before the error propagates (lesson 11). Release gives
 everything back and retires both owners, which fails loudly if anything was dropped.
@@ -13,44 +14,45 @@ from dataclasses import dataclass
 from services.scheduler.allocators.group_reservation import GroupReservation
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.track_buffer import PingPongTrack
+from services.scheduler.allocators.working_pair import WorkingPair
 from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import Lease, new_lease
 from services.scheduler.ownership.owners import Owner, OwnerKind
 
-MAMBA_SLOTS_PER_REQUEST = 3  # 1 working + 2 ping-pong track slots
+MAMBA_SLOTS_PER_REQUEST = 4  # 2 working + 2 ping-pong track slots
 
 
 @dataclass(slots=True)
 class RequestSlots:
     owner: Owner  # request:<rid>
     row: Lease
-    working: Lease
+    state: WorkingPair
     track: PingPongTrack
     borrowed: int = 0  # positions [0, borrowed) use KV pages owned by someone else
 
     def claims(self, pools: Pools) -> list[Claim]:
-        own = row_state_claims(pools, self.owner, self.row, self.working, self.borrowed)
+        own = row_state_claims(pools, self.owner, self.row, self.state.held(), self.borrowed)
         return [*own, (self.track.owner, "mamba", self.track.claims())]
 
 
 def row_state_claims(
-    pools: Pools, owner: Owner, row: Lease, working: Lease, borrowed: int
+    pools: Pools, owner: Owner, row: Lease, working: list[int], borrowed: int
 ) -> list[Claim]:
-    """What the holder of a row's state claims: the row, its working Mamba slot and the
+    """What the holder of a row's state claims: the row, its working Mamba slots and the
     KV pages of positions [borrowed, length) (the ones before are borrowed)."""
     slot = row.slot
     length = int(pools.rows.lens[slot])
     return [
         (owner, "req", [slot]),
-        (owner, "mamba", [working.slot]),
+        (owner, "mamba", working),
         (owner, "kv", pools.rows.row_pages(slot, borrowed, length)),
     ]
 
 
 def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -> RequestSlots:
-    """Row + working slot + two track slots for request `rid`, all or nothing."""
-    from_pool = 2 + (1 if reservation is None or reservation.remaining == 0 else 0)
+    """Row + two working slots + two track slots for request `rid`, all or nothing."""
+    from_pool = 3 + (1 if reservation is None or reservation.remaining == 0 else 0)
     if not pools.req.can_alloc(1):
         raise PoolExhausted("req", 1, pools.req.free_count)
     if not pools.mamba.can_alloc(from_pool):
@@ -63,8 +65,8 @@ def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -
         row = new_lease(pools.req, owner, pools.req.alloc_one(owner, "admit"))
         taken.append(row)
         slot = reservation.take(owner) if reservation else pools.mamba.alloc_one(owner, "admit")
-        working = new_lease(pools.mamba, owner, slot)
-        taken.append(working)
+        taken.append(new_lease(pools.mamba, owner, slot))
+        taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
         track_slots = pools.mamba.alloc(2, track_owner, "admit")
         taken.append(new_lease(pools.mamba, track_owner, track_slots))
     except BaseException:
@@ -72,16 +74,16 @@ def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -
         raise
     pools.rows.lens[row.held] = 0
     track = PingPongTrack(pools.mamba, track_owner, track_slots.tolist())
-    return RequestSlots(owner, row, working, track)
+    return RequestSlots(owner, row, WorkingPair((taken[1], taken[2])), track)
 
 
 def release(pools: Pools, req: RequestSlots) -> None:
-    """Free the request's own KV, its row, its working slot and its track slots."""
+    """Free the request's own KV, its row, its working slots and its track slots."""
     row = req.row.slot
     pools.kv.free_tail(row, req.borrowed, "finish")
     pools.kv.forget(row)
     track = new_lease(pools.mamba, req.track.owner, req.track.checked_slots())
-    _give_back(pools, [track, req.working, req.row], (req.owner, req.track.owner))
+    _give_back(pools, [track, *req.state.leases, req.row], (req.owner, req.track.owner))
 
 
 def _give_back(pools: Pools, leases: list[Lease], owners: tuple[Owner, ...]) -> None:

@@ -9,7 +9,7 @@ request for its whole life; nothing about them lives loose on the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,21 +31,21 @@ class PingPongTrack:
     slots: list[int]  # exactly two
     latest: int = -1  # entry holding the latest recorded snapshot, -1 when none
     latest_len: int = 0
-    pending: int = -1  # entry a planned step is writing, -1 when none
+    pending: list[int] = field(default_factory=list)  # entries steps in flight are writing
 
     def begin_snapshot(self) -> int | None:
         """The slot a step about to be planned may write a snapshot into: neither the one
         holding the latest snapshot nor one a step in flight is writing. None when both
         are taken (the step then takes no snapshot; only a cache opportunity is lost)."""
-        for entry in (1 - self.latest, self.latest) if self.latest >= 0 else (0, 1):
-            if entry != self.pending and entry != self.latest:
+        for entry in (0, 1):
+            if entry not in self.pending and entry != self.latest:
                 slot = self.slots[entry]
                 if self.pool.owner_of(slot) != self.owner.id:
                     raise StaleHandle(
                         f"{self.owner} would snapshot into slot {slot} it no longer owns\n"
                         + self.pool.ledger.describe(self.pool, [slot])
                     )
-                self.pending = entry
+                self.pending.append(entry)
                 return slot
         return None
 
@@ -53,16 +53,22 @@ class PingPongTrack:
         """The step that wrote `slot` (a value `begin_snapshot` gave) has run: the
         snapshot there, at `seq_len`, is now the latest. The length comes from the step
         that was planned, never from the request's current length (lesson 9)."""
-        if self.pending < 0 or self.slots[self.pending] != slot:
+        entry = self._pending_entry(slot)
+        if entry is None:
             raise ValueError(f"{self.owner}: slot {slot} was not being written")
         if self.latest >= 0 and seq_len <= self.latest_len:
             raise ValueError(f"{self.owner}: snapshot at {seq_len} after one at {self.latest_len}")
-        self.latest, self.latest_len, self.pending = self.pending, seq_len, -1
+        self.pending.remove(entry)
+        self.latest, self.latest_len = entry, seq_len
 
     def cancel(self, slot: int) -> None:
-        """The step that was to write `slot` did not run."""
-        if self.pending >= 0 and self.slots[self.pending] == slot:
-            self.pending = -1
+        """The step that was to write `slot` will not count."""
+        entry = self._pending_entry(slot)
+        if entry is not None:
+            self.pending.remove(entry)
+
+    def _pending_entry(self, slot: int) -> int | None:
+        return next((e for e in self.pending if self.slots[e] == slot), None)
 
     def latest_snapshot(self) -> Snapshot | None:
         return None if self.latest < 0 else Snapshot(self.slots[self.latest], self.latest_len)

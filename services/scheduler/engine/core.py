@@ -1,9 +1,18 @@
 """The scheduling core: admission, batching, completion, abort and retract.
 
 It owns the request queues and drives every other owner through its API: allocators,
-the prefix cache and the sessions. One step at a time: `plan_step` decides what runs and
-moves slots accordingly, the executor runs the plan, `complete_step` applies the result.
-Aborts and retracts take effect between steps, never under a running forward.
+the prefix cache and the sessions. `plan_step` decides what runs and moves slots
+accordingly, the executor runs the plan, `complete_step` applies the result. Up to
+`PIPELINE_DEPTH` steps may be in flight while the next is planned.
+
+Why that is safe: the executor runs steps, and the deferred ops of each step, in the order
+they were planned. A slot the scheduler frees or reassigns while a step is in flight is
+only ever written for its new owner by a later step, after the in-flight one has finished
+with it. What the scheduler must never do is hand a long-lived owner (a session, the
+prefix cache) a slot that a step in flight will still change: a request's rows alternate
+between two working slots (working_pair.py), snapshots go to a track slot no step in
+flight writes, and a request that ends, aborts or is re-queued first drops its rows still
+in flight (`_unplan`), so their effects never count.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.step_builder import grow_kv, pages_to_grow, row_plan
-from services.scheduler.engine.stopping import finish_reason
+from services.scheduler.engine.stopping import finish_reason, length_limit
 from services.scheduler.engine.validation import check_prompt_length, check_tokens
 from services.scheduler.ownership.invariants import (
     IntegrityReport,
@@ -34,6 +43,7 @@ from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
 
 log = logging.getLogger("custody.engine")
+PIPELINE_DEPTH = 1  # steps in flight while the next is planned: one per spare working slot
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.in_flight: StepPlan | None = None
+        self.in_flight: deque[StepPlan] = deque()  # published, not completed; oldest first
         self.retractions = 0
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         self.guard = InvariantGuard(strict)
@@ -108,7 +118,7 @@ class EngineCore:
         return turn
 
     def abort(self, rid: str, reason: str = "aborted by request") -> list[Request]:
-        """Abort `rid`: a waiting request leaves at once, a running one between steps.
+        """Abort `rid` now, running or not (its rows still in flight are dropped).
         Returns the requests that ended now."""
         req = self.requests.get(rid)
         if req is None or req.done:
@@ -116,16 +126,19 @@ class EngineCore:
         req.abort_reason = reason
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-            return [self._end_aborted(req)]
-        return [] if self.in_flight is not None else self._apply_aborts()
+        else:
+            self._stop(req)
+            if req.session is None:
+                self._release(req)
+        return [self._end_aborted(req)]
 
     # ---- one step ----
     def plan_step(self) -> StepPlan | None:
-        if self.in_flight is not None:
-            raise RuntimeError(f"step {self.in_flight.step_id} is still in flight")
-        self._apply_aborts()
+        if len(self.in_flight) > PIPELINE_DEPTH:
+            raise RuntimeError(f"{len(self.in_flight)} steps are in flight already")
         self.sessions.expire()
-        plan = StepPlan(next(self._step_ids), [], DeferredOps())
+        after = self.in_flight[-1].step_id if self.in_flight else None
+        plan = StepPlan(next(self._step_ids), [], DeferredOps(), after)
         chosen: list[tuple[Request, int]] = []
         state = _Budget(self.config.max_step_tokens)
         for req in list(self.running):
@@ -145,21 +158,28 @@ class EngineCore:
             return None
         grow_kv(self.pools, chosen)
         plan.rows = [row_plan(self.pools, self.config.track_interval, req, n) for req, n in chosen]
-        self.in_flight = plan
+        self.in_flight.append(plan)
         return plan
 
     def complete_step(
         self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, float] | None = None
     ) -> list[Request]:
         """Apply the executor's result of `plan`; returns the requests that ended."""
-        if plan is not self.in_flight:
-            raise RuntimeError(f"step {plan.step_id} is not the step in flight")
+        if not self.in_flight or plan is not self.in_flight[0]:
+            raise RuntimeError(f"step {plan.step_id} is not the oldest step in flight")
+        self.in_flight.popleft()
         for node in plan.copy_sources:
             self.cache.unlock_copy(node)
         ended = []
         for row in plan.rows:
+            if row.dropped:
+                continue
             req = self.requests[row.rid]
+            if req.inflight[0] is not row:
+                raise RuntimeError(f"{row.rid}: rows completed out of order")
+            req.inflight.pop(0)
             req.computed = row.end
+            req.slots.state.commit(row.mamba_out)
             if row.snapshot_slot:
                 req.slots.track.record(row.snapshot_slot, row.snapshot_len)
             if row.sample:
@@ -176,32 +196,31 @@ class EngineCore:
                     continue
             if row.snapshot_slot and row.prefill and req.session is None:
                 self._cache_prefix(req)  # a chunk's state is reachable at once (P6)
-        self.in_flight = None
-        return ended + self._apply_aborts()
+        return ended
 
-    def abandon_step(self, plan: StepPlan) -> None:
-        """The step in flight will never complete (its executor died): release what it
-        locked and the KV it was given, as if it had not been planned."""
-        if plan is not self.in_flight:
-            raise RuntimeError(f"step {plan.step_id} is not the step in flight")
-        for node in plan.copy_sources:
-            self.cache.unlock_copy(node)
-        for row in plan.rows:
-            req = self.requests.get(row.rid)
-            if req is None or req.slots is None:
-                continue
-            if row.snapshot_slot:
-                req.slots.track.cancel(row.snapshot_slot)
-            self.pools.kv.free_tail(req.slots.row.slot, req.computed, "abandon")
-        self.in_flight = None
+    def step_refused(self, plan: StepPlan, error: str) -> list[Request]:
+        """The executor refused `plan`, and so refuses every step planned on top of it:
+        the requests of `plan` end with the error, those only in later steps are re-queued
+        (they re-prefill, as their admission's state ops may not have run). Returns the
+        requests that ended."""
+        if not self.in_flight or plan is not self.in_flight[0]:
+            raise RuntimeError(f"step {plan.step_id} is not the oldest step in flight")
+        live = [{row.rid for row in p.rows if not row.dropped} for p in self.in_flight]
+        self._abandon_in_flight()
+        refused, later = live[0], set().union(*live[1:])
+        ended = []
+        for rid in refused:
+            ended += self.abort(rid, f"executor refused the step: {error}")
+        for rid in later - refused:
+            self._retract(self.requests[rid])
+        return ended
 
     def device_lost(self) -> None:
         """The executor restarted with empty pools: every slot's contents are gone.
         Running requests are re-queued (they re-prefill what they had, tokens already
         produced included), sessions keep their history but not their state, and the
         prefix cache is emptied."""
-        if self.in_flight is not None:
-            self.abandon_step(self.in_flight)
+        self._abandon_in_flight()
         for req in reversed(list(self.running)):
             self._retract(req)
         self.sessions.drop_all_state()
@@ -211,7 +230,7 @@ class EngineCore:
     # ---- views ----
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.in_flight is None
+        return not self.waiting and not self.running and not self.in_flight
 
     def audit(self) -> IntegrityReport:
         """The check the idle loop runs: raises when strict, else logs and counts."""
@@ -231,10 +250,12 @@ class EngineCore:
     def _fit_running(self, req: Request, chosen: list, state: _Budget) -> int:
         """Tokens `req` computes this step, after making KV room (evicting the cache, then
         retracting the newest unplanned requests); 0 if it cannot run now."""
-        n = min(req.length - req.computed, self.config.chunk_size, state.tokens)
+        if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
+            return 0  # the token in flight is surely its last
+        n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
         if n <= 0:
             return 0
-        need = pages_to_grow(self.pools.config.page_size, req.computed, n)
+        need = pages_to_grow(self.pools.config.page_size, req.planned, n)
         planned = {id(r) for r, _ in chosen}
         while not self._room(need + state.pages, 0, 0):
             victims = [r for r in reversed(self.running) if r is not req and id(r) not in planned]
@@ -275,7 +296,7 @@ class EngineCore:
         self.cache_queries += 1
         self.cache_hits += bool(match.length)
         self.cache_hit_tokens += match.length
-        working = req.slots.working.slot
+        working = req.slots.state.current.slot
         if node is not None:
             self.pools.kv.borrow(req.slots.row.slot, match.pages)
             req.slots.borrowed = match.length
@@ -326,9 +347,36 @@ class EngineCore:
             raise InvalidRequest(f"request id {rid} is already in use")
 
     # ---- endings ----
+    def _stop(self, req: Request) -> None:
+        """Take a running request off the running list; rows it still has in flight are
+        dropped (their writes land in slots and positions that no longer count)."""
+        self.running.remove(req)
+        self._unplan(req)
+
+    def _unplan(self, req: Request) -> None:
+        for row in req.inflight:
+            row.dropped = True
+            if row.snapshot_slot:
+                req.slots.track.cancel(row.snapshot_slot)
+        req.inflight = []
+        req.slots.state.rewind()
+        self.pools.kv.free_tail(req.slots.row.slot, req.computed, "unplan")
+
+    def _abandon_in_flight(self) -> list[StepPlan]:
+        """Every step in flight will never complete: forget them, as if never planned."""
+        plans = list(self.in_flight)
+        self.in_flight.clear()
+        for plan in plans:
+            for node in plan.copy_sources:
+                self.cache.unlock_copy(node)
+            for row in plan.rows:
+                if not row.dropped:
+                    self._unplan(self.requests[row.rid])
+        return plans
+
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
-        self.running.remove(req)
+        self._stop(req)
         if req.session is not None:
             self.sessions.save(req)
         else:
@@ -365,17 +413,6 @@ class EngineCore:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
 
-    def _apply_aborts(self) -> list[Request]:
-        ended = []
-        for req in [r for r in self.running if r.abort_reason is not None]:
-            self.running.remove(req)
-            if req.session is not None:
-                self.sessions.rollback(req, keep_turn=False)
-            else:
-                self._release(req)
-            ended.append(self._end_aborted(req))
-        return ended
-
     def _end_aborted(self, req: Request) -> Request:
         if req.session is not None and req.session.turn is req:
             self.sessions.rollback(req, keep_turn=False)
@@ -387,7 +424,7 @@ class EngineCore:
 
     def _retract(self, req: Request) -> None:
         """Preempt a running request: give back everything, re-queue it at the front."""
-        self.running.remove(req)
+        self._stop(req)
         if req.session is not None:
             self.sessions.rollback(req, keep_turn=True)
         else:

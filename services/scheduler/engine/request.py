@@ -1,9 +1,12 @@
 """One request: a plain generation or one turn of a session.
 
 The request's sequence is `prompt + output`. `computed` counts the positions whose KV
-and Mamba state are done; every step feeds `sequence[computed:end]` and samples a token
+and Mamba state are done; every step feeds `sequence[planned:end]` and samples a token
 when `end` reaches the end of the sequence, so prefill chunks, decode steps and the
-re-prefill after a retract are one mechanism.
+re-prefill after a retract are one mechanism. With a step in flight, `planned` runs
+ahead of `computed` by that step's rows, and when the step in flight samples, the
+sequence has one more position than is known yet: the token that step will sample,
+which the next step feeds as a future token (the executor fills it in).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from services.scheduler.engine.sampling import SamplingParams
 from services.scheduler.ownership.lease import Lease
 
 if TYPE_CHECKING:
+    from services.scheduler.engine.step import RowPlan
     from services.scheduler.sessions.session import Session
 
 
@@ -51,9 +55,10 @@ class Request:
     cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
     computed: int = 0
     cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
-    abort_reason: str | None = None  # set by abort(); takes effect between steps
+    abort_reason: str | None = None
     turn_start: TurnStart | None = None
     logprobs: list[float] = field(default_factory=list)
+    inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
 
     @property
     def sequence(self) -> np.ndarray:
@@ -64,6 +69,16 @@ class Request:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def planned(self) -> int:
+        """Positions computed or being computed by a step in flight."""
+        return self.computed + sum(len(row.tokens) for row in self.inflight)
+
+    @property
+    def awaits_token(self) -> bool:
+        """A step in flight samples this request's next token."""
+        return bool(self.inflight) and self.inflight[-1].sample
 
     @property
     def done(self) -> bool:

@@ -1,5 +1,6 @@
 """A forward step as the scheduler plans it: everything the executor needs, and the
-per-step facts (which snapshot goes where, at what length) that completion must use."""
+per-step facts (which snapshot goes where, at what length, which working slot holds the
+result) that completion must use."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ class RowPlan:
     tokens: np.ndarray  # fed this step, at positions start .. start + len - 1
     start: int
     kv_indices: np.ndarray  # KV token indices of positions [0, start + len(tokens))
-    mamba_slot: int  # the working slot, read and updated in place
+    mamba_slot: int  # the working slot the state is read from
+    mamba_out: int  # the working slot the state after this step is written to
     snapshot_slot: int  # 0: no snapshot this step
     snapshot_len: int  # the state after this many positions goes to snapshot_slot
     sample: bool  # this row produces a token
     prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
     params: SamplingParams
+    future: bool = False  # tokens[0] is the one the step before samples for this request
+    dropped: bool = False  # its request ended or was re-queued while the step was in flight
 
     @property
     def end(self) -> int:
@@ -36,6 +40,7 @@ class StepPlan:
     step_id: int
     rows: list[RowPlan]
     ops: DeferredOps
+    after: int | None = None  # the step in flight when this one was planned
     copy_sources: list[CacheNode] = field(default_factory=list)  # locked until the step ran
 
     @property
@@ -51,6 +56,7 @@ class StepPlan:
                 r.start,
                 r.kv_indices,
                 r.mamba_slot,
+                r.mamba_out,
                 r.snapshot_slot,
                 r.snapshot_len,
                 r.sample,
@@ -58,6 +64,7 @@ class StepPlan:
                 r.params.top_p,
                 r.params.top_k,
                 r.params.seed,
+                r.future,
             )
             for r in self.rows
         ]

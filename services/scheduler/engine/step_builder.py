@@ -1,6 +1,7 @@
 """Turning the requests chosen for a step into what the executor runs: one batched KV
-allocation for the whole step, then a row per request with its tokens, KV indices, Mamba
-slot and, where one is due, the track slot and length of a snapshot."""
+allocation for the whole step, then a row per request with its tokens (a future token
+where the step in flight samples it), KV indices, the Mamba slots it reads and writes
+and, where one is due, the track slot and length of a snapshot."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.step import RowPlan
 
+FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
+
 
 def pages_to_grow(page_size: int, length: int, n: int) -> int:
     return pages_for(length + n, page_size) - pages_for(length, page_size)
@@ -20,9 +23,9 @@ def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
     """One batched KV allocation for the whole step: decodes, then chunks."""
     kv, lens = pools.kv, pools.rows.lens
     one = np.array([r.slots.row.slot for r, n in chosen if n == 1], dtype=np.int64)
-    more = [(r.slots.row.slot, r.computed + n) for r, n in chosen if n > 1]
+    more = [(r.slots.row.slot, r.planned + n) for r, n in chosen if n > 1]
     for req, _ in chosen:
-        assert lens[req.slots.row.slot] == req.computed, f"{req.rid}: KV length drifted"
+        assert lens[req.slots.row.slot] == req.planned, f"{req.rid}: KV length drifted"
     if len(one):
         kv.decode(one)
     if more:
@@ -31,26 +34,33 @@ def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
 
 
 def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan:
-    """The row of `req` computing `n` positions. A chunk snapshots at the last page
-    boundary it reaches; a decode step every `track_interval` positions."""
-    ps, end = pools.config.page_size, req.computed + n
+    """The row of `req` computing `n` positions after those already planned. A chunk
+    snapshots at the last page boundary it reaches; a decode step every `track_interval`
+    positions."""
+    ps, start = pools.config.page_size, req.planned
+    end = start + n
+    future = req.awaits_token  # then this row is that one token, at position req.length
     if n > 1:
         snap_len = end - end % ps
     else:
         snap_len = end if end % track_interval == 0 else 0
     slot = 0
-    if snap_len > max(req.computed, req.slots.track.latest_len):
+    if snap_len > max(start, req.slots.track.latest_len):
         slot = req.slots.track.begin_snapshot() or 0
-    row = req.slots.row.slot
-    return RowPlan(
+    read, write = req.slots.state.advance()
+    row = RowPlan(
         req.rid,
-        req.sequence[req.computed : end].copy(),
-        req.computed,
-        pools.rows.token_indices(row, 0, end),
-        req.slots.working.slot,
+        np.array([FUTURE_TOKEN]) if future else req.sequence[start:end].copy(),
+        start,
+        pools.rows.token_indices(req.slots.row.slot, 0, end),
+        read,
+        write,
         slot,
         snap_len if slot else 0,
-        sample=end == req.length,
-        prefill=n > 1 or req.computed < len(req.prompt),
+        sample=end == req.length + future,
+        prefill=n > 1 or start < len(req.prompt),
         params=req.params,
+        future=future,
     )
+    req.inflight.append(row)
+    return row

@@ -24,8 +24,15 @@ def finish_reason(
         for stop in req.params.stop:
             if stop in tail:
                 return {"type": "stop", "matched": stop}
-    if len(req.output) >= req.params.max_new_tokens:
+    return length_limit(req, context_len)
+
+
+def length_limit(req: Request, context_len: int, pending: int = 0) -> dict | None:
+    """The token limit or the context length, reached once `pending` more tokens are
+    sampled: the one way to end that is known before the token is."""
+    produced = len(req.output) + pending
+    if produced >= req.params.max_new_tokens:
         return {"type": "length", "length": req.params.max_new_tokens}
-    if req.length >= context_len:
-        return {"type": "length", "length": len(req.output)}
+    if req.length + pending >= context_len:
+        return {"type": "length", "length": produced}
     return None

@@ -230,7 +230,7 @@ class SessionManager:
         rollback = new_lease(
             self.pools.mamba, session.owner, self.pools.mamba.alloc_one(session.owner, "rollback")
         )
-        ops.copy(slots.working.slot, rollback.slot)
+        ops.copy(slots.state.current.slot, rollback.slot)
         req.turn_start = TurnStart(session.cached_len, rollback)
         req.cache_node, session.cache_node = session.cache_node, None
         req.computed = req.cached_tokens = session.cached_len

@@ -1,0 +1,102 @@
+"""Pipelined scheduling (step N+1 planned while step N is in flight), case by case. The
+random interleavings are in test_engine_machine.py; these pin the named situations."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.scheduler.engine.request import Status
+from tests.engine.data_model import reference
+from tests.engine.driver import VOCAB, Driver
+from tests.engine.test_sessions import close_all, text
+
+
+def first_new_token(tokens: list[int], at: int) -> int:
+    """A position from `at` on whose token did not occur before it, and that token."""
+    for i in range(at, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    raise AssertionError("no fresh token in the reference")
+
+
+def test_a_decode_row_feeds_the_token_the_step_in_flight_samples():
+    d = Driver()
+    req = d.generate(text(10, 1), max_new=5)
+    d.step()  # prefill planned
+    d.step()  # first decode planned while the prefill is in flight; the prefill completes
+    row = d.engine.in_flight[0].rows[0]
+    assert row.future and row.tokens.tolist() == [-1] and row.start == 10
+    assert row.mamba_slot != row.mamba_out  # it reads the prefill's result, writes the other
+    d.run()
+    assert req.output == reference(text(10, 1), 5, VOCAB)
+
+
+def test_a_stop_token_sampled_while_the_next_step_runs_leaves_the_session_state_intact():
+    """The turn samples its stop token in step N; step N+1, already planned, feeds that
+    token. The row is dropped, the session keeps the state step N committed, and the
+    next turn continues exactly as a one-shot generation over the trimmed history."""
+    d = Driver()
+    sid = d.engine.sessions.open().sid
+    prompt = text(12, 1)
+    ref = reference(prompt, 12, VOCAB)
+    at = first_new_token(ref, 3)
+    turn = d.turn(sid, prompt, max_new=12, stop_token_ids=(ref[at],))
+    dropped = []
+    while turn.status is not Status.FINISHED:
+        d.step()
+        dropped += [r for p in d.engine.in_flight for r in p.rows if r.dropped]
+    assert turn.output == ref[: at + 1]
+    assert len(dropped) == 1 and dropped[0].future and dropped[0].start == len(prompt) + at
+    session = d.engine.sessions.get(sid)
+    history = prompt + ref[:at]
+    assert session.history.tolist() == history and session.cached_len == len(history)
+    assert session.slots.working.held != dropped[0].mamba_out  # the speculative write
+    d.run()
+    nxt = d.run_turn(sid, text(4, 2), max_new=6)
+    assert nxt.cached_tokens == len(history)
+    assert nxt.output == reference(history + text(4, 2), 6, VOCAB)
+    close_all(d)
+
+
+def test_a_request_at_its_token_limit_is_not_planned_past_it():
+    d = Driver()
+    req = d.generate(text(6, 1), max_new=2)
+    d.step()  # prefill (samples token 1)
+    d.step()  # decode of token 1 (samples token 2, the last)
+    d.step()  # nothing more may be planned for it
+    rows = [r for p in d.engine.in_flight for r in p.rows]
+    assert all(r.rid != req.rid for r in rows) or req.done
+    d.run()
+    assert req.output == reference(text(6, 1), 2, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_a_refused_step_ends_its_requests_and_requeues_those_planned_after_it():
+    d = Driver()
+    a = d.generate(text(9, 1), max_new=4)
+    first = d.engine.plan_step()  # a's prefill
+    b = d.generate(text(7, 2), max_new=4)
+    second = d.engine.plan_step()  # on top of it: a's first decode (future), b's prefill
+    assert second.after == first.step_id
+    assert {r.rid for r in second.rows} == {a.rid, b.rid}
+    ended = d.engine.step_refused(first, "Mamba slots [0] must lie in 1..64")
+    assert not d.engine.in_flight and all(r.dropped for r in second.rows)
+    assert ended == [a] and a.status is Status.ABORTED
+    assert "executor refused the step" in a.finish_reason["message"]
+    assert b.status is Status.WAITING and b.computed == 0  # re-queued: it re-prefills
+    d.run()
+    assert b.output == reference(text(7, 2), 4, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_outputs_do_not_depend_on_the_pipeline_depth():
+    outputs = []
+    for depth in (0, 1):
+        d = Driver(page_size=4, depth=depth, chunk=8, track_interval=8)
+        sid = d.engine.sessions.open().sid
+        reqs = [d.generate(np.arange(1, 30) % 50 + i, max_new=7) for i in range(3)]
+        turns = [d.run_turn(sid, text(15, i), max_new=5) for i in range(1, 4)]
+        d.run()
+        outputs.append([r.output for r in reqs + turns])
+        close_all(d)
+    assert outputs[0] == outputs[1]
