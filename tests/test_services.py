@@ -9,9 +9,13 @@ import time
 import urllib.error
 import urllib.request
 
+import redis
+
 from custody.up import Stack
+from shared import streams
 from shared.config import Settings
 from shared.redis_server import free_port
+from shared.wire import WireRow, decode
 from tests.services_harness import POOLS, call, ledger_when_idle, one_shot
 
 
@@ -58,6 +62,27 @@ def test_three_sessions_four_turns_equal_one_shot_generations(stack):
         ]
         for p, c in view["counts"].items()
     )
+
+
+def test_the_next_step_is_on_the_stream_while_the_one_before_runs(stack):
+    """Pipelining, seen on the wire: decode steps are planned on top of the step in
+    flight (`after`) and feed its sampled token as a future token."""
+    prompt = list(range(3, 20))
+    out = call(
+        stack.settings.port,
+        "/generate",
+        {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}},
+    )
+    assert out["output_ids"] == one_shot(prompt, 8)
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    steps = [decode(fields[b"m"]) for _, fields in client.xrevrange(streams.FORWARD, count=8)]
+    rows = [(s, WireRow.from_body(b)) for s in steps for b in s["rows"]]
+    mine = [(s, r) for s, r in rows if r.rid == out["meta_info"]["id"]]
+    future = [(s, r) for s, r in mine if r.future]
+    assert len(future) >= 6, [(s["step"], s["after"], r.future) for s, r in mine]
+    for s, r in future:
+        assert s["after"] == s["step"] - 1 and r.tokens.tolist() == [-1]
+        assert r.mamba_slot != r.mamba_out
 
 
 def test_an_executor_killed_mid_turn_loses_nothing(stack):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import time
 
@@ -40,9 +41,13 @@ class ExecutorService:
         self.client = redis.Redis.from_url(settings.redis_url)
         self.epoch = secrets.token_hex(8)
         self.name = f"executor-{self.epoch}"
-        model = load_model(
-            settings.model, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            # On a CPU host the scheduler, Redis and the session store need a core while a
+            # forward runs (the scheduler plans the next step meanwhile); torch's idle
+            # threads spin-waiting on every core would take it from them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+        model = load_model(settings.model, device)
         self.pools = DevicePools(
             model.cfg,
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),

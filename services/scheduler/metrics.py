@@ -104,7 +104,8 @@ class SchedulerMetrics:
         )
         self.step = Histogram(
             "custody_step_seconds",
-            "one step from planning to completion: scheduling, Redis hops and the forward",
+            "one pass of the scheduling loop with work in flight (plan and publish a step, "
+            "wait for and complete the oldest); their sum is the loop's busy time",
             buckets=BUCKETS,
             registry=self.registry,
         )

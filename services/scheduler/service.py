@@ -171,24 +171,36 @@ class SchedulerService:
 
     async def step(self) -> None:
         """Plan and publish a step if the pipeline has room; then, unless there is room
-        for one more, complete the oldest step in flight."""
+        for one more, complete the oldest step in flight and publish the next at once,
+        before anything else may wait (streaming replies, events, heartbeats)."""
+        started = time.perf_counter()
         await self._check_executor()
         await self._ship_events()
-        started = time.perf_counter()
         engine, depth = self.engine, self.settings.pipeline_depth
-        plan = None
-        if self.executor_epoch is not None and len(engine.in_flight) <= depth:
-            plan = engine.plan_step()
-            if plan is not None:
-                message = encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
-                await self._publish(streams.FORWARD, message)
+        plan = await self._publish_next()
         if not engine.in_flight:
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=self.settings.heartbeat_seconds)
             return
         if plan is not None and len(engine.in_flight) <= depth:
+            self.metrics.step.observe(time.perf_counter() - started)
             return
+        await self._complete_oldest()
+        self.metrics.step.observe(time.perf_counter() - started)
+
+    async def _publish_next(self) -> StepPlan | None:
+        """Plan a step and put it on the stream, if the pipeline has room for it."""
+        if self.executor_epoch is None or len(self.engine.in_flight) > self.settings.pipeline_depth:
+            return None
+        plan = self.engine.plan_step()
+        if plan is not None:
+            message = encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
+            await self._publish(streams.FORWARD, message)
+        return plan
+
+    async def _complete_oldest(self) -> None:
+        engine = self.engine
         plan = engine.in_flight[0]
         result = await self._await_result(plan)
         if result is None or not engine.in_flight or engine.in_flight[0] is not plan:
@@ -205,13 +217,13 @@ class SchedulerService:
             dict(zip(result["rids"], tokens, strict=True)),
             dict(zip(result["rids"], logprobs, strict=True)),
         )
+        await self._publish_next()
         if ended:
             # a finished turn's session record is on the stream before its client hears of
             # it, so a scheduler restarted after the reply still knows that history
             await self._ship_events()
         self._tokens_arrived(arrived)
         self.finish(ended)
-        self.metrics.step.observe(time.perf_counter() - started)
 
     def _wire(self, plan: StepPlan) -> dict:
         return step_body(

@@ -44,6 +44,30 @@ def test_a_cleared_slot_starts_from_zero_state(models):
     assert (clean - reference_logits(ref, B)).abs().max() <= 1e-4
 
 
+def test_a_row_reads_one_slot_and_writes_another(models):
+    """Prefill and decode rows leave the slot they read untouched and write to their
+    output slot exactly the state an update in place would have left."""
+    _, model = models
+    pools = pools_for(model, 1)
+    (kv,) = scattered_kv([len(A)], 1, seed=3)
+    all_logits(model, pools, [row(A[:20], 0, kv, 1)])
+    before = [t[:, 1].clone() for t in pools.state_tensors]
+    cases = {"prefill": (A[20:28], 20), "decode": (A[20:21], 20)}
+    for tokens, start in cases.values():
+        (split,) = all_logits(model, pools, [row(tokens, start, kv, 1, mamba_out=5)])
+        assert all(
+            torch.equal(t[:, 1], b) for t, b in zip(pools.state_tensors, before, strict=True)
+        )
+        written = [t[:, 5].clone() for t in pools.state_tensors]
+        (in_place,) = all_logits(model, pools, [row(tokens, start, kv, 1)])
+        assert torch.equal(split, in_place)
+        assert all(
+            torch.equal(t[:, 1], w) for t, w in zip(pools.state_tensors, written, strict=True)
+        )
+        for t, b in zip(pools.state_tensors, before, strict=True):
+            t[:, 1] = b  # back to the state after 20 positions
+
+
 def test_a_copied_slot_continues_exactly_like_its_source(models):
     _, model = models
     pools = pools_for(model, 4)
@@ -73,6 +97,10 @@ def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[Row], DeferredOps]]:
         "kv out of range": ([Row(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], DeferredOps()),
         "token out of vocab": ([Row(torch.tensor([500]), 0, kv[:1], 1)], DeferredOps()),
         "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], DeferredOps()),
+        "read a slot another row writes": (
+            [ok(mamba_out=2), Row(torch.tensor([3]), 0, kv[2:3], 2, mamba_out=3)],
+            DeferredOps(),
+        ),
     }
 
 
