@@ -117,8 +117,7 @@ class ExecutorService:
         except (WireError, KeyError, TypeError, ValueError) as err:
             STEPS.labels("refused").inc()
             log.error("refused an undecodable step: %s", err)
-            self.chain.broken()
-            return None
+            return None  # not a step of the chain: a step planned on it is refused anyway
         sampling = [r.rid for r in rows if r.sample]
         scheduler, step = msg["epoch"], msg["step"]
         try:

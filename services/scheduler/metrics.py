@@ -49,6 +49,11 @@ class LiveState(Collector):
             engine.guard.failures,
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
+        yield _counter(
+            "custody_dropped_rows",
+            "rows of steps in flight whose request ended or was re-queued first (wasted work)",
+            engine.dropped_rows,
+        )
         yield _counter("custody_prefix_cache_queries", "prefix cache lookups", engine.cache_queries)
         yield _counter(
             "custody_prefix_cache_hits", "prefix cache lookups that matched", engine.cache_hits

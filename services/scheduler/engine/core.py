@@ -88,6 +88,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[StepPlan] = deque()  # published, not completed; oldest first
         self.retractions = 0
+        self.dropped_rows = 0  # planned rows that will not count: pipelining's wasted work
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         self.guard = InvariantGuard(strict)
         self._step_ids = itertools.count(1)
@@ -354,6 +355,7 @@ class EngineCore:
         self._unplan(req)
 
     def _unplan(self, req: Request) -> None:
+        self.dropped_rows += len(req.inflight)
         for row in req.inflight:
             row.dropped = True
             if row.snapshot_slot:
