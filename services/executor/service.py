@@ -85,10 +85,11 @@ class ExecutorService:
 
     def serve_once(self, block_ms: int) -> int:
         reply = self.client.xreadgroup(
-            streams.EXECUTOR_GROUP, self.name, {streams.FORWARD: ">"}, count=1, block=block_ms
+            streams.EXECUTOR_GROUP, self.name, {streams.FORWARD: ">"}, count=8, block=block_ms
         )
         handled = 0
-        for entry_id, fields in reply[0][1] if reply else []:
+        for entry_id, fields in reply[0][1] if reply else []:  # in stream order
+            self.heartbeat()
             result = self.run_step(fields.get(b"m", b"")) if fields else None
             pipe = self.client.pipeline(transaction=False)
             if result is not None:

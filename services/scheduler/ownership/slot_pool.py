@@ -70,6 +70,8 @@ class SlotPool:
         return np.flatnonzero(self.owner_view == owner.id)
 
     def owns(self, owner: Owner, slots: int | np.ndarray) -> bool:
+        if type(slots) is int:  # a lease check on the planning path: no numpy for one slot
+            return self._owner[slots] == owner.id
         return bool(np.all(self.owner_view[slots] == owner.id))
 
     def set_free_guard(self, guard: Callable[[np.ndarray], None]) -> None:
