@@ -57,6 +57,7 @@ class SchedulerService:
         self.redis: aioredis.Redis | None = None
         self.results: aioredis.Redis | None = None  # its own connection: it blocks
         self._results_from = "0-0"
+        self._next_snapshot_check = 0.0
         self._was_idle = True
 
     # ---- intake, used by the API ----
@@ -174,9 +175,10 @@ class SchedulerService:
         for one more, complete the oldest step in flight and publish the next at once,
         before anything else may wait (streaming replies, events, heartbeats)."""
         started = time.perf_counter()
-        await self._check_executor()
-        await self._ship_events()
         engine, depth = self.engine, self.settings.pipeline_depth
+        if not engine.in_flight:  # with steps in flight, _await_result watches the executor
+            await self._check_executor()
+        await self._ship_events()
         plan = await self._publish_next()
         if not engine.in_flight:
             self.wake.clear()
@@ -255,6 +257,8 @@ class SchedulerService:
                         and msg.get("executor_epoch") == self.executor_epoch
                     ):
                         return msg
+            if reply and time.monotonic() < deadline:
+                continue  # results are flowing: ask after the executor only when they stop
             alive = await self.redis.get(streams.EXECUTOR_ALIVE)
             if alive is not None and alive.decode() == self.executor_epoch:
                 deadline = time.monotonic() + self.settings.executor_timeout_seconds
@@ -305,8 +309,10 @@ class SchedulerService:
                     approximate=True,
                 )
             await pipe.execute()
-        if await self.redis.exists(streams.SNAPSHOT_WANTED):
-            await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+        if time.monotonic() >= self._next_snapshot_check:  # not urgent: once a heartbeat
+            self._next_snapshot_check = time.monotonic() + self.settings.heartbeat_seconds
+            if await self.redis.exists(streams.SNAPSHOT_WANTED):
+                await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
 
     async def refresh_stream_lag(self) -> None:
         """Entries not yet read by each stream's consumer group (for /metrics)."""
