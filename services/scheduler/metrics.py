@@ -52,7 +52,7 @@ class LiveState(Collector):
         yield _counter(
             "custody_dropped_rows",
             "rows of steps in flight whose request ended or was re-queued first (wasted work)",
-            engine.dropped_rows,
+            engine.in_flight.dropped_rows,
         )
         yield _counter("custody_prefix_cache_queries", "prefix cache lookups", engine.cache_queries)
         yield _counter(

@@ -11,7 +11,8 @@ import itertools
 import numpy as np
 
 from services.scheduler.allocators.pools import PoolConfig, Pools
-from services.scheduler.engine.core import EngineConfig, EngineCore
+from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.core import EngineCore
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import SamplingParams
 from tests.engine.data_model import DataModelExecutor

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from services.scheduler.allocators.pools import PoolConfig, Pools
-from services.scheduler.engine.core import EngineConfig, EngineCore
+from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.core import EngineCore
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import SamplingParams
 from services.scheduler.engine.step import StepPlan

@@ -2,23 +2,13 @@
 
 It owns the request queues and drives every other owner through its API: allocators,
 the prefix cache and the sessions. `plan_step` decides what runs and moves slots
-accordingly, the executor runs the plan, `complete_step` applies the result. Up to
-`PIPELINE_DEPTH` steps may be in flight while the next is planned.
-
-Why that is safe: the executor runs steps, and the deferred ops of each step, in the order
-they were planned. A slot the scheduler frees or reassigns while a step is in flight is
-only ever written for its new owner by a later step, after the in-flight one has finished
-with it. What the scheduler must never do is hand a long-lived owner (a session, the
-prefix cache) a slot that a step in flight will still change: a request's rows alternate
-between two working slots (working_pair.py), snapshots go to a track slot no step in
-flight writes, and a request that ends, aborts or is re-queued first drops its rows still
-in flight (`_unplan`), so their effects never count.
+accordingly, the executor runs the plan, `complete_step` applies the result. The next
+step may be planned while one is in flight (in_flight.py says why that is safe).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +18,10 @@ import numpy as np
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit, release
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.request import Request, Status, TurnStart
+from services.scheduler.engine.room import make_room
 from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.step_builder import grow_kv, pages_to_grow, row_plan
@@ -41,26 +34,6 @@ from services.scheduler.ownership.invariants import (
 )
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
-
-log = logging.getLogger("custody.engine")
-PIPELINE_DEPTH = 1  # steps in flight while the next is planned: one per spare working slot
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    context_len: int
-    vocab_size: int
-    eos_token_id: int | None = None
-    chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
-    max_step_tokens: int = 2048
-    track_interval: int = 64  # decode snapshot interval (multiple of the page)
-
-    def check(self, page_size: int) -> None:
-        for name in ("chunk_size", "track_interval"):
-            if getattr(self, name) % page_size:
-                raise ValueError(f"{name} must be a multiple of the page size {page_size}")
-        if self.max_step_tokens < 1 or self.chunk_size < 1:
-            raise ValueError("max_step_tokens and chunk_size must be >= 1")
 
 
 class EngineCore:
@@ -86,9 +59,8 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.in_flight: deque[StepPlan] = deque()  # published, not completed; oldest first
+        self.in_flight = InFlight(pools, self.cache)
         self.retractions = 0
-        self.dropped_rows = 0  # planned rows that will not count: pipelining's wasted work
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         self.guard = InvariantGuard(strict)
         self._step_ids = itertools.count(1)
@@ -135,11 +107,9 @@ class EngineCore:
 
     # ---- one step ----
     def plan_step(self) -> StepPlan | None:
-        if len(self.in_flight) > PIPELINE_DEPTH:
-            raise RuntimeError(f"{len(self.in_flight)} steps are in flight already")
+        self.in_flight.check_room()
         self.sessions.expire()
-        after = self.in_flight[-1].step_id if self.in_flight else None
-        plan = StepPlan(next(self._step_ids), [], DeferredOps(), after)
+        plan = StepPlan(next(self._step_ids), [], DeferredOps(), self.in_flight.last_step)
         chosen: list[tuple[Request, int]] = []
         state = _Budget(self.config.max_step_tokens)
         for req in list(self.running):
@@ -159,18 +129,14 @@ class EngineCore:
             return None
         grow_kv(self.pools, chosen)
         plan.rows = [row_plan(self.pools, self.config.track_interval, req, n) for req, n in chosen]
-        self.in_flight.append(plan)
+        self.in_flight.add(plan)
         return plan
 
     def complete_step(
         self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, float] | None = None
     ) -> list[Request]:
         """Apply the executor's result of `plan`; returns the requests that ended."""
-        if not self.in_flight or plan is not self.in_flight[0]:
-            raise RuntimeError(f"step {plan.step_id} is not the oldest step in flight")
-        self.in_flight.popleft()
-        for node in plan.copy_sources:
-            self.cache.unlock_copy(node)
+        self.in_flight.pop_oldest(plan)
         ended = []
         for row in plan.rows:
             if row.dropped:
@@ -204,10 +170,9 @@ class EngineCore:
         the requests of `plan` end with the error, those only in later steps are re-queued
         (they re-prefill, as their admission's state ops may not have run). Returns the
         requests that ended."""
-        if not self.in_flight or plan is not self.in_flight[0]:
-            raise RuntimeError(f"step {plan.step_id} is not the oldest step in flight")
+        self.in_flight.check_oldest(plan)
         live = [{row.rid for row in p.rows if not row.dropped} for p in self.in_flight]
-        self._abandon_in_flight()
+        self.in_flight.abandon(self.requests)
         refused, later = live[0], set().union(*live[1:])
         ended = []
         for rid in refused:
@@ -221,7 +186,7 @@ class EngineCore:
         Running requests are re-queued (they re-prefill what they had, tokens already
         produced included), sessions keep their history but not their state, and the
         prefix cache is emptied."""
-        self._abandon_in_flight()
+        self.in_flight.abandon(self.requests)
         for req in reversed(list(self.running)):
             self._retract(req)
         self.sessions.drop_all_state()
@@ -313,35 +278,7 @@ class EngineCore:
         return n
 
     def _room(self, pages: int, mamba: int, rows: int) -> bool:
-        """Make `pages` KV pages, `mamba` slots and `rows` rows free: evict from the prefix
-        cache, then drop the state of idle sessions, least recently used first."""
-        p = self.pools
-
-        def short() -> bool:
-            return (
-                pages > p.kv_pages.free_count
-                or mamba > p.mamba.free_count
-                or rows > p.req.free_count
-            )
-
-        while short():
-            if pages > p.kv_pages.free_count:
-                self.cache.evict_kv(pages - p.kv_pages.free_count)
-            if mamba > p.mamba.free_count:
-                self.cache.evict_mamba(mamba - p.mamba.free_count)
-            if short():
-                log.info(
-                    "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
-                    pages,
-                    p.kv_pages.free_count,
-                    mamba,
-                    p.mamba.free_count,
-                    rows,
-                    p.req.free_count,
-                )
-                if not self.sessions.drop_idle_state():
-                    return False
-        return True
+        return make_room(self.pools, self.cache, self.sessions, pages, mamba, rows)
 
     def _check_rid(self, rid: str) -> None:
         if rid in self.requests:
@@ -352,29 +289,7 @@ class EngineCore:
         """Take a running request off the running list; rows it still has in flight are
         dropped (their writes land in slots and positions that no longer count)."""
         self.running.remove(req)
-        self._unplan(req)
-
-    def _unplan(self, req: Request) -> None:
-        self.dropped_rows += len(req.inflight)
-        for row in req.inflight:
-            row.dropped = True
-            if row.snapshot_slot:
-                req.slots.track.cancel(row.snapshot_slot)
-        req.inflight = []
-        req.slots.state.rewind()
-        self.pools.kv.free_tail(req.slots.row.slot, req.computed, "unplan")
-
-    def _abandon_in_flight(self) -> list[StepPlan]:
-        """Every step in flight will never complete: forget them, as if never planned."""
-        plans = list(self.in_flight)
-        self.in_flight.clear()
-        for plan in plans:
-            for node in plan.copy_sources:
-                self.cache.unlock_copy(node)
-            for row in plan.rows:
-                if not row.dropped:
-                    self._unplan(self.requests[row.rid])
-        return plans
+        self.in_flight.unplan(req)
 
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from services.scheduler.allocators.pools import PoolConfig, Pools
-from services.scheduler.engine.core import EngineConfig, EngineCore
+from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.core import EngineCore
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.tokenizer import Tokenizer

@@ -1,0 +1,22 @@
+"""The scheduling core's own settings (the pools have theirs in PoolConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    context_len: int
+    vocab_size: int
+    eos_token_id: int | None = None
+    chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
+    max_step_tokens: int = 2048
+    track_interval: int = 64  # decode snapshot interval (multiple of the page)
+
+    def check(self, page_size: int) -> None:
+        for name in ("chunk_size", "track_interval"):
+            if getattr(self, name) % page_size:
+                raise ValueError(f"{name} must be a multiple of the page size {page_size}")
+        if self.max_step_tokens < 1 or self.chunk_size < 1:
+            raise ValueError("max_step_tokens and chunk_size must be >= 1")
