@@ -58,6 +58,8 @@ class SchedulerService:
         self.results: aioredis.Redis | None = None  # its own connection: it blocks
         self._results_from = "0-0"
         self._next_snapshot_check = 0.0
+        self._outbox: list[bytes] = []  # ownership messages numbered, not yet on the stream
+        self._finished: list[Request] = []  # ended, not yet announced to their clients
         self._was_idle = True
 
     # ---- intake, used by the API ----
@@ -75,7 +77,7 @@ class SchedulerService:
         self.timing[submitted.rid] = [time.monotonic(), None]
         self.wake.set()
         try:
-            while not submitted.done:
+            while not submitted.done or submitted in self._finished:  # not yet announced
                 await event.wait()
                 event.clear()
                 if progress is not None:
@@ -117,7 +119,8 @@ class SchedulerService:
         self.redis = aioredis.from_url(self.settings.redis_url)
         self.results = aioredis.from_url(self.settings.redis_url)
         await self._rebuild_sessions()
-        await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+        self._outbox.append(self.shipper.snapshot())
+        await self._flush_outbox()
         # Read results from an explicit id, never "$": a result that lands between
         # publishing a step and starting to read must not be missed.
         last = await self.redis.xrevrange(streams.RESULTS, count=1)
@@ -219,13 +222,12 @@ class SchedulerService:
             dict(zip(result["rids"], tokens, strict=True)),
             dict(zip(result["rids"], logprobs, strict=True)),
         )
+        self._finished += ended  # announced once their session records are on the stream
+        done = {req.rid for req in ended}
         await self._publish_next()
+        self._tokens_arrived([rid for rid in arrived if rid not in done])
         if ended:
-            # a finished turn's session record is on the stream before its client hears of
-            # it, so a scheduler restarted after the reply still knows that history
             await self._ship_events()
-        self._tokens_arrived(arrived)
-        self.finish(ended)
 
     def _wire(self, plan: StepPlan) -> dict:
         return step_body(
@@ -299,9 +301,24 @@ class SchedulerService:
         if idle and not self._was_idle:
             messages.append(self.shipper.idle(self.engine.audit().counts))
         self._was_idle = idle
-        if messages:
+        self._outbox += messages
+        if time.monotonic() >= self._next_snapshot_check:  # not urgent: once a heartbeat
+            self._next_snapshot_check = time.monotonic() + self.settings.heartbeat_seconds
+            if await self.redis.exists(streams.SNAPSHOT_WANTED):
+                self._outbox.append(self.shipper.snapshot())
+        await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        """Put every ownership message not yet on the stream there, in order, then tell
+        the clients of requests that finished before it. A message leaves the outbox only
+        once Redis has taken it: a send that fails (Redis restarting) is retried, never
+        skipped, since the store would see a gap in the sequence (a resent message that
+        Redis had taken is a duplicate the store drops); and a finished turn is announced
+        only once its session record is on the stream, so a scheduler restarted after the
+        reply still knows that history."""
+        if self._outbox:
             pipe = self.redis.pipeline(transaction=False)
-            for message in messages:
+            for message in self._outbox:
                 pipe.xadd(
                     streams.OWNERSHIP,
                     {"m": message},
@@ -309,10 +326,10 @@ class SchedulerService:
                     approximate=True,
                 )
             await pipe.execute()
-        if time.monotonic() >= self._next_snapshot_check:  # not urgent: once a heartbeat
-            self._next_snapshot_check = time.monotonic() + self.settings.heartbeat_seconds
-            if await self.redis.exists(streams.SNAPSHOT_WANTED):
-                await self._publish(streams.OWNERSHIP, self.shipper.snapshot())
+            self._outbox.clear()
+        finished, self._finished = self._finished, []
+        self._tokens_arrived([req.rid for req in finished])
+        self.finish(finished)
 
     async def refresh_stream_lag(self) -> None:
         """Entries not yet read by each stream's consumer group (for /metrics)."""

@@ -1,0 +1,52 @@
+"""The scheduler's ownership outbox on a real Redis that restarts: a message whose send
+failed is sent again, never skipped, so the session store sees no gap; a finished turn
+is announced only once its record is on the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.service import SchedulerService
+from shared import streams
+from shared.redis_server import PrivateRedis
+from shared.wire import decode
+from tests.services_harness import stack_settings
+
+
+def sequence_numbers(url: str) -> list[int]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [decode(f[b"m"])["seq"] for _, f in client.xrange(streams.OWNERSHIP)]
+    finally:
+        client.close()
+
+
+def test_ownership_messages_survive_a_redis_restart_without_a_gap():
+    with PrivateRedis(appendonly=True) as server:
+
+        async def scenario() -> None:
+            service = SchedulerService(stack_settings(server.url))
+            await service.start()
+            pools = service.pools
+            owner = pools.ledger.new_owner(OwnerKind.REQUEST, "r1")
+            slot = pools.mamba.alloc_one(owner)
+            await service._ship_events()
+            server.stop()  # Redis goes away with events waiting to be shipped
+            pools.mamba.free_one(slot, owner)
+            with pytest.raises((RedisConnectionError, OSError)):
+                await service._ship_events()
+            assert service._outbox  # kept, numbered, for the next attempt
+            server.start()
+            await service._ship_events()
+            assert not service._outbox
+            await service.redis.aclose()
+            await service.results.aclose()
+
+        asyncio.run(scenario())
+        seqs = sequence_numbers(server.url)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and len(seqs) >= 3
