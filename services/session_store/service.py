@@ -43,7 +43,7 @@ class StoreService:
         )
 
     async def consume_forever(self) -> None:
-        reported = 0
+        reported = len(self.consumer.ledger.violations)  # those loaded were logged before
         while True:
             try:
                 await asyncio.to_thread(self.consumer.poll, 500)
