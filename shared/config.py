@@ -30,6 +30,13 @@ class Settings:
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
     api_keys: str = ""  # comma-separated; empty: no authentication
+    admin_api_keys: str = ""  # comma-separated operator keys (flush, store routes, abort_all)
+    store_host: str = "127.0.0.1"  # the session store's HTTP: loopback unless asked
+    max_sessions: int = 0  # open sessions at once; 0: one per Mamba slot but the reserved one
+    max_sessions_per_key: int = 0  # 0: only the global limit applies
+    max_queued_requests: int = 1024  # waiting requests; beyond it a 503 with Retry-After
+    read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
+    keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
 
     def check(self) -> None:
         for name in (
@@ -47,10 +54,19 @@ class Settings:
         for name in ("chunk_size", "track_interval"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(f"{name} must be a multiple of page_size ({self.page_size})")
+        for name in ("max_sessions", "max_sessions_per_key", "max_queued_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.pipeline_depth not in (0, 1):
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
+
+    @property
+    def session_limit(self) -> int:
+        """Open sessions at once: each keeps one Mamba slot between turns, and slot 0 is
+        reserved, so more sessions than slots could only hold history."""
+        return self.max_sessions or max(1, self.mamba_slots - 1)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

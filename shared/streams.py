@@ -10,6 +10,7 @@ FORWARD = "custody:forward"
 EXECUTOR_GROUP = "executor"
 RESULTS = "custody:results"
 EXECUTOR_ALIVE = "custody:executor-alive"  # the live executor's epoch, expiring
+SCHEDULER_EPOCH = "custody:scheduler-epoch"  # the live scheduler's epoch (fencing)
 SESSIONS = "custody:sessions"  # set of persisted session ids
 
 
