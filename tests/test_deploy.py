@@ -1,5 +1,5 @@
-"""The compose stack and the Grafana dashboard refer only to things that exist: files,
-modules, ports, and metrics that the running services really export."""
+"""The compose stack, the Grafana dashboard and the alert rules refer only to things that
+exist: files, modules, ports, and metrics that the running services really export."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
     targets = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     scraped = set(targets["scrape_configs"][0]["static_configs"][0]["targets"])
     assert scraped == {f"{name}:{port}" for name, port in ports.items()}
+    # The alert rules: next to prometheus.yml here, and mounted next to it in compose.
+    mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
+    config_dir = Path(mounts["./deploy/prometheus.yml"]).parent
+    assert targets["rule_files"] == ["alerts.yml"]
+    assert (ROOT / "deploy/alerts.yml").exists()
+    assert mounts["./deploy/alerts.yml"] == str(config_dir / "alerts.yml")
     provider = yaml.safe_load(
         (ROOT / "deploy/grafana/provisioning/dashboards/custody.yml").read_text()
     )
@@ -91,13 +97,19 @@ def test_the_dashboard_uses_only_metrics_the_services_export(stack):
     urllib.request.urlopen(req, timeout=60).read()
     s = stack.settings
     names = exported(s.port) | exported(s.store_port) | exported(s.executor_metrics_port)
-    used = {
-        m
-        for panel in dash["panels"]
-        for target in panel["targets"]
-        for m in re.findall(r"custody_[a-z0-9_]+", target["expr"])
-    }
+    exprs = [target["expr"] for panel in dash["panels"] for target in panel["targets"]]
+    # No fallback: a missing or renamed metric must show as no data, never as a reassuring 0.
+    assert not [e for e in exprs if "vector(" in e or "absent" in e]
+    used = {m for e in exprs for m in re.findall(r"custody_[a-z0-9_]+", e)}
     assert used and used <= names, sorted(used - names)
+    groups = yaml.safe_load((ROOT / "deploy/alerts.yml").read_text())["groups"]
+    alerted = {
+        m
+        for group in groups
+        for rule in group["rules"]
+        for m in re.findall(r"custody_[a-z0-9_]+", rule["expr"])
+    }
+    assert alerted and alerted <= names, sorted(alerted - names)
     pool_panels = [p for p in dash["panels"] if "occupancy by owner kind" in p["title"]]
     assert len(pool_panels) == 3
     assert all(
