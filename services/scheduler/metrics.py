@@ -68,6 +68,16 @@ class LiveState(Collector):
             "executor losses seen (device state lost)",
             self.service.executor_losses,
         )
+        yield _counter(
+            "custody_quarantined_requests",
+            "requests failed as poison: their step was executing at two executor losses",
+            engine.quarantined,
+        )
+        yield _counter(
+            "custody_scheduler_loop_faults",
+            "faults of the scheduler loop itself, survived by the device-lost path",
+            self.service.loop_faults,
+        )
         lag = GaugeMetricFamily(
             "custody_stream_lag_entries", "entries not yet read by a group", labels=["stream"]
         )

@@ -50,6 +50,7 @@ class SchedulerService:
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
         self.executor_losses = 0
+        self.loop_faults = 0  # faults of the loop itself, survived (device-lost path)
         self.stream_lag: dict[str, int] = {}
         self.metrics = SchedulerMetrics(self)
         self.wake = asyncio.Event()
@@ -118,6 +119,8 @@ class SchedulerService:
     async def start(self) -> None:
         self.redis = aioredis.from_url(self.settings.redis_url)
         self.results = aioredis.from_url(self.settings.redis_url)
+        # Fencing: from now on the executor refuses steps of any earlier scheduler life.
+        await self.redis.set(streams.SCHEDULER_EPOCH, self.shipper.epoch)
         await self._rebuild_sessions()
         self._outbox.append(self.shipper.snapshot())
         await self._flush_outbox()
@@ -170,8 +173,13 @@ class SchedulerService:
                 log.warning("redis unavailable (%s); retrying", err)
                 if self.engine.in_flight:
                     # whether the executor ran the step is unknown: its state is not trusted
-                    self._executor_lost(None)
+                    self._executor_lost(None, suspect=False)
                 await asyncio.sleep(0.5)
+            except Exception:  # a fault no single request can be blamed for: never exit
+                log.exception("fault in the scheduler loop; device state treated as lost")
+                self.loop_faults += 1
+                self._executor_lost(self.executor_epoch, suspect=False)
+                await asyncio.sleep(0.1)
 
     async def step(self) -> None:
         """Plan and publish a step if the pipeline has room; then, unless there is room
@@ -195,13 +203,24 @@ class SchedulerService:
         self.metrics.step.observe(time.perf_counter() - started)
 
     async def _publish_next(self) -> StepPlan | None:
-        """Plan a step and put it on the stream, if the pipeline has room for it."""
+        """Plan a step and put it on the stream, if the pipeline has room for it. The
+        ownership messages of the planning go first, in the same round trip (write-ahead):
+        a slot a session released is never written by a published step before the record
+        saying so is on the ownership stream, so a scheduler restarted in between cannot
+        rebuild the session on overwritten slots."""
         if self.executor_epoch is None or len(self.engine.in_flight) > self.settings.pipeline_depth:
             return None
         plan = self.engine.plan_step()
-        if plan is not None:
+        if plan is None:
+            return None
+        try:
             message = encode("step", self.shipper.epoch, plan.step_id, self._wire(plan))
-            await self._publish(streams.FORWARD, message)
+        except (ValueError, TypeError, OverflowError) as err:  # what msgpack raises
+            log.error("step %s could not be encoded: %s", plan.step_id, err)
+            self.finish(self.engine.step_unsent(plan, str(err)))
+            return None
+        self._queue_ownership()
+        await self._flush_outbox(step=message)
         return plan
 
     async def _complete_oldest(self) -> None:
@@ -212,7 +231,7 @@ class SchedulerService:
             return  # the executor was lost meanwhile: everything in flight was abandoned
         if result.get("error"):
             log.error("step %s refused by the executor: %s", plan.step_id, result["error"])
-            self.finish(engine.step_refused(plan, result["error"]))
+            self.finish(engine.step_refused(plan, result["error"], bool(result.get("ops_ran"))))
             return
         tokens = unpack_ints(result["tokens"], "<i4").tolist()
         logprobs = unpack_ints(result["logprobs"], "<f4").tolist()
@@ -279,49 +298,60 @@ class SchedulerService:
                 self.executor_epoch = epoch
                 log.info("executor %s is up", epoch)
 
-    def _executor_lost(self, new_epoch: str | None) -> None:
-        """Its device state is gone: re-queue what ran, sessions rebuild from history."""
-        self.engine.device_lost()
+    def _executor_lost(self, new_epoch: str | None, suspect: bool = True) -> None:
+        """Its device state is gone: re-queue what ran (failing poison, engine/faults.py),
+        sessions rebuild from history."""
+        self.finish(self.engine.device_lost(suspect))
         self.executor_losses += 1
         self.executor_epoch = new_epoch
         log.warning("device state lost; running work re-queued, sessions will re-prefill")
+
+    def _queue_ownership(self) -> None:
+        """Put the ledger's new transfers and the changed session records in the outbox."""
+        shipped = self.shipper.batch()
+        if shipped is not None:
+            self._outbox.append(shipped[0])
+        records = self.engine.sessions.take_records()
+        if records:
+            self._outbox.append(self.shipper.sessions(records, self.executor_epoch))
 
     async def _ship_events(self) -> None:
         """Drain the ledger and, on becoming idle, take its counts, with no await in
         between: an API handler running during an await could move slots, and the idle
         counts would then be ahead of the events shipped before them."""
-        messages = []
-        shipped = self.shipper.batch()
-        if shipped is not None:
-            messages.append(shipped[0])
-        records = self.engine.sessions.take_records()
-        if records:
-            messages.append(self.shipper.sessions(records, self.executor_epoch))
+        self._queue_ownership()
         idle = self.engine.idle
         if idle and not self._was_idle:
-            messages.append(self.shipper.idle(self.engine.audit().counts))
+            self._outbox.append(self.shipper.idle(self.engine.audit().counts))
         self._was_idle = idle
-        self._outbox += messages
         if time.monotonic() >= self._next_snapshot_check:  # not urgent: once a heartbeat
             self._next_snapshot_check = time.monotonic() + self.settings.heartbeat_seconds
             if await self.redis.exists(streams.SNAPSHOT_WANTED):
                 self._outbox.append(self.shipper.snapshot())
         await self._flush_outbox()
 
-    async def _flush_outbox(self) -> None:
+    async def _flush_outbox(self, step: bytes | None = None) -> None:
         """Put every ownership message not yet on the stream there, in order, then tell
         the clients of requests that finished before it. A message leaves the outbox only
         once Redis has taken it: a send that fails (Redis restarting) is retried, never
         skipped, since the store would see a gap in the sequence (a resent message that
         Redis had taken is a duplicate the store drops); and a finished turn is announced
         only once its session record is on the stream, so a scheduler restarted after the
-        reply still knows that history."""
-        if self._outbox:
+        reply still knows that history. A `step` goes on the forward stream after them, in
+        the same round trip."""
+        if self._outbox or step is not None:
             pipe = self.redis.pipeline(transaction=False)
             for message in self._outbox:
                 pipe.xadd(
                     streams.OWNERSHIP,
                     {"m": message},
+                    maxlen=self.settings.stream_maxlen,
+                    approximate=True,
+                )
+            if step is not None:
+                pipe.xadd(
+                    streams.FORWARD,
+                    {"m": step},
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
@@ -341,11 +371,6 @@ class SchedulerService:
             self.stream_lag[stream] = sum(
                 int(g.get("lag") or 0) + int(g["pending"]) for g in groups
             )
-
-    async def _publish(self, stream: str, message: bytes) -> None:
-        await self.redis.xadd(
-            stream, {"m": message}, maxlen=self.settings.stream_maxlen, approximate=True
-        )
 
 
 async def serve(settings: Settings) -> None:

@@ -19,6 +19,7 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit, release
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.faults import lose_device, refuse_step
 from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.room import make_room
@@ -61,6 +62,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.in_flight = InFlight(pools, self.cache)
         self.retractions = 0
+        self.quarantined = 0  # requests failed as poison (faults.py)
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         self.guard = InvariantGuard(strict)
         self._step_ids = itertools.count(1)
@@ -165,33 +167,19 @@ class EngineCore:
                 self._cache_prefix(req)  # a chunk's state is reachable at once (P6)
         return ended
 
-    def step_refused(self, plan: StepPlan, error: str) -> list[Request]:
-        """The executor refused `plan`, and so refuses every step planned on top of it:
-        the requests of `plan` end with the error, those only in later steps are re-queued
-        (they re-prefill, as their admission's state ops may not have run). Returns the
-        requests that ended."""
-        self.in_flight.check_oldest(plan)
-        live = [{row.rid for row in p.rows if not row.dropped} for p in self.in_flight]
-        self.in_flight.abandon(self.requests)
-        refused, later = live[0], set().union(*live[1:])
-        ended = []
-        for rid in refused:
-            ended += self.abort(rid, f"executor refused the step: {error}")
-        for rid in later - refused:
-            self._retract(self.requests[rid])
-        return ended
+    def step_refused(self, plan: StepPlan, error: str, ops_ran: bool = False) -> list[Request]:
+        """The executor refused `plan` (faults.py); returns the requests that ended."""
+        return refuse_step(self, plan, f"executor refused the step: {error}", ops_ran)
 
-    def device_lost(self) -> None:
-        """The executor restarted with empty pools: every slot's contents are gone.
-        Running requests are re-queued (they re-prefill what they had, tokens already
-        produced included), sessions keep their history but not their state, and the
-        prefix cache is emptied."""
-        self.in_flight.abandon(self.requests)
-        for req in reversed(list(self.running)):
-            self._retract(req)
-        self.sessions.drop_all_state()
-        self.cache.evict_kv(self.pools.kv_pages.capacity)
-        self.cache.evict_mamba(self.pools.mamba.capacity)
+    def step_unsent(self, plan: StepPlan, error: str) -> list[Request]:
+        """`plan` could not be put on the wire (faults.py); returns the requests that
+        ended."""
+        return refuse_step(self, plan, f"the step could not be sent: {error}", ops_ran=False)
+
+    def device_lost(self, suspect: bool = True) -> list[Request]:
+        """The executor's device state is gone (faults.py); returns the requests that
+        ended (quarantined)."""
+        return lose_device(self, suspect)
 
     # ---- views ----
     @property
@@ -226,9 +214,9 @@ class EngineCore:
         while not self._room(need + state.pages, 0, 0):
             victims = [r for r in reversed(self.running) if r is not req and id(r) not in planned]
             if not victims:
-                self._retract(req)
+                self.retract(req)
                 return 0
-            self._retract(victims[0])
+            self.retract(victims[0])
         state.take(n, need)
         return n
 
@@ -277,8 +265,8 @@ class EngineCore:
         state.take(n, need)
         return n
 
-    def _room(self, pages: int, mamba: int, rows: int) -> bool:
-        return make_room(self.pools, self.cache, self.sessions, pages, mamba, rows)
+    def _room(self, pages: int, mamba: int, rows: int, drop_sessions: bool = True) -> bool:
+        return make_room(self.pools, self.cache, self.sessions, pages, mamba, rows, drop_sessions)
 
     def _check_rid(self, rid: str) -> None:
         if rid in self.requests:
@@ -308,7 +296,7 @@ class EngineCore:
         snap = track.latest_snapshot()
         if snap is None or snap.seq_len <= req.slots.borrowed:
             return
-        if not self._room(0, 1, 0):  # the track refills the donated entry
+        if not self._room(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
             return
         row = req.slots.row.slot
         node, tree_pages = self.cache.insert(
@@ -339,7 +327,7 @@ class EngineCore:
         self.requests.pop(req.rid, None)
         return req
 
-    def _retract(self, req: Request) -> None:
+    def retract(self, req: Request) -> None:
         """Preempt a running request: give back everything, re-queue it at the front."""
         self._stop(req)
         if req.session is not None:

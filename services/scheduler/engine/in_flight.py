@@ -76,10 +76,19 @@ class InFlight:
         req.slots.state.rewind()
         self.pools.kv.free_tail(req.slots.row.slot, req.computed, "unplan")
 
-    def abandon(self, requests: dict[str, Request]) -> list[StepPlan]:
-        """No step in flight will complete: forget them all, as if never planned."""
-        plans = list(self.plans)
-        self.plans.clear()
+    def since(self, first: StepPlan | None = None) -> list[StepPlan]:
+        """The steps in flight from `first` on (default: all), oldest first."""
+        keep = 0 if first is None else next(i for i, p in enumerate(self.plans) if p is first)
+        return list(self.plans)[keep:]
+
+    def abandon(
+        self, requests: dict[str, Request], first: StepPlan | None = None
+    ) -> list[StepPlan]:
+        """No step in flight from `first` on (default: the oldest) will complete: forget
+        them, as if never planned; returns them, oldest first."""
+        plans = self.since(first)
+        for _ in plans:
+            self.plans.pop()
         for plan in plans:
             for node in plan.copy_sources:
                 self.cache.unlock_copy(node)

@@ -58,6 +58,7 @@ class Request:
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
     logprobs: list[float] = field(default_factory=list)
+    executor_losses: int = 0  # executor losses while its step was executing (faults.py)
     inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
 
     @property

@@ -1,7 +1,16 @@
 """Making room in the pools for what a step needs, under memory pressure: evict from the
 prefix cache first, then drop the device state of idle sessions, least recently used
 first (their next turn re-prefills their history). Retracting running requests is the
-core's last resort, since only it knows which requests the step has planned."""
+core's last resort, since only it knows which requests the step has planned.
+
+A session's state is worth far more than a cache entry (its next turn costs only its new
+tokens), so it is dropped only for an admission, never to make room for a speculative
+cache donation, and only when dropping could make the admission fit: before dropping
+any, the free slots, everything the cache holds and everything idle sessions hold are
+added up per pool; if that falls short, nothing is dropped. (Cache slots locked by
+running requests are counted too, so the sum is an upper bound: in the rare case it
+overestimates, some sessions are dropped and the admission still waits.)
+"""
 
 from __future__ import annotations
 
@@ -9,39 +18,61 @@ import logging
 
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.sessions.manager import SessionManager
 
 log = logging.getLogger("custody.engine")
 
 
 def make_room(
-    pools: Pools, cache: RadixCache, sessions: SessionManager, pages: int, mamba: int, rows: int
+    pools: Pools,
+    cache: RadixCache,
+    sessions: SessionManager,
+    pages: int,
+    mamba: int,
+    rows: int,
+    drop_sessions: bool = True,
 ) -> bool:
-    """Make `pages` KV pages, `mamba` slots and `rows` rows free; False if even dropping
-    every idle session's state would not."""
+    """Make `pages` KV pages, `mamba` slots and `rows` rows free; False (having dropped
+    no session state) if that cannot be done. Without `drop_sessions`, only the cache
+    gives way."""
+    wanted = ((pools.kv_pages, pages), (pools.mamba, mamba), (pools.req, rows))
 
     def short() -> bool:
-        return (
-            pages > pools.kv_pages.free_count
-            or mamba > pools.mamba.free_count
-            or rows > pools.req.free_count
-        )
+        return any(n > pool.free_count for pool, n in wanted)
 
-    while short():
+    def evict() -> None:
         if pages > pools.kv_pages.free_count:
             cache.evict_kv(pages - pools.kv_pages.free_count)
         if mamba > pools.mamba.free_count:
             cache.evict_mamba(mamba - pools.mamba.free_count)
-        if short():
-            log.info(
-                "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
-                pages,
-                pools.kv_pages.free_count,
-                mamba,
-                pools.mamba.free_count,
-                rows,
-                pools.req.free_count,
-            )
-            if not sessions.drop_idle_state():
-                return False
+
+    evict()
+    if not short():
+        return True
+    if not drop_sessions or not _sessions_could_cover(pools, sessions, wanted):
+        return False
+    while short():
+        log.info(
+            "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
+            pages,
+            pools.kv_pages.free_count,
+            mamba,
+            pools.mamba.free_count,
+            rows,
+            pools.req.free_count,
+        )
+        if not sessions.drop_idle_state():
+            return False
+        evict()
+    return True
+
+
+def _sessions_could_cover(pools: Pools, sessions: SessionManager, wanted: tuple) -> bool:
+    held = sessions.idle_state_held()
+    for pool, n in wanted:
+        reachable = pool.free_count + pool.held_by_kind()[OwnerKind.CACHE] + held[pool.name]
+        if n > reachable:
+            log.info("no room for %d %s slots even without idle sessions' state", n, pool.name)
+            return False
     return True

@@ -10,6 +10,8 @@ turn still prefills only its new tokens.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import re
 import secrets
@@ -55,6 +57,9 @@ class SessionManager:
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
         self.states_dropped = 0
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, order, sid), a heap
+        self._order = itertools.count()
+        self.expiry_visits = 0  # heap entries looked at by expire(): its cost, for tests
 
     # ---- client-facing ----
     def open(self, sid: str | None = None, timeout: float | None = None) -> Session:
@@ -69,6 +74,7 @@ class SessionManager:
         session = Session(sid, owner, timeout, self.clock())
         self.sessions[sid] = session
         self.dirty.add(sid)
+        self._touch(session, session.last_used)
         return session
 
     def get(self, sid: str) -> Session:
@@ -103,7 +109,7 @@ class SessionManager:
             )
         req = Request(rid, prompt, params, session=session)
         session.turn = req
-        session.last_used = self.clock()
+        self._touch(session, self.clock())
         return req
 
     @staticmethod
@@ -127,14 +133,22 @@ class SessionManager:
             self._close_now(session)
 
     def expire(self) -> list[str]:
-        """Close idle sessions past their timeout; returns their ids."""
+        """Close idle sessions past their timeout; returns their ids. O(log n) per
+        session looked at, and only due deadlines are looked at: the heap holds one entry
+        per time a session was used, and an entry that is no longer the session's
+        deadline (used since, busy, closed) is dropped when it comes due."""
         now, gone = self.clock(), []
-        for session in list(self.sessions.values()):
-            idle = session.turn is None and not session.closing
-            if idle and session.timeout is not None and now - session.last_used > session.timeout:
-                session.closing = True
-                self._close_now(session)
-                gone.append(session.sid)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, sid = heapq.heappop(self._deadlines)
+            self.expiry_visits += 1
+            session = self.sessions.get(sid)
+            if session is None or session.turn is not None or session.closing:
+                continue
+            if session.last_used + session.timeout != deadline:
+                continue  # used since: a later entry holds its deadline
+            session.closing = True
+            self._close_now(session)
+            gone.append(sid)
         return gone
 
     def drop_idle_state(self) -> bool:
@@ -153,6 +167,25 @@ class SessionManager:
         self._drop_state(victim)
         self.states_dropped += 1
         return True
+
+    def idle_state_held(self) -> dict[str, int]:
+        """Slots per pool that dropping every idle session's state would free."""
+        held = {"kv": 0, "mamba": 0, "req": 0}
+        for s in self.sessions.values():
+            if s.turn is None and s.slots is not None:
+                held["kv"] += len(self.pools.kv_pages.owned_by(s.owner))
+                held["mamba"] += len(self.pools.mamba.owned_by(s.owner))
+                held["req"] += len(self.pools.req.owned_by(s.owner))
+        return held
+
+    def drop_state_in(self, unwritten: set[int]) -> None:
+        """A refused step left these Mamba slots unwritten: a session whose state would be
+        one of them gives it up (its next turn re-prefills its history)."""
+        for session in self.sessions.values():
+            if session.slots is not None and session.slots.working.slot in unwritten:
+                log.warning("session %s: its state slot was never written; re-prefill", session.sid)
+                self._drop_state(session)
+                self.states_dropped += 1
 
     def drop_all_state(self) -> None:
         """The device lost every slot's contents: no session has state any more."""
@@ -286,10 +319,16 @@ class SessionManager:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
 
+    def _touch(self, session: Session, now: float) -> None:
+        """`session` was used at `now`: its expiry deadline moves."""
+        session.last_used = now
+        if session.timeout is not None:
+            heapq.heappush(self._deadlines, (now + session.timeout, next(self._order), session.sid))
+
     def _end_turn(self, req: Request) -> None:
         session = req.session
         session.turn = None
-        session.last_used = self.clock()
+        self._touch(session, self.clock())
         if session.closing:
             self._close_now(session)
 

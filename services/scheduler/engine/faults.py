@@ -1,0 +1,84 @@
+"""What the core does when a step does not run as planned: the executor refused it, or
+the executor (with its device state) was lost.
+
+Two facts make this safe.
+- A refusal says whether the step's deferred ops ran (the executor validates the whole
+  step before it applies any op, then applies them all, then runs the forward). A copy
+  that did not run leaves its destination unwritten; so does every copy of a later step
+  (the executor refuses every step built on a refused one, before its ops). The only
+  long-lived holder a copy writes is a session's rollback slot, so every session whose
+  state would be such a slot gives up its state and re-prefills its history: never an
+  unwritten slot as a session's state.
+- A request whose step was the one executing when the executor was lost twice is
+  *poison* until proven otherwise: it is failed with an error instead of being retried
+  a third time, so one request cannot crash-loop every new executor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from services.scheduler.engine.request import Request
+from services.scheduler.engine.step import StepPlan
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.core import EngineCore
+
+log = logging.getLogger("custody.engine")
+POISON_LOSSES = 2  # executor losses during a request's step before it is failed
+
+
+def refuse_step(core: EngineCore, plan: StepPlan, error: str, ops_ran: bool) -> list[Request]:
+    """`plan` will not run (the executor refused it, or it could not be sent), and so
+    neither will any step planned on top of it: the requests of `plan` end with the
+    error, those only in later steps are re-queued (they re-prefill, as their admission's
+    state ops may not have run). Steps before `plan` still run. Returns the requests that
+    ended."""
+    plans = core.in_flight.since(plan)
+    unwritten = {dst for p in (plans[1:] if ops_ran else plans) for _, dst in p.ops.copies}
+    live = [{row.rid for row in p.rows if not row.dropped} for p in plans]
+    core.in_flight.abandon(core.requests, plan)
+    refused, later = live[0], set().union(*live[1:])
+    ended = []
+    for rid in refused:
+        ended += core.abort(rid, error)
+    for rid in later - refused:
+        core.retract(core.requests[rid])
+    core.sessions.drop_state_in(unwritten)
+    return ended
+
+
+def lose_device(core: EngineCore, suspect: bool = True) -> list[Request]:
+    """The executor restarted with empty pools: every slot's contents are gone. Running
+    requests are re-queued (they re-prefill what they had, tokens already produced
+    included), sessions keep their history but not their state, and the prefix cache is
+    emptied. With `suspect`, the requests of the step that was executing count one loss
+    each; at `POISON_LOSSES` they are failed (quarantined). Returns those."""
+    executing = core.in_flight[0] if suspect and core.in_flight else None
+    suspects = [] if executing is None else [r.rid for r in executing.rows if not r.dropped]
+    core.in_flight.abandon(core.requests)
+    ended = []
+    for rid in suspects:
+        req = core.requests.get(rid)
+        if req is None:
+            continue
+        req.executor_losses += 1
+        if req.executor_losses >= POISON_LOSSES:
+            log.error(
+                "request %s quarantined: its step was executing at %d executor losses",
+                rid,
+                req.executor_losses,
+            )
+            core.quarantined += 1
+            ended += core.abort(
+                rid,
+                f"quarantined: the executor was lost {req.executor_losses} times while "
+                "running this request's step; it is not retried",
+            )
+    for req in reversed(list(core.running)):
+        core.retract(req)
+    core.sessions.drop_all_state()
+    core.cache.evict_kv(core.pools.kv_pages.capacity)
+    core.cache.evict_mamba(core.pools.mamba.capacity)
+    return ended
