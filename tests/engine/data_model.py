@@ -74,8 +74,11 @@ class DataModelExecutor:
         self.rows_checked = 0
         self.sampled: dict[str, int] = {}  # by the last step run: the next one's future tokens
 
-    def run(self, plan: StepPlan) -> dict[str, int]:
+    def apply_ops(self, plan: StepPlan) -> None:
         apply_to_arrays(plan.ops, self.state)
+
+    def run(self, plan: StepPlan) -> dict[str, int]:
+        self.apply_ops(plan)
         out = {}
         for row in plan.rows:
             assert len(row.kv_indices) == row.end and row.mamba_slot > 0 and row.mamba_out > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -233,6 +234,22 @@ class RadixCache:
             sizes["protected_pages" if n.kv_lock else "evictable_pages"] += len(n.pages)
             sizes["states"] += bool(n.mamba)
         return sizes
+
+    def reclaimable_pages(self, released: list[CacheNode]) -> int:
+        """KV pages eviction could free once each node in `released` has one borrower
+        fewer: pages of nodes nobody else borrows, with no copy pending on them or below
+        (a pinned node keeps its ancestors from ever becoming leaves). A walk of the whole
+        tree: for decisions under memory pressure, not for the hot path."""
+        gone = Counter(n for node in released for n in node.path())
+        pinned: set[CacheNode] = set()
+        pages = 0
+        for n in reversed(list(self.nodes())):  # children before their parents
+            below = any(c in pinned for c in n.children.values())
+            if below or n.copy_lock or n.kv_lock > gone[n]:
+                pinned.add(n)
+            else:
+                pages += len(n.pages)
+        return pages
 
     def problems(self) -> list[str]:
         """Structural invariants of the tree."""

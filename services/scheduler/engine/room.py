@@ -6,10 +6,11 @@ core's last resort, since only it knows which requests the step has planned.
 A session's state is worth far more than a cache entry (its next turn costs only its new
 tokens), so it is dropped only for an admission, never to make room for a speculative
 cache donation, and only when dropping could make the admission fit: before dropping
-any, the free slots, everything the cache holds and everything idle sessions hold are
-added up per pool; if that falls short, nothing is dropped. (Cache slots locked by
-running requests are counted too, so the sum is an upper bound: in the rare case it
-overestimates, some sessions are dropped and the admission still waits.)
+any, what is free, what idle sessions own and what the cache could give up once they
+stop borrowing from it are added up per pool; if that falls short, nothing is dropped.
+(For Mamba slots every cache state counts, though a state on a borrowed leaf cannot go:
+an upper bound, so in that rare case sessions may be dropped and the admission still
+waits.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def make_room(
     evict()
     if not short():
         return True
-    if not drop_sessions or not _sessions_could_cover(pools, sessions, wanted):
+    if not drop_sessions or not _sessions_could_cover(pools, cache, sessions, wanted):
         return False
     while short():
         log.info(
@@ -68,10 +69,17 @@ def make_room(
     return True
 
 
-def _sessions_could_cover(pools: Pools, sessions: SessionManager, wanted: tuple) -> bool:
-    held = sessions.idle_state_held()
+def _sessions_could_cover(
+    pools: Pools, cache: RadixCache, sessions: SessionManager, wanted: tuple
+) -> bool:
+    held, borrowed = sessions.idle_state_held()
+    from_cache = {
+        "kv": cache.reclaimable_pages(borrowed),
+        "mamba": pools.mamba.held_by_kind()[OwnerKind.CACHE],
+        "req": 0,
+    }
     for pool, n in wanted:
-        reachable = pool.free_count + pool.held_by_kind()[OwnerKind.CACHE] + held[pool.name]
+        reachable = pool.free_count + from_cache[pool.name] + held[pool.name]
         if n > reachable:
             log.info("no room for %d %s slots even without idle sessions' state", n, pool.name)
             return False

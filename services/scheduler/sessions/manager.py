@@ -24,6 +24,7 @@ import numpy as np
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots, release
+from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.request import Request, TurnStart
 from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
@@ -43,16 +44,21 @@ class SessionError(InvalidRequest):
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "not_found", "closed", "busy", "invalid"
+        self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
 
 
 class SessionManager:
     def __init__(
-        self, pools: Pools, cache: RadixCache, clock: Callable[[], float] = time.monotonic
+        self,
+        pools: Pools,
+        cache: RadixCache,
+        clock: Callable[[], float] = time.monotonic,
+        limit: int | None = None,
     ) -> None:
         self.pools = pools
         self.cache = cache
         self.clock = clock
+        self.limit = limit  # sessions open at once; None: no limit
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
@@ -62,7 +68,21 @@ class SessionManager:
         self.expiry_visits = 0  # heap entries looked at by expire(): its cost, for tests
 
     # ---- client-facing ----
-    def open(self, sid: str | None = None, timeout: float | None = None) -> Session:
+    def open(
+        self,
+        sid: str | None = None,
+        timeout: float | None = None,
+        tenant: str | None = None,
+        limited: bool = True,
+    ) -> Session:
+        """A new session of `tenant` (a key's hash). Refused ("limit") when `limit` are
+        open, unless not `limited`: a rebuild takes back sessions that already exist."""
+        if limited and self.limit is not None and len(self.sessions) >= self.limit:
+            raise SessionError(
+                f"{len(self.sessions)} sessions are open, as many as this server holds; "
+                "close one or retry later",
+                "limit",
+            )
         sid = secrets.token_hex(16) if sid is None else sid
         if not isinstance(sid, str) or not SESSION_ID.match(sid):
             raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
@@ -71,7 +91,7 @@ class SessionManager:
         if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
             raise SessionError(f"timeout must lie in (0, 604800] seconds, got {timeout}", "invalid")
         owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
-        session = Session(sid, owner, timeout, self.clock())
+        session = Session(sid, owner, timeout, self.clock(), tenant=tenant)
         self.sessions[sid] = session
         self.dirty.add(sid)
         self._touch(session, session.last_used)
@@ -168,15 +188,19 @@ class SessionManager:
         self.states_dropped += 1
         return True
 
-    def idle_state_held(self) -> dict[str, int]:
-        """Slots per pool that dropping every idle session's state would free."""
+    def idle_state_held(self) -> tuple[dict[str, int], list[CacheNode]]:
+        """What dropping every idle session's state would give back: the slots they own
+        per pool, and the cache nodes they borrow from (each one lock)."""
         held = {"kv": 0, "mamba": 0, "req": 0}
+        borrowed = []
         for s in self.sessions.values():
             if s.turn is None and s.slots is not None:
                 held["kv"] += len(self.pools.kv_pages.owned_by(s.owner))
                 held["mamba"] += len(self.pools.mamba.owned_by(s.owner))
                 held["req"] += len(self.pools.req.owned_by(s.owner))
-        return held
+            if s.turn is None and s.cache_node is not None:
+                borrowed.append(s.cache_node)
+        return held, borrowed
 
     def drop_state_in(self, unwritten: set[int]) -> None:
         """A refused step left these Mamba slots unwritten: a session whose state would be
@@ -209,6 +233,7 @@ class SessionManager:
                 "sid": sid,
                 "closed": False,
                 "timeout": s.timeout,
+                "tenant": s.tenant,  # its owner survives a restart (a hash, never a key)
                 "history": s.history.astype(np.int32).tobytes(),
                 "cached_len": s.cached_len,
                 "row": None,
@@ -230,7 +255,7 @@ class SessionManager:
         for rec in records:
             if rec.get("closed"):
                 continue
-            session = self.open(rec["sid"], rec.get("timeout"))
+            session = self.open(rec["sid"], rec.get("timeout"), rec.get("tenant"), limited=False)
             session.history = np.frombuffer(rec["history"], dtype=np.int32).astype(np.int64)
             if not state_valid or rec.get("row") is None:
                 continue
@@ -263,7 +288,7 @@ class SessionManager:
         rollback = new_lease(
             self.pools.mamba, session.owner, self.pools.mamba.alloc_one(session.owner, "rollback")
         )
-        ops.copy(slots.state.current.slot, rollback.slot)
+        ops.copy(slots.state.current.slot, rollback.slot, session.owner.id)
         req.turn_start = TurnStart(session.cached_len, rollback)
         req.cache_node, session.cache_node = session.cache_node, None
         req.computed = req.cached_tokens = session.cached_len
