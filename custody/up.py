@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from shared.config import Settings
+from shared.redact import masked_url
 from shared.redis_server import PrivateRedis
 
 log = logging.getLogger("custody.up")
@@ -25,8 +27,32 @@ SERVICES = {
 }
 
 
+class Backoff:
+    """The delay before restarting one service: doubling with each restart up to a
+    ceiling, and back to the first once the service has run `healthy_seconds` without
+    exiting; otherwise a crash a day would, within a week, cost every later crash the
+    ceiling in downtime."""
+
+    def __init__(
+        self, first: float = 0.5, ceiling: float = 30.0, healthy_seconds: float = 60.0
+    ) -> None:
+        self.first, self.ceiling, self.healthy_seconds = first, ceiling, healthy_seconds
+        self.delay = first
+        self.started_at = 0.0  # on the supervisor's clock
+
+    def started(self, now: float) -> None:
+        self.started_at = now
+
+    def exited(self, now: float) -> float:
+        """The delay before restarting a service found exited at `now`."""
+        if now - self.started_at >= self.healthy_seconds:
+            self.delay = self.first
+        delay, self.delay = self.delay, min(self.delay * 2, self.ceiling)
+        return delay
+
+
 class Stack:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis: PrivateRedis | None = None
         if not settings.redis_url:
             self.redis = PrivateRedis(appendonly=True).start()
@@ -34,12 +60,14 @@ class Stack:
         self.settings = settings
         self.children: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = dict.fromkeys(SERVICES, 0)
-        self._backoff: dict[str, float] = dict.fromkeys(SERVICES, 0.5)
+        self.clock = clock
+        self.backoff = {name: Backoff() for name in SERVICES}
         self._due: dict[str, float] = {}
 
     def start(self, name: str) -> None:
         env = {**os.environ, **self.settings.to_env()}
         self.children[name] = subprocess.Popen([sys.executable, "-m", SERVICES[name]], env=env)
+        self.backoff[name].started(self.clock())
 
     def start_all(self) -> Stack:
         for name in SERVICES:
@@ -51,19 +79,19 @@ class Stack:
         self.children[name].wait()
 
     def supervise_once(self) -> None:
-        """Restart, after a growing delay, any service that exited."""
-        now = time.monotonic()
+        """Restart, after a delay (Backoff), any service that exited."""
+        now = self.clock()
         for name, child in list(self.children.items()):
             if child.poll() is None:
                 continue
-            due = self._due.setdefault(name, now + self._backoff[name])
-            if now >= due:
+            if name not in self._due:
+                self._due[name] = now + self.backoff[name].exited(now)
+            if now >= self._due[name]:
                 self.restarts[name] += 1
                 log.warning(
                     "%s exited (%s); restart #%d", name, child.returncode, self.restarts[name]
                 )
                 self.start(name)
-                self._backoff[name] = min(self._backoff[name] * 2, 30.0)
                 del self._due[name]
 
     def wait_healthy(self, timeout: float = 120) -> None:
@@ -110,7 +138,7 @@ def run(settings: Settings) -> int:
         s = stack.settings
         print(
             f"custody API on http://{s.host}:{s.port}  (ledger: http://{s.host}:{s.store_port}"
-            f"/ledger; redis: {s.redis_url})",
+            f"/ledger; redis: {masked_url(s.redis_url)})",
             flush=True,
         )
         while not stopping:

@@ -191,7 +191,12 @@ def result_body(
     tokens: list[int],
     logprobs: list[float],
     error: str | None = None,
+    ops_ran: bool = False,
 ) -> dict:
+    """`error`: the step was refused or failed, naming why. `ops_ran` (with an error): all
+    its deferred ops had been applied when it failed, so a rollback copy they made holds
+    the state it copied. False (or absent: an older executor): the forward did not run,
+    and the sources of its copies hold what they held; its destinations may not."""
     return {
         "step": step,
         "scheduler_epoch": scheduler_epoch,  # step ids restart with each scheduler life
@@ -200,4 +205,5 @@ def result_body(
         "tokens": pack_ints(tokens, "<i4"),
         "logprobs": pack_ints(logprobs, "<f4"),
         "error": error,
+        "ops_ran": ops_ran,
     }

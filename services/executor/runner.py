@@ -4,6 +4,18 @@ forward and samples, all in order on one compute stream.
 On CUDA the step runs on a dedicated stream; the clears and copies are queued on it
 right before the forward that needs them, so no copy can race a forward still writing
 its source, and nothing waits on the host until the sampled tokens are read back.
+
+Checks first, ops next, the forward last. The whole step, rows and ops (index ranges,
+the sink, a slot written twice or read by one row and written by another), is checked
+before the first op touches a pool, so a refused step leaves the pools bit for bit as
+they were. A step failing after its checks says whether its ops ran: `ops_ran` is True
+only when every op was applied and the forward or sampling failed. The scheduler needs
+it: a session's turn copies the session's state into a rollback slot (a deferred op),
+then updates the state in place. With `ops_ran`, the rollback copy holds the session's
+state and the slot the turn read may be half written; without, the forward never ran,
+so the session's own slot still holds its state and the rollback copy may hold nothing.
+(On CUDA a fault in a queued op surfaces only in the forward, as `ops_ran`; but such a
+fault breaks the device context, and every later step fails as well.)
 """
 
 from __future__ import annotations
@@ -27,6 +39,14 @@ class BatchRefused(ValueError):
     follow the step it was planned on top of."""
 
 
+class StepFailed(RuntimeError):
+    """A checked step failed on the device; `ops_ran`: all its deferred ops were applied."""
+
+    def __init__(self, cause: Exception, ops_ran: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.ops_ran = ops_ran
+
+
 @dataclass
 class StepResult:
     tokens: list[int]  # one per sampling row, in row order
@@ -42,20 +62,29 @@ class ModelRunner:
         self.last_ops_seconds = 0.0  # host time to queue the last step's state ops
 
     def execute(self, rows: list[Row], ops: DeferredOps, keep_logits: bool = False) -> StepResult:
+        """BatchRefused before anything ran, StepFailed after (see the module's doc)."""
         self.validate(rows, ops)
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
             start = time.perf_counter()
-            self.apply_ops(ops)
+            try:
+                self.apply_ops(ops)
+            except Exception as err:
+                raise StepFailed(err, ops_ran=False) from err
             self.last_ops_seconds = time.perf_counter() - start
-            batch = ForwardBatch(rows, self.device)
-            hidden = self.model(batch, self.pools)
-            logits = self.model.lm_head(hidden[batch.last_positions])
-            tokens, logprobs = sample(logits, [r for r in rows if r.sample])
-            result = StepResult(
-                tokens.tolist(), logprobs.tolist(), logits.float().cpu() if keep_logits else None
-            )
-        return result
+            try:
+                return self._forward(rows, keep_logits)
+            except Exception as err:
+                raise StepFailed(err, ops_ran=True) from err
+
+    def _forward(self, rows: list[Row], keep_logits: bool) -> StepResult:
+        batch = ForwardBatch(rows, self.device)
+        hidden = self.model(batch, self.pools)
+        logits = self.model.lm_head(hidden[batch.last_positions])
+        tokens, logprobs = sample(logits, [r for r in rows if r.sample])
+        return StepResult(
+            tokens.tolist(), logprobs.tolist(), logits.float().cpu() if keep_logits else None
+        )
 
     def apply_ops(self, ops: DeferredOps) -> None:
         """Clears, then copies, over every Mamba layer's conv and SSM state."""
@@ -69,6 +98,8 @@ class ModelRunner:
 
     def validate(self, rows: list[Row], ops: DeferredOps) -> None:
         """Refuse, before anything runs, a step that would touch the wrong memory."""
+        if not rows:
+            raise BatchRefused("a step without rows")
         sizes = self.pools.sizes
         slots = sizes.mamba_slots + 1
         kv_rows = (sizes.kv_pages + 1) * sizes.page_size
@@ -89,10 +120,10 @@ class ModelRunner:
                     f"Mamba slot {r.mamba_slot} is read by one row, written by another"
                 )
         for i, r in enumerate(rows):
-            if len(r.tokens) == 0 or len(r.kv_indices) != r.end:
+            if len(r.tokens) == 0 or r.start < 0 or len(r.kv_indices) != r.end:
                 raise BatchRefused(
-                    f"row {i}: {len(r.tokens)} tokens, {len(r.kv_indices)} "
-                    f"KV indices for positions 0..{r.end - 1}"
+                    f"row {i}: {len(r.tokens)} tokens from position {r.start}, "
+                    f"{len(r.kv_indices)} KV indices (one per position from 0 is needed)"
                 )
             if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
                 raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")

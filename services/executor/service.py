@@ -3,7 +3,9 @@
 Each life of the process has its own epoch, announced with a heartbeat key. A step names
 the executor epoch it was planned for: a step planned for an earlier life (whose device
 state died with it) is acknowledged and dropped, never run against empty pools. Steps run
-in stream order, each only right after the step it was planned on (step_chain.py).
+in stream order, each only right after the step it was planned on (step_chain.py), and
+only from the live scheduler (fence.py). A step that fails is answered with its cause and
+the process serves on: one bad step must not take every session's device state with it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 from prometheus_client import Counter, Histogram, start_http_server
 
 from services.executor.batch import Row
+from services.executor.fence import SchedulerFence
 from services.executor.pools import DevicePools, PoolSizes
-from services.executor.runner import BatchRefused, ModelRunner
+from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
 from services.executor.weights import load_model
 from shared import streams
@@ -29,7 +32,11 @@ from shared.deferred_ops import DeferredOps
 from shared.wire import WireError, WireRow, decode, encode, result_body, unpack_ints
 
 log = logging.getLogger("custody.executor")
-STEPS = Counter("custody_executor_steps_total", "forward steps run", ["outcome"])
+STEPS = Counter(
+    "custody_executor_steps_total",
+    "forward steps by outcome: ok, refused, error, stale (an earlier executor life), fenced",
+    ["outcome"],
+)
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
 OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
@@ -55,6 +62,7 @@ class ExecutorService:
         )
         self.runner = ModelRunner(model, self.pools)
         self.chain = StepChain()
+        self.fence = SchedulerFence(self.client)
         self._beat = 0.0
         streams.ensure_group(self.client, streams.FORWARD, streams.EXECUTOR_GROUP)
 
@@ -105,36 +113,34 @@ class ExecutorService:
         return handled
 
     def run_step(self, raw: bytes) -> bytes | None:
+        """The result to publish for one step message, or None when nobody waits for one
+        (undecodable, planned for an earlier life, or from a fenced scheduler). No step
+        ends the process: whatever it raises refuses it, named in its result."""
         try:
             msg = decode(raw)
-            if msg["executor_epoch"] != self.epoch:
-                STEPS.labels("stale").inc()
-                return None  # planned for a previous life of the executor
-            rows = [WireRow.from_body(b) for b in msg["rows"]]
-            copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2).tolist()
-            ops = DeferredOps(
-                unpack_ints(msg["clears"], "<i4").tolist(), [tuple(c) for c in copies]
-            )
-        except (WireError, KeyError, TypeError, ValueError) as err:
+            scheduler, step, planned_for = msg["epoch"], msg["step"], msg["executor_epoch"]
+            if not isinstance(step, int) or not isinstance(scheduler, str):
+                raise WireError(f"step {step!r} of scheduler {scheduler!r}")
+        except Exception as err:
             STEPS.labels("refused").inc()
             log.error("refused an undecodable step: %s", err)
             return None  # not a step of the chain: a step planned on it is refused anyway
-        sampling = [r.rid for r in rows if r.sample]
-        scheduler, step = msg["epoch"], msg["step"]
+        if planned_for != self.epoch:
+            STEPS.labels("stale").inc()
+            return None  # planned for a previous life of the executor
+        if not self.fence.admits(scheduler):
+            STEPS.labels("fenced").inc()
+            log.warning("step %s of scheduler %s fenced: it was replaced", step, scheduler)
+            return None  # nobody waits for it: that scheduler is gone
+        sampling: list[str] = []
         try:
+            rows, ops = _step_of(msg)
+            sampling = [r.rid for r in rows if r.sample]
             self.chain.resolve(scheduler, msg.get("after"), rows)
             with FORWARD.time():
                 result = self.runner.execute([Row.from_wire(r) for r in rows], ops)
-        except BatchRefused as err:
-            STEPS.labels("refused").inc()
-            log.error("step %s refused: %s", step, err)
-            self.chain.broken()
-            return encode(
-                "result",
-                self.epoch,
-                step,
-                result_body(step, scheduler, self.epoch, sampling, [], [], str(err)),
-            )
+        except Exception as err:
+            return self._refused(step, scheduler, sampling, err)
         self.chain.ran(scheduler, step, sampling, result.tokens)
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
@@ -145,6 +151,28 @@ class ExecutorService:
             step,
             result_body(step, scheduler, self.epoch, sampling, result.tokens, result.logprobs),
         )
+
+    def _refused(self, step: int, scheduler: str, rids: list[str], err: Exception) -> bytes:
+        """Count and log a refused or failed step, break the chain, name the cause."""
+        if isinstance(err, BatchRefused):
+            STEPS.labels("refused").inc()
+            log.error("step %s refused: %s", step, err)
+            cause = str(err)
+        else:
+            STEPS.labels("error").inc()
+            log.exception("step %s failed", step)
+            cause = str(err) if isinstance(err, StepFailed) else f"{type(err).__name__}: {err}"
+        self.chain.broken()
+        ops_ran = isinstance(err, StepFailed) and err.ops_ran
+        body = result_body(step, scheduler, self.epoch, rids, [], [], cause, ops_ran=ops_ran)
+        return encode("result", self.epoch, step, body)
+
+
+def _step_of(msg: dict) -> tuple[list[WireRow], DeferredOps]:
+    rows = [WireRow.from_body(b) for b in msg["rows"]]
+    copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2).tolist()
+    clears = unpack_ints(msg["clears"], "<i4").tolist()
+    return rows, DeferredOps(clears, [tuple(c) for c in copies])
 
 
 def main(argv: list[str] | None = None) -> None:

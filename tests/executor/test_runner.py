@@ -1,10 +1,11 @@
-"""The runner: deferred ops' data effect, and refusal of bad steps before anything runs."""
+"""The runner: deferred ops' data effect, refusal of bad steps before anything runs, and
+whether a failing step's ops ran."""
 
 import pytest
 import torch
 
 from services.executor.batch import Row
-from services.executor.runner import BatchRefused, ModelRunner
+from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from shared.deferred_ops import DeferredOps
 from tests.executor.oracle import (
     all_logits,
@@ -85,37 +86,81 @@ def test_a_copied_slot_continues_exactly_like_its_source(models):
 
 
 def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[Row], DeferredOps]]:
+    """Steps refused by their rows carry valid ops that would change the pools if run."""
     ok = lambda **kw: Row(torch.tensor([1, 2]), 0, kv[:2], **({"mamba_slot": 1} | kw))  # noqa: E731
+    fine = lambda: DeferredOps(clears=[5], copies=[(6, 7)])  # noqa: E731
     twice = DeferredOps(clears=[2], copies=[(3, 2)])
     return {
-        "slot 0": ([ok(mamba_slot=0)], DeferredOps()),
-        "slot out of range": ([ok(mamba_slot=99)], DeferredOps()),
-        "same slot, two rows": ([ok(), Row(torch.tensor([3]), 0, kv[2:3], 1)], DeferredOps()),
+        "no rows": ([], fine()),
+        "slot 0": ([ok(mamba_slot=0)], fine()),
+        "slot out of range": ([ok(mamba_slot=99)], fine()),
+        "same slot, two rows": ([ok(), Row(torch.tensor([3]), 0, kv[2:3], 1)], fine()),
         "destination twice": ([ok()], twice),
-        "op on the sink": ([ok()], DeferredOps(clears=[0])),
-        "kv in the sink page": ([Row(torch.tensor([1]), 0, torch.tensor([0]), 1)], DeferredOps()),
-        "kv out of range": ([Row(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], DeferredOps()),
-        "token out of vocab": ([Row(torch.tensor([500]), 0, kv[:1], 1)], DeferredOps()),
-        "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], DeferredOps()),
+        "op on the sink": ([ok()], DeferredOps(clears=[5, 0])),
+        "op out of range": ([ok()], DeferredOps(clears=[5], copies=[(6, 9)])),
+        "source and destination": ([ok()], DeferredOps(clears=[5], copies=[(6, 7), (7, 8)])),
+        "kv in the sink page": ([Row(torch.tensor([1]), 0, torch.tensor([0]), 1)], fine()),
+        "kv out of range": ([Row(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], fine()),
+        "negative start": ([Row(torch.tensor([1, 2]), -1, kv[:1], 1)], fine()),
+        "token out of vocab": ([Row(torch.tensor([500]), 0, kv[:1], 1)], fine()),
+        "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], fine()),
         "read a slot another row writes": (
             [ok(mamba_out=2), Row(torch.tensor([3]), 0, kv[2:3], 2, mamba_out=3)],
-            DeferredOps(),
+            fine(),
         ),
     }
 
 
+def pool_tensors(pools) -> list[torch.Tensor]:
+    return [pools.k, pools.v, pools.conv, pools.ssm]
+
+
 @pytest.mark.parametrize("case", list(bad_steps(torch.arange(1, 4))))
 def test_a_bad_step_is_refused_before_anything_runs(models, case):
+    """Rows and ops are all checked before the first op: a refusal leaves every pool bit
+    for bit as it was, ops included (ops_ran is False)."""
+    _, model = models
+    pools = pools_for(model, 1)
+    runner = ModelRunner(model, pools)
+    for t in pool_tensors(pools):
+        t.normal_()
+    before = [t.clone() for t in pool_tensors(pools)]
+    rows, ops = bad_steps(torch.arange(1, 4))[case]
+    with pytest.raises(BatchRefused):
+        runner.execute(rows, ops)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_tensors(pools), strict=True))
+
+
+def test_a_failing_forward_reports_that_the_ops_ran(models, monkeypatch):
     _, model = models
     pools = pools_for(model, 1)
     runner = ModelRunner(model, pools)
     pools.ssm.normal_()
-    before = [t.clone() for t in (pools.k, pools.v, pools.conv, pools.ssm)]
-    rows, ops = bad_steps(torch.arange(1, 4))[case]
-    with pytest.raises(BatchRefused):
-        runner.execute(rows, ops)
-    after = (pools.k, pools.v, pools.conv, pools.ssm)
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    source = pools.ssm[:, 6].clone()
+    (kv,) = scattered_kv([len(A)], 1, seed=6)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(model, "forward", broken)
+    with pytest.raises(StepFailed, match="RuntimeError: the device fell over") as failed:
+        runner.execute([row(A, 0, kv, 5)], DeferredOps(clears=[5], copies=[(6, 7)]))
+    assert failed.value.ops_ran
+    assert pools.ssm[:, 5].abs().max() == 0 and torch.equal(pools.ssm[:, 7], source)
+
+
+def test_a_failing_op_reports_that_the_ops_did_not_run(models, monkeypatch):
+    _, model = models
+    runner = ModelRunner(model, pools_for(model, 1))
+    (kv,) = scattered_kv([len(A)], 1, seed=7)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("copy kernel failed")
+
+    monkeypatch.setattr(runner, "apply_ops", broken)
+    with pytest.raises(StepFailed, match="copy kernel failed") as failed:
+        runner.execute([row(A, 0, kv, 5)], DeferredOps(copies=[(6, 7)]))
+    assert not failed.value.ops_ran
 
 
 def test_execute_samples_greedily_and_reports_logprobs(models):

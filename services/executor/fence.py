@@ -1,0 +1,27 @@
+"""Fencing: the executor runs steps only from the live scheduler.
+
+A scheduler writes its epoch to SCHEDULER_EPOCH when it starts, before it publishes
+anything, so a scheduler that was replaced (paused, partitioned, restarted) cannot
+have its late steps run against slots its successor now owns. The key's value is cached
+and read again only when a step comes from another epoch: once per scheduler life, and
+once per step of a fenced scheduler. Without the key (an older scheduler) every step is
+admitted, and read again each time until it appears.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from shared import streams
+
+
+class SchedulerFence:
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.live: str | None = None  # the key's value when last read
+
+    def admits(self, epoch: str) -> bool:
+        if epoch != self.live:
+            value = self.client.get(streams.SCHEDULER_EPOCH)
+            self.live = None if value is None else value.decode()
+        return self.live is None or epoch == self.live
