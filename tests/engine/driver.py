@@ -70,10 +70,21 @@ class Driver:
         """Plan a step; complete the oldest in flight when the pipeline is full or there
         was nothing new to plan."""
         engine = self.engine
+        if len(engine.in_flight) > self.depth:  # left in flight by `plan_ahead`
+            return self._complete_oldest()
         plan = engine.plan_step()
         self.steps += plan is not None
         if not engine.in_flight or (plan is not None and len(engine.in_flight) <= self.depth):
             return []
+        return self._complete_oldest()
+
+    def plan_ahead(self) -> None:
+        """Plan a step and leave it in flight, as the service does while it awaits the
+        result (a fault can strike then)."""
+        self.steps += self.engine.plan_step() is not None
+
+    def _complete_oldest(self) -> list[Request]:
+        engine = self.engine
         oldest = engine.in_flight[0]
         ended = engine.complete_step(oldest, self.model.run(oldest))
         for req in ended:

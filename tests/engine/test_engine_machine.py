@@ -1,5 +1,8 @@
 """Random interleavings of session turns (finished, aborted, disconnected, retracted,
-over-long), plain requests sharing prefixes, evictions under pressure and closes, over
+over-long), plain requests sharing prefixes, evictions under pressure, closes, session
+expiry, and faults (a refused step with or without its deferred ops run, an executor lost
+with its device state, a scheduler restarted from the session records with the same
+executor or a new one), over
 page sizes 1 and 16, one step at a time and pipelined (the next step planned while one
 is in flight), on pools small enough that retracts and evictions are routine. Where a
 request asks for them, stop tokens end a sixth of the tokens, so requests often end while
@@ -19,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.scheduler.engine.request import Request, Status
 from services.scheduler.engine.sampling import InvalidRequest
-from tests.engine.data_model import reference
+from tests.engine.data_model import reference, state_of
 from tests.engine.driver import VOCAB, Driver
 
 # 4 machines x 250 = 1,000 sequences by default; CUSTODY_ENGINE_EXAMPLES overrides.
@@ -35,8 +38,17 @@ class EngineMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.d = self.new_driver()
+        self.histories: dict[str, list[int]] = {}
+        self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
+        self.plain: dict[str, Request] = {}
+        self.opened = 0
+        self.now = 0.0  # the sessions' clock, for expiry
+        self.records: dict[str, dict] = {}  # what the session store holds, by session id
+
+    def new_driver(self) -> Driver:
         ps = self.page_size
-        self.d = Driver(
+        d = Driver(
             page_size=ps,
             kv_pages=64 if ps == 1 else 8,  # one context: pressure is routine
             mamba_slots=14,
@@ -47,17 +59,15 @@ class EngineMachine(RuleBasedStateMachine):
             track_interval=ps * 4,
             depth=self.depth,
         )
-        self.histories: dict[str, list[int]] = {}
-        self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
-        self.plain: dict[str, Request] = {}
-        self.opened = 0
+        d.engine.sessions.clock = lambda: self.now
+        return d
 
     # ---- sessions ----
     @precondition(lambda self: len(self.histories) < 4)
     @rule()
     def open_session(self):
         self.opened += 1  # client-chosen ids keep generated data reproducible
-        self.histories[self.d.engine.sessions.open(f"s{self.opened}").sid] = []
+        self.histories[self.d.engine.sessions.open(f"s{self.opened}", timeout=100).sid] = []
 
     @precondition(lambda self: self.histories)
     @rule(
@@ -121,6 +131,57 @@ class EngineMachine(RuleBasedStateMachine):
         self.d.engine.cache.evict_kv(kv)
         self.d.engine.cache.evict_mamba(mamba)
 
+    @precondition(lambda self: len(self.d.engine.in_flight) <= self.depth)
+    @rule()
+    def plan_ahead(self):
+        self.d.plan_ahead()
+
+    # ---- faults ----
+    @rule(ops_ran=st.booleans())
+    def refuse_step(self, ops_ran):
+        """The executor refuses the oldest step in flight (planning one if none is), and
+        so every step on top of it, having applied its deferred ops or not."""
+        if not self.d.engine.in_flight:
+            self.d.plan_ahead()
+        if not self.d.engine.in_flight:
+            return
+        plan = self.d.engine.in_flight[0]
+        if ops_ran:
+            self.d.model.apply_ops(plan)
+        self.settle(self.d.engine.step_refused(plan, "refused by the test", ops_ran))
+
+    @rule()
+    def lose_executor(self):
+        """A new executor with empty pools; the step that was executing is suspect."""
+        self.settle(self.d.engine.device_lost())
+        self.d.model = type(self.d.model)(self.d.pools, VOCAB, self.d._sequence)
+
+    @rule()
+    def expire_sessions(self):
+        """Every idle session times out; those with a turn in flight stay."""
+        self.now += 1000
+        busy = {sid for sid, s in self.d.engine.sessions.sessions.items() if s.turn is not None}
+        gone = set(self.d.engine.sessions.expire())
+        assert gone == set(self.histories) - busy
+        for sid in gone:
+            del self.histories[sid]
+
+    @rule(same_executor=st.booleans())
+    def restart_scheduler(self, same_executor):
+        """A new scheduler life rebuilds its sessions from the store's records, slots
+        included when the executor is the same; the requests of the old life are lost
+        (their clients saw the connection drop)."""
+        model = self.d.model
+        self.d = self.new_driver()
+        if same_executor:
+            self.d.model = model
+            model.sequence_of = self.d._sequence
+        self.d.engine.sessions.rebuild(list(self.records.values()), same_executor)
+        self.turns.clear()
+        self.plain.clear()
+        for sid, history in self.histories.items():
+            assert self.d.engine.sessions.sessions[sid].history.tolist() == history
+
     def settle(self, ended: list[Request]) -> None:
         for req in ended:
             if req.rid in self.turns:
@@ -142,6 +203,24 @@ class EngineMachine(RuleBasedStateMachine):
                         VOCAB,
                         plain.params.stop_token_ids,
                     )
+
+    @invariant()
+    def persist_records(self):
+        """The session store's view: every record the scheduler ships (it ships them
+        before any step that reuses the slots they release)."""
+        for rec in self.d.engine.sessions.take_records():
+            self.records[rec["sid"]] = rec
+
+    @invariant()
+    def sessions_hold_their_historys_state(self):
+        """With nothing in flight, every idle session's state slot holds exactly the state
+        of the history it claims to have computed: never a slot nothing wrote."""
+        if self.d.engine.in_flight:
+            return
+        for s in self.d.engine.sessions.sessions.values():
+            if s.turn is None and s.slots is not None:
+                held = int(self.d.model.state[s.slots.working.slot])
+                assert held == state_of(s.history[: s.cached_len]), f"session {s.sid}"
 
     @invariant()
     def busy_invariant(self):

@@ -149,6 +149,7 @@ class SessionManager:
         """Close now, or when the turn in flight ends; later turns are refused."""
         session = self.get(sid)
         session.closing = True
+        self.dirty.add(sid)  # recorded closed now: a restart must not resurrect it
         if session.turn is None:
             self._close_now(session)
 
@@ -226,7 +227,7 @@ class SessionManager:
         out = []
         for sid in sorted(self.dirty):
             s = self.sessions.get(sid)
-            if s is None:
+            if s is None or s.closing:
                 out.append({"sid": sid, "closed": True})
                 continue
             rec = {
