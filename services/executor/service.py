@@ -74,6 +74,7 @@ class ExecutorService:
                 self.epoch,
                 px=int(self.settings.executor_timeout_seconds * 1000),
             )
+            self.fence.refresh()
             self._beat = now
 
     def serve_forever(self) -> None:
