@@ -1,0 +1,48 @@
+"""Cheap smoke tests of the benchmarks: they compare like with like. The events sweep
+divides entries/s by entries/s of the same byte size, and the executor's two sides do
+the same decode work (one cached forward per token, greedy), so give the same tokens."""
+
+import time
+
+import pytest
+import redis
+
+from custody.bench import events
+
+
+def test_events_sweep_reports_entries_against_entries_of_the_same_size(
+    redis_url: str, redis_client: redis.Redis
+):
+    start = time.monotonic()
+    per = events.sweep(redis_url, (16,), 1, seconds=0.3, raw_seconds=0.2)
+    assert time.monotonic() - start < 60  # two spawned processes dominate; seconds here
+    r = per["16"]
+    assert r["events_per_entry"] == 16.0 and r["violations"] == 0
+    assert r["entries_per_s"] > 0 and r["raw_xadd_entries_per_s"] > 0
+    assert r["events_per_s"] == pytest.approx(16 * r["entries_per_s"], rel=0.01)
+    assert r["entries_ratio"] == pytest.approx(
+        r["entries_per_s"] / r["raw_xadd_entries_per_s"], rel=0.01
+    )
+    assert r["entry_bytes"] > 16  # the raw entries were sized from custody's own
+    assert 0 < r["lag_p50_ms"] <= r["lag_p99_ms"]
+    assert not redis_client.exists("custody:raw", "custody:ownership")
+
+
+def test_executor_decode_gives_the_same_tokens_as_transformers():
+    pytest.importorskip("transformers")
+    import torch
+
+    from custody.bench import executor as ex
+    from services.executor.pools import DevicePools, PoolSizes
+    from services.executor.runner import ModelRunner
+    from services.executor.weights import builtin_model
+
+    torch.manual_seed(0)
+    model = builtin_model()
+    hf = ex._transformers_twin(model)
+    sizes = PoolSizes(
+        kv_pages=2 * (ex.PROMPT + ex.DECODE_STEPS + 1) + 8, page_size=1, mamba_slots=4
+    )
+    runner = ModelRunner(model, DevicePools(model.cfg, sizes, torch.device("cpu")))
+    assert ex._same_tokens(runner, hf, 2)
+    assert ex._logit_diff(runner, hf) < 1e-4
