@@ -1,0 +1,115 @@
+"""The scheduler service's loop on a real Redis, in process: write-ahead of session
+records, fencing, a step that cannot be encoded, and a fault that cannot be attributed.
+No executor runs: the tests drive the loop's own methods and read the streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import redis
+
+from services.scheduler.engine.request import Request, Status
+from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.service import SchedulerService
+from shared import streams
+from shared.wire import decode
+from tests.services_harness import stack_settings
+
+
+def ownership_messages(client: redis.Redis) -> list[dict]:
+    return [decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
+
+
+def started(url: str) -> SchedulerService:
+    service = SchedulerService(stack_settings(url))
+    asyncio.get_event_loop().run_until_complete(service.start())
+    service.executor_epoch = "executor-under-test"  # steps are published for it
+    return service
+
+
+def plain(rid: str, **params) -> Request:
+    return Request(rid, np.arange(1, 9), SamplingParams(max_new_tokens=4, **params))
+
+
+def test_a_released_sessions_record_is_on_the_stream_before_the_step_that_reuses_it(
+    redis_url, redis_client
+):
+    """Write-ahead: the step planned right after a close is published together with the
+    record of the close, the record first; a scheduler killed between them cannot
+    rebuild the session on slots the step overwrites."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    service.engine.sessions.open("gone")
+    loop.run_until_complete(service._ship_events())
+    service.engine.sessions.close("gone")
+    service.engine.submit(plain("r1"))
+    plan = loop.run_until_complete(service._publish_next())
+    assert plan is not None and redis_client.xlen(streams.FORWARD) == 1
+    records = [
+        r for m in ownership_messages(redis_client) if m["kind"] == "sessions" for r in m["records"]
+    ]
+    assert {"sid": "gone", "closed": True}.items() <= records[-1].items()
+    loop.close()
+
+
+def test_the_scheduler_announces_its_epoch_for_fencing(redis_url, redis_client):
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    first = started(redis_url)
+    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == first.shipper.epoch
+    second = started(redis_url)
+    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == second.shipper.epoch
+    loop.close()
+
+
+def test_a_step_that_cannot_be_encoded_fails_only_its_requests(redis_url, redis_client):
+    """A value msgpack cannot carry (a seed past 64 bits, were it ever let in) fails the
+    requests of that step with a clear error and returns their slots; the loop goes on
+    and the next request is served."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    engine = service.engine
+    bad = plain("bad")
+    engine.submit(bad)
+    bad.params = SamplingParams(max_new_tokens=4, seed=2**70)  # past the edge's checks
+    assert loop.run_until_complete(service._publish_next()) is None
+    assert bad.status is Status.ABORTED and "could not be sent" in bad.finish_reason["message"]
+    assert redis_client.xlen(streams.FORWARD) == 0 and not engine.in_flight
+    assert engine.check(idle=True).ok
+    engine.submit(plain("good"))
+    assert loop.run_until_complete(service._publish_next()) is not None
+    loop.close()
+
+
+def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(
+    redis_url, redis_client
+):
+    """An unexpected exception inside the loop: logged, counted, everything running is
+    re-queued with its slots returned; the loop keeps running."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    engine = service.engine
+    req = plain("r1")
+    engine.submit(req)
+    loop.run_until_complete(service._publish_next())
+    calls = []
+
+    async def broken_step() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug in completion")
+        raise asyncio.CancelledError  # the second pass ends the test
+
+    service.step = broken_step
+    try:
+        loop.run_until_complete(service.loop())
+    except asyncio.CancelledError:
+        pass
+    assert service.loop_faults == 1 and len(calls) == 2
+    assert req.status is Status.WAITING and not engine.in_flight  # re-queued
+    assert engine.check().ok
+    loop.close()
