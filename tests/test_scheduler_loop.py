@@ -5,6 +5,7 @@ No executor runs: the tests drive the loop's own methods and read the streams.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import redis
@@ -84,9 +85,7 @@ def test_a_step_that_cannot_be_encoded_fails_only_its_requests(redis_url, redis_
     loop.close()
 
 
-def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(
-    redis_url, redis_client
-):
+def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(redis_url, redis_client):
     """An unexpected exception inside the loop: logged, counted, everything running is
     re-queued with its slots returned; the loop keeps running."""
     loop = asyncio.new_event_loop()
@@ -105,10 +104,8 @@ def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(
         raise asyncio.CancelledError  # the second pass ends the test
 
     service.step = broken_step
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         loop.run_until_complete(service.loop())
-    except asyncio.CancelledError:
-        pass
     assert service.loop_faults == 1 and len(calls) == 2
     assert req.status is Status.WAITING and not engine.in_flight  # re-queued
     assert engine.check().ok
