@@ -34,7 +34,7 @@ class Settings:
     store_host: str = "127.0.0.1"  # the session store's HTTP: loopback unless asked
     max_sessions: int = 0  # open sessions at once; 0: one per Mamba slot but the reserved one
     max_sessions_per_key: int = 0  # 0: only the global limit applies
-    max_queued_requests: int = 1024  # waiting requests; beyond it a 503 with Retry-After
+    max_queued_requests: int = 1024  # waiting requests; beyond it a 503 (0: no limit)
     read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
     keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
 

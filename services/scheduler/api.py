@@ -9,7 +9,6 @@ moves; a client that disconnects aborts its request, with the abort semantics of
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +29,9 @@ from services.scheduler.http_common import (
     stop_strings,
     submitter,
 )
+from services.scheduler.limits import open_session as open_session_within_limits
 from services.scheduler.sessions.manager import SessionError
+from services.scheduler.tenancy import middleware as tenancy_middleware
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
@@ -48,7 +49,6 @@ SAMPLING_KEYS = {
     "no_stop_trim",
 }
 STATUS = {"not_found": 404, "closed": 404, "busy": 409, "invalid": 400}
-OPEN_PATHS = {"/health", "/metrics"}
 
 
 def sampling_from(raw: object) -> SamplingParams:
@@ -97,9 +97,10 @@ def token_input(service: SchedulerService, body: dict) -> list[int]:
     raise InvalidRequest("give text (a string) or input_ids (a list of integers)")
 
 
-def response_of(service: SchedulerService, req: Request, logprobs: bool = False) -> dict:
+def response_of(service: SchedulerService, req: Request, rid: str, logprobs: bool = False) -> dict:
+    """The SGLang response; `rid` is the client's (the engine's is internal)."""
     meta = {
-        "id": req.rid,
+        "id": rid,
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.prompt),
         "completion_tokens": len(req.output),
@@ -115,9 +116,8 @@ def response_of(service: SchedulerService, req: Request, logprobs: bool = False)
 
 def build_app(service: SchedulerService) -> web.Application:
     app = web.Application(
-        client_max_size=MAX_BODY, middlewares=[errors, api_keys(service.settings.api_keys)]
+        client_max_size=MAX_BODY, middlewares=[errors, tenancy_middleware(service.tenancy)]
     )
-    rids = itertools.count(1)
     engine = service.engine
 
     async def health(_: web.Request) -> web.Response:
@@ -147,8 +147,7 @@ def build_app(service: SchedulerService) -> web.Application:
         timeout = body.get("timeout")
         if timeout is not None:
             check_number("timeout", timeout, (int, float))
-        session = engine.sessions.open(body.get("session_id"), timeout)
-        session.api_key = request.get("api_key")
+        session = open_session_within_limits(service, request, body.get("session_id"), timeout)
         return web.json_response(session.sid)
 
     async def close_session(request: web.Request) -> web.Response:
@@ -160,9 +159,11 @@ def build_app(service: SchedulerService) -> web.Application:
 
     async def abort_request(request: web.Request) -> web.Response:
         body = await body_of(request)
-        targets = list(engine.requests) if body.get("abort_all") is True else [body.get("rid")]
+        targets = service.tenancy.abort_targets(
+            request, body.get("rid"), body.get("abort_all") is True, engine.requests
+        )
         for rid in targets:
-            service.finish(engine.abort(str(rid), "aborted by request"))
+            service.finish(engine.abort(rid, "aborted by request"))
         service.wake.set()
         return web.json_response(True)
 
@@ -178,18 +179,17 @@ def build_app(service: SchedulerService) -> web.Application:
         session = body.get("session_params") or {}
         if not isinstance(session, dict):
             raise InvalidRequest("session_params must be an object")
-        req = Request(
-            str(body.get("rid") or f"req-{next(rids)}"), np.asarray(tokens, dtype=np.int64), params
-        )
+        rid = service.tenancy.claim(request, body.get("rid"))
+        req = Request(rid.server, np.asarray(tokens, dtype=np.int64), params)
         submit = submitter(service, request, tokens, session.get("id"), session)
         logprobs = body.get("return_logprob") is True
         if not body.get("stream"):
             done = await service.run_request(req, submit)
-            return web.json_response(response_of(service, done, logprobs))
+            return web.json_response(response_of(service, done, rid.shown, logprobs))
         sse = await open_sse(request)
 
         async def progress(r: Request) -> None:
-            await send_sse(sse, response_of(service, r, logprobs))
+            await send_sse(sse, response_of(service, r, rid.shown, logprobs))
 
         await service.run_request(req, submit, progress)
         await send_sse(sse, "[DONE]")
@@ -208,27 +208,6 @@ def build_app(service: SchedulerService) -> web.Application:
         app.router.add_route(method, path, handler)
     add_openai_routes(app, service)
     return app
-
-
-def api_keys(keys: str):
-    """With keys configured, every endpoint but /health and /metrics needs one."""
-    allowed = {k.strip() for k in keys.split(",") if k.strip()}
-
-    @web.middleware
-    async def check(request: web.Request, handler) -> web.StreamResponse:
-        if allowed and request.path not in OPEN_PATHS:
-            auth = request.headers.get("Authorization", "")
-            key = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
-            if key not in allowed:
-                return error(
-                    401,
-                    "a valid API key is required (Authorization: Bearer ...)",
-                    "authentication_error",
-                )
-            request["api_key"] = key
-        return await handler(request)
-
-    return check
 
 
 @web.middleware

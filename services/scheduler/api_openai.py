@@ -9,7 +9,6 @@ tokens.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from services.scheduler.http_common import (
     check_number,
     open_sse,
     output_text,
+    own_session,
     send_sse,
     stop_strings,
     submitter,
@@ -78,7 +78,6 @@ def params_of(body: dict, default_max: int) -> SamplingParams:
 
 
 def add_openai_routes(app: web.Application, service: SchedulerService) -> None:
-    ids = itertools.count(1)
 
     def usage(req: Request) -> dict:
         return {
@@ -95,9 +94,10 @@ def add_openai_routes(app: web.Application, service: SchedulerService) -> None:
         request: web.Request, body: dict, tokens: list[int], chat: bool, params: SamplingParams
     ) -> web.StreamResponse:
         kind = "chat.completion" if chat else "text_completion"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}"
+        claim = service.tenancy.claim(request, None, "chatcmpl-" if chat else "cmpl-")
+        rid = claim.shown
         sid = body.get("session_id")
-        req = Request(rid, np.asarray(tokens, dtype=np.int64), params)
+        req = Request(claim.server, np.asarray(tokens, dtype=np.int64), params)
         submit = submitter(service, request, tokens, sid, {})
         created = int(time.time())
 
@@ -186,7 +186,7 @@ def add_openai_routes(app: web.Application, service: SchedulerService) -> None:
         if (
             sid is not None
             and isinstance(sid, str)
-            and service.engine.sessions.get(sid).history.size
+            and own_session(service, request, sid).history.size
         ):
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
             messages = messages[last + 1 :]

@@ -13,7 +13,9 @@ from aiohttp import web
 
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import InvalidRequest
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.limits import check_queue
+from services.scheduler.sessions.session import Session
+from services.scheduler.tenancy import check_owner
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
@@ -46,19 +48,20 @@ def submitter(
     session_params: dict,
 ) -> Callable[[Request], Request]:
     """How to queue a request: plain, or the next turn of a session the caller owns (with
-    API keys on, a session is visible only to the key that opened it)."""
+    API keys on, a session is visible only to the key that opened it); refused with a 503
+    while the waiting queue is full."""
     engine = service.engine
+    check_queue(service)
     if sid is None:
         return engine.submit
     own_session(service, request, sid)
     return lambda r: engine.submit_turn(sid, np.asarray(tokens), r, session_params)
 
 
-def own_session(service: SchedulerService, request: web.Request, sid: object) -> None:
+def own_session(service: SchedulerService, request: web.Request, sid: object) -> Session:
     if not isinstance(sid, str):
         raise InvalidRequest("a session id must be a string")
-    if service.engine.sessions.get(sid).api_key != request.get("api_key"):
-        raise SessionError(f"session {sid} not found", "not_found")
+    return check_owner(service.engine.sessions.get(sid), request)
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:

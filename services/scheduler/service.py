@@ -28,6 +28,8 @@ from services.scheduler.engine.setup import build_engine
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.slow_clients import GuardedRunner
+from services.scheduler.tenancy import Tenancy
 from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
@@ -47,6 +49,7 @@ class SchedulerService:
         self.engine = build_engine(settings, self.model, self.tokenizer, strict=False)
         self.pools = self.engine.pools
         self.shipper = EventShipper(self.pools.ledger)
+        self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
         self.executor_losses = 0
@@ -377,7 +380,7 @@ async def serve(settings: Settings) -> None:
     service = SchedulerService(settings)
     await service.start()
     app = build_app(service)
-    runner = web.AppRunner(app, handler_cancellation=True)  # a disconnect aborts its request
+    runner = GuardedRunner(app, settings.read_timeout_seconds, settings.keepalive_seconds)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("API listening on http://%s:%d", settings.host, settings.port)

@@ -13,6 +13,7 @@ class EngineConfig:
     chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
     max_step_tokens: int = 2048
     track_interval: int = 64  # decode snapshot interval (multiple of the page)
+    max_sessions: int | None = None  # sessions open at once; None: no limit
 
     def check(self, page_size: int) -> None:
         for name in ("chunk_size", "track_interval"):

@@ -56,7 +56,7 @@ class EngineCore:
         self.config = config
         self.decode = decode  # detokenizer, for stop strings
         self.cache = RadixCache(pools)
-        self.sessions = SessionManager(pools, self.cache)
+        self.sessions = SessionManager(pools, self.cache, limit=config.max_sessions)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

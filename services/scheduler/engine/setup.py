@@ -31,5 +31,6 @@ def build_engine(
         chunk_size=settings.chunk_size,
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,
+        max_sessions=settings.session_limit,
     )
     return EngineCore(pools, config, strict=strict, decode=tokenizer.decode)

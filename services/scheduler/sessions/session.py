@@ -28,4 +28,4 @@ class Session:
     turn: Request | None = None  # the turn in flight, at most one
     closing: bool = False  # close asked while a turn runs: completes when it ends
     closed: bool = False
-    api_key: str | None = None  # the key that opened it, when API keys are on
+    tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off

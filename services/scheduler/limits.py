@@ -1,0 +1,59 @@
+"""Limits that keep one client, or all of them together, from exhausting the server:
+open sessions per key (`--max-sessions-per-key`) on top of the global limit that the
+session manager itself keeps (`--max-sessions`), and the waiting queue
+(`--max-queued-requests`). Each refusal comes before anything is allocated: a 429 for a
+session (the client must close one), a 503 with Retry-After for a full queue (it drains
+by itself)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.scheduler.sessions.manager import SessionError
+from services.scheduler.sessions.session import Session
+from services.scheduler.tenancy import CALLER, Refused
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
+
+RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
+
+
+def open_session(
+    service: SchedulerService, request: web.Request, sid: str | None, timeout: float | None
+) -> Session:
+    """A new session of the caller, within the per-key and the global limits."""
+    tenant = request[CALLER].tenant
+    sessions = service.engine.sessions
+    per_key = service.settings.max_sessions_per_key
+    if tenant is not None and per_key:
+        held = sum(1 for s in sessions.sessions.values() if s.tenant == tenant)
+        if held >= per_key:
+            raise Refused(
+                429,
+                f"this API key has {held} sessions open, its limit "
+                "(--max-sessions-per-key); close one first",
+                "session_limit",
+            )
+    try:
+        return sessions.open(sid, timeout, tenant)
+    except SessionError as err:
+        if err.kind != "limit":
+            raise
+        raise Refused(429, str(err), "session_limit") from None
+
+
+def check_queue(service: SchedulerService) -> None:
+    """503 with Retry-After while the engine's waiting queue is full (0: no limit)."""
+    limit = service.settings.max_queued_requests
+    waiting = len(service.engine.waiting)
+    if limit and waiting >= limit:
+        raise Refused(
+            503,
+            f"{waiting} requests are waiting, as many as this server queues; "
+            f"retry in {RETRY_AFTER_SECONDS} s",
+            "overloaded",
+            {"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )

@@ -1,0 +1,166 @@
+"""Tenancy: with API keys on, every request and session belongs to the key that made it.
+
+A caller is known by the sha256 of its key (its tenant), never by the key itself: that
+hash is what a session's durable record keeps, so after a restart a session's owner
+still has it and every other key still gets 404. A request runs under a random 128-bit
+internal id, the rid the engine, the wire and the executor see; the rid a client chose
+is mapped per tenant, so two keys may both use rid "a" at once and no key can name,
+let alone abort, another's request. An operator key (`--admin-api-keys`, valid as a
+normal key too) may abort every key's requests and is required for the operator routes.
+With no key configured, everyone is one anonymous operator, as before tenancy.
+
+Keys are compared in constant time, as digests, against every configured key, and are
+never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.sessions.manager import SessionError
+from services.scheduler.sessions.session import Session
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPERATOR_PATHS = frozenset({"/flush_cache"})
+MAX_RID = 256
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str | None  # sha256 hex of its key; None when keys are off
+    operator: bool
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One request's ids: `server` for the engine, `shown` for its client."""
+
+    server: str
+    shown: str
+
+
+ANONYMOUS = Caller(None, operator=True)
+CALLER = web.RequestKey("caller", Caller)
+CLAIMS = web.RequestKey("claims", list)
+
+
+class Refused(Exception):
+    """A refusal with its status and headers (Retry-After), answered by the tenancy
+    middleware as `{"error": {"message", "type"}}`."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.headers = status, kind, headers or {}
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.kind}}
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+class Tenancy:
+    def __init__(self, api_keys: str, admin_api_keys: str) -> None:
+        admin = _split(admin_api_keys)
+        self._keys = [(_digest(k), k in admin) for k in sorted(_split(api_keys) | admin)]
+        self._rids: dict[tuple[str | None, str], str] = {}  # (tenant, shown) -> server id
+
+    @property
+    def keys_on(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, request: web.Request) -> Caller:
+        """The caller of `request`; 401 without a valid key, 403 on an operator route
+        without an operator key."""
+        if not self._keys:
+            return ANONYMOUS
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        presented = _digest(key.strip()) if scheme.lower() == "bearer" else b""
+        caller = None
+        for digest, operator in self._keys:  # no early exit: every key is compared
+            if hmac.compare_digest(digest, presented) and caller is None:
+                caller = Caller(digest.hex(), operator)
+        if caller is None:
+            raise Refused(
+                401,
+                "a valid API key is required (Authorization: Bearer ...)",
+                "authentication_error",
+            )
+        if request.path in OPERATOR_PATHS and not caller.operator:
+            raise Refused(403, f"{request.path} needs an operator key", "permission_error")
+        return caller
+
+    def claim(self, request: web.Request, rid: object, prefix: str = "") -> Claim:
+        """Ids for a new request of the caller: a random server id, shown as `rid` if
+        the client chose one (409 while that rid runs for the same key), else as
+        `prefix` + the server id. Released when the HTTP request ends (middleware)."""
+        if rid is not None and rid != "" and (not isinstance(rid, str) or len(rid) > MAX_RID):
+            raise InvalidRequest(f"rid must be a string of at most {MAX_RID} characters")
+        server = secrets.token_hex(16)
+        shown = rid or f"{prefix}{server}"
+        key = (request[CALLER].tenant, shown)
+        if key in self._rids:
+            raise Refused(
+                409, f"rid {shown!r} is already in use by a request of yours", "rid_in_use"
+            )
+        self._rids[key] = server
+        request.setdefault(CLAIMS, []).append(key)
+        return Claim(server, shown)
+
+    def release(self, request: web.Request) -> None:
+        for key in request.get(CLAIMS, ()):
+            self._rids.pop(key, None)
+
+    def abort_targets(
+        self, request: web.Request, rid: object, abort_all: bool, running: Iterable[str]
+    ) -> list[str]:
+        """Server ids to abort: by `rid`, the caller's own request of that rid; with
+        `abort_all`, the caller's own requests, or every request (`running`) for an
+        operator."""
+        caller = request[CALLER]
+        if abort_all:
+            if caller.operator:
+                return list(running)
+            return [s for (tenant, _), s in self._rids.items() if tenant == caller.tenant]
+        found = self._rids.get((caller.tenant, rid)) if isinstance(rid, str) else None
+        return [] if found is None else [found]
+
+
+def check_owner(session: Session, request: web.Request) -> Session:
+    """`session` if the caller opened it; to any other key it does not exist (404)."""
+    if session.tenant != request[CALLER].tenant:
+        raise SessionError(f"session {session.sid} not found", "not_found")
+    return session
+
+
+def middleware(tenancy: Tenancy):
+    """Identify the caller before the handler runs, answer tenancy and limit refusals,
+    and free the request's rids when it ends."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if request.path not in OPEN_PATHS:
+                request[CALLER] = tenancy.identify(request)
+            return await handler(request)
+        except Refused as refusal:
+            return refusal.response()
+        finally:
+            tenancy.release(request)
+
+    return guard
+
+
+def _split(keys: str) -> set[str]:
+    return {k.strip() for k in keys.split(",") if k.strip()}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
