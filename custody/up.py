@@ -137,8 +137,8 @@ def run(settings: Settings) -> int:
         stack.start_all()
         s = stack.settings
         print(
-            f"custody API on http://{s.host}:{s.port}  (ledger: http://{s.host}:{s.store_port}"
-            f"/ledger; redis: {masked_url(s.redis_url)})",
+            f"custody API on http://{s.host}:{s.port}  (ledger: http://{s.store_host}:"
+            f"{s.store_port}/ledger; redis: {masked_url(s.redis_url)})",
             flush=True,
         )
         while not stopping:

@@ -5,6 +5,10 @@ and the executor runs it on its compute stream right before that step's forward,
 copy cannot race a forward still writing its source (lesson 4). Clears run before
 copies. A slot is a destination at most once per step, and no slot is both a source and
 a destination, so the order of the copies does not matter.
+
+Each destination may name the owner it is written for (`owners`): the step carries it,
+so the session store can check, independently of the scheduler, that the slot is that
+owner's when the step is planned. 0 (the executor's own tests) names none.
 """
 
 from __future__ import annotations
@@ -22,18 +26,21 @@ class DeferredOpsError(ValueError):
 class DeferredOps:
     clears: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    owners: dict[int, int] = field(default_factory=dict)  # destination -> owner id it serves
 
-    def clear(self, slot: int) -> None:
+    def clear(self, slot: int, owner: int = 0) -> None:
         self._check_new_destination(slot)
         if slot in self.sources():
             raise DeferredOpsError(f"slot {slot} is a copy source in this step; cannot clear it")
         self.clears.append(slot)
+        self.owners[slot] = owner
 
-    def copy(self, src: int, dst: int) -> None:
+    def copy(self, src: int, dst: int, owner: int = 0) -> None:
         self._check_new_destination(dst)
         if src == dst or src in self.destinations():
             raise DeferredOpsError(f"copy {src}->{dst}: source is a destination in this step")
         self.copies.append((src, dst))
+        self.owners[dst] = owner
 
     def destinations(self) -> set[int]:
         return set(self.clears) | {dst for _, dst in self.copies}

@@ -10,10 +10,14 @@ Ownership messages (scheduler -> session store):
   batch, so reports can name them.
 - `idle`: the scheduler has nothing running; its own counts by owner kind per pool, to be
   compared with the consumer's.
+
+A `step` (scheduler -> executor, `step_body`) is read by the session store too: it names
+the ledger point it was planned at and whom each of its writes is for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgpack
@@ -123,6 +127,11 @@ class WireRow:
     top_k: int = -1
     seed: int | None = None
     future: bool = False  # tokens[0] is a placeholder for the token the step before sampled
+    # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
+    # the session store checks each write against its own ledger.
+    owner: int = 0  # the request: owns mamba_out and the KV pages of start..end
+    track_owner: int = 0  # the request's track: owns snapshot_slot
+    session_owner: int = 0  # the session whose turn this is: may own op destinations
 
     def body(self) -> dict:
         return {
@@ -140,6 +149,9 @@ class WireRow:
             "k": self.top_k,
             "seed": self.seed,
             "future": self.future,
+            "owner": self.owner,
+            "track": self.track_owner,
+            "session": self.session_owner,
         }
 
     @classmethod
@@ -159,6 +171,9 @@ class WireRow:
             int(b["k"]),
             b["seed"],
             bool(b["future"]),
+            int(b.get("owner", 0)),
+            int(b.get("track", 0)),
+            int(b.get("session", 0)),
         )
 
 
@@ -169,10 +184,21 @@ def step_body(
     rows: list[WireRow],
     clears: list[int],
     copies: list[tuple[int, int]],
+    *,
+    ledger_seq: int | None = None,
+    page_size: int = 0,
+    op_owners: Mapping[int, int] | None = None,
 ) -> dict:
     """`after`: the step this one was planned on top of (its rows read the state that
     step writes and its future tokens are that step's samples); None when it builds on
-    nothing in flight. An executor refuses a step whose `after` it did not just run."""
+    nothing in flight. An executor refuses a step whose `after` it did not just run.
+
+    For the session store's check of what the step writes: `ledger_seq`, the number of
+    ownership events the scheduler's ledger held when the step was planned (every slot
+    the step writes must be its writer's at exactly that point); `page_size`, to turn
+    KV indices into the pages the ledger counts; `op_owners`, the owner id each clear or
+    copy destination is written for (sent as arrays parallel to `clears` and `copies`)."""
+    owners = op_owners or {}
     return {
         "step": step,
         "after": after,
@@ -180,6 +206,10 @@ def step_body(
         "rows": [r.body() for r in rows],
         "clears": pack_ints(clears, "<i4"),
         "copies": pack_ints(copies, "<i4"),
+        "ledger_seq": ledger_seq,
+        "page_size": page_size,
+        "clear_owners": pack_ints([owners.get(s, 0) for s in clears]),
+        "copy_owners": pack_ints([owners.get(d, 0) for _, d in copies]),
     }
 
 

@@ -44,7 +44,10 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
             assert (ROOT / service["build"] / "Dockerfile").exists()
             module = service["command"][-1]
             assert importlib.util.find_spec(module) is not None, module
-            assert service["ports"] == [f"{ports[name]}:{ports[name]}"]
+            if name == "scheduler":  # the API is the only port published on the host
+                assert service["ports"] == [f"{ports[name]}:{ports[name]}"]
+            else:  # the store's operator routes and the metrics: the compose network only
+                assert "ports" not in service and service["expose"] == [str(ports[name])]
             assert service["environment"]["CUSTODY_REDIS_URL"].startswith("redis://redis:")
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -52,6 +55,7 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
                 assert (ROOT / source).exists(), (name, source)
             else:
                 assert source in spec["volumes"], (name, source)
+    assert services["session-store"]["environment"]["CUSTODY_STORE_HOST"] == "0.0.0.0"
     assert "--appendonly" in services["redis"]["command"]
     assert services["executor"]["deploy"]["resources"]["reservations"]["devices"][0][
         "capabilities"

@@ -6,14 +6,22 @@ applied once by its `(epoch, seq)`: a duplicate is acknowledged and dropped, a g
 reported and a snapshot requested. After applying, the ledger's checkpoint and the
 acknowledgements are written in one transaction, so a restart resumes from the
 checkpoint and the still-pending entries, never applying anything twice.
+
+Before applying what it read, it reads the forward stream to its end, so the write
+checker (write_checker.py) has every step it must check within those messages; the
+steps it has read are acknowledged in the same transaction as the checkpoint.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgpack
 import redis
 
-from services.session_store.ledger_replay import IndependentLedger, Violation
+from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLedger, Violation
+from services.session_store.record_check import check_records
+from services.session_store.write_checker import WriteChecker
 from shared import streams
 from shared.wire import EventBatch, WireError, decode, pack_ints, unpack_ints
 
@@ -29,6 +37,7 @@ class OwnershipConsumer:
     ) -> None:
         self.client, self.name, self.stream, self.group = client, name, stream, group
         self.ledger = ledger or IndependentLedger()
+        self.checker = WriteChecker(client, name)
         self.epoch: str | None = None
         self.seq = 0
         self.duplicates = 0
@@ -66,6 +75,8 @@ class OwnershipConsumer:
     def _handle(self, entries: list) -> int:
         if not entries:
             return 0
+        self.checker.read()  # every step planned before these messages' events is there
+        self._steps_due()
         for _, fields in entries:
             if fields:  # an entry trimmed before it was read has no fields; just ack it
                 self._apply(fields.get(b"m", b""))
@@ -82,6 +93,7 @@ class OwnershipConsumer:
         self._writes.clear()
         pipe.hset(streams.CHECKPOINT, mapping=self._checkpoint())
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
+        self.checker.ack(pipe)
         pipe.execute()
         return len(entries)
 
@@ -93,7 +105,8 @@ class OwnershipConsumer:
                 self.ledger.reset(msg)
                 self.epoch, self.seq = epoch, seq
                 self.client.delete(streams.SNAPSHOT_WANTED)
-                return []
+                self.checker.reset(epoch)
+                return self._steps_due()
             if epoch != self.epoch or seq <= self.seq:
                 self.duplicates += epoch == self.epoch
                 return []  # a duplicate, or an old epoch's tail after a snapshot
@@ -101,20 +114,34 @@ class OwnershipConsumer:
                 return self._gap(f"message {seq} after {self.seq} in epoch {epoch}")
             self.seq = seq
             if kind == "events":
-                return self.ledger.apply(EventBatch.from_body(msg))
+                return self._replay(EventBatch.from_body(msg))
             if kind == "idle":
                 return self.ledger.check_idle(msg["counts"], seq)
             if kind == "sessions":
                 self._writes += [r | {"executor": msg["executor"]} for r in msg["records"]]
-                return []
+                return self.ledger.report(check_records(self.ledger, msg["records"]))
             raise WireError(f"unknown message kind {kind!r}")
         except (WireError, KeyError, TypeError) as err:
             self.refused += 1
             return self._gap(f"refused message: {err}")
 
+    def _replay(self, batch: EventBatch) -> list[Violation]:
+        """Apply a batch, checking each queued step when the ledger stands at its point."""
+        led, epoch = self.ledger, self.epoch
+        if batch.first_event != led.next_event:
+            return led.apply(batch)  # a gap of events: reported there, nothing checked
+        found = self._steps_due()
+        stops = self.checker.stops(epoch, batch.first_event, led.next_event + batch.num_events)
+        found += led.apply(batch, stops, lambda seq: self.checker.at(epoch, seq, led))
+        return found + self._steps_due()
+
+    def _steps_due(self) -> list[Violation]:
+        """Check the queued steps planned where the ledger stands now."""
+        return self.ledger.report(self.checker.at(self.epoch, self.ledger.next_event, self.ledger))
+
     def _gap(self, what: str) -> list[Violation]:
         found = Violation("gap", "*", [], what + "; snapshot requested", None)
-        self.ledger.violations.append(found)
+        self.ledger.report([found])
         self.epoch = None  # apply nothing more until a snapshot arrives
         self.client.set(streams.SNAPSHOT_WANTED, 1)
         return [found]
@@ -127,11 +154,13 @@ class OwnershipConsumer:
             "seq": self.seq,
             "next_event": led.next_event,
             "names": led.names,
-            "owners": led.owner_names,
+            "owners": led.owners.names,
             "tables": [pack_ints(t) for t in led.tables],
-            "violations": [v.as_dict() for v in led.violations[-1000:]],
+            "violations": [v.as_dict() for v in led.violations[-KEEP_VIOLATIONS:]],
+            "found": dict(led.found),
             "double_frees": led.double_frees,
             "events_applied": led.events_applied,
+            "steps": self.checker.state(),
         }
         return {"state": msgpack.packb(state, use_bin_type=True)}
 
@@ -144,6 +173,9 @@ class OwnershipConsumer:
         self.epoch, self.seq = state["epoch"], state["seq"]
         led.names, led.next_event = state["names"], state["next_event"]
         led.tables = [unpack_ints(t).tolist() for t in state["tables"]]
-        led.owner_names = {int(k): v for k, v in state["owners"].items()}
+        led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
+        led.found = Counter(state.get("found") or [v.kind for v in led.violations])
         led.double_frees, led.events_applied = state["double_frees"], state["events_applied"]
+        if "steps" in state:
+            self.checker.load(state["steps"])

@@ -4,45 +4,58 @@ the ownership stream, never from the scheduler's memory.
 Every transfer is checked as it is replayed: a slot moved by someone who does not own it
 is a double free or a use after free, reported at once with the slot, both owners and the
 event number. At idle, any slot still held by running work is a leak, and the
-scheduler's counts must equal the ones derived here.
+scheduler's counts must equal the ones derived here. Memory stays bounded: owners are
+forgotten once they hold nothing (owner_book.py), and only the latest violations are
+kept, with a count of every kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from services.scheduler.ownership.owners import KIND_BITS, KIND_MASK, OwnerKind
+from services.session_store.owner_book import OwnerBook
+from shared.owners import KIND_MASK, OwnerKind
 from shared.wire import EventBatch, WireError, unpack_ints
 
 RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.ADMISSION)
+KINDS = (
+    "double_free",
+    "not_owner",
+    "leak",
+    "count_mismatch",
+    "gap",
+    "misrouted_write",  # a step writes a slot its writer does not own (write_checker.py)
+    "record_not_owned",  # a session record names slots the session does not own
+)
+KEEP_VIOLATIONS = 1000
 
 
 @dataclass(frozen=True)
 class Violation:
-    kind: str  # "double_free", "not_owner", "leak", "count_mismatch", "gap"
+    kind: str  # one of KINDS
     pool: str
     slots: list[int]
     detail: str
-    event: int | None  # ledger seq of the offending event, when there is one
+    event: int | None  # ledger seq of the offending event (or of a step's plan)
+    step: int | None = None  # the forward step, for a misrouted write
+    expected: str | None = None  # who should own the slots
+    actual: str | None = None  # who does
 
     def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "pool": self.pool,
-            "slots": self.slots,
-            "detail": self.detail,
-            "event": self.event,
-        }
+        return asdict(self)
 
 
 class IndependentLedger:
     def __init__(self) -> None:
         self.tables: list[list[int]] = []  # per pool id: owner id per slot
         self.names: list[str] = []
-        self.owner_names: dict[int, str] = {}
-        self.violations: list[Violation] = []
+        self.owners = OwnerBook()
+        self.violations: list[Violation] = []  # the latest KEEP_VIOLATIONS
+        self.found: Counter[str] = Counter()  # every violation ever found, by kind
         self.double_frees = 0
         self.events_applied = 0
         self.next_event = 0
@@ -59,21 +72,34 @@ class IndependentLedger:
                 raise WireError(f"snapshot of pool {p['name']}: {len(owners)} owners")
             self.tables.append(owners.tolist())
             self.names.append(p["name"])
-        self.owner_names = {int(k): v for k, v in snapshot.get("owners", {}).items()}
+        self.owners.reset({int(k): v for k, v in snapshot.get("owners", {}).items()}, self.tables)
         self.next_event = snapshot["next_event"]
 
-    def name(self, owner: int) -> str:
-        if owner == 0:
-            return "free"
-        if owner < 0:
-            return "sink"
-        return (
-            self.owner_names.get(owner)
-            or f"{OwnerKind(owner & KIND_MASK).name.lower()}#{owner >> KIND_BITS}"
-        )
+    def owner_at(self, pool: str, slot: int) -> int | None:
+        """The owner of `slot` of `pool`; None for the sink or a slot out of range."""
+        table = self.tables[self.names.index(pool)]
+        return table[slot] if 0 < slot < len(table) else None
 
-    def apply(self, batch: EventBatch) -> list[Violation]:
-        """Replay a batch in order; returns the violations it revealed."""
+    def name(self, owner: int | None) -> str:
+        return "nobody (the sink or out of range)" if owner is None else self.owners.name(owner)
+
+    def report(self, found: list[Violation]) -> list[Violation]:
+        """Record violations: counted by kind, the latest kept for /ledger."""
+        self.found.update(v.kind for v in found)
+        self.violations += found
+        if len(self.violations) > 2 * KEEP_VIOLATIONS:  # amortised trim
+            del self.violations[:-KEEP_VIOLATIONS]
+        return found
+
+    def apply(
+        self,
+        batch: EventBatch,
+        stops: Sequence[int] = (),
+        on_stop: Callable[[int], list[Violation]] | None = None,
+    ) -> list[Violation]:
+        """Replay a batch in order; returns the violations it revealed. `on_stop(seq)`
+        runs at each event number in `stops` (ascending, inside the batch) with the
+        tables exactly as they were before event `seq`."""
         if batch.first_event != self.next_event:
             found = Violation(
                 "gap",
@@ -82,12 +108,13 @@ class IndependentLedger:
                 f"expected event {self.next_event}, got {batch.first_event}",
                 batch.first_event,
             )
-            self.violations.append(found)
             self.next_event = batch.first_event
-            return [found]
-        self.owner_names.update(batch.owners)
+            return self.report([found])
+        self.owners.declare(batch.owners)
         found = []
         tables = self.tables
+        before = []  # each slot's owner before its move: the giver, unless a misfit
+        pending = [seq - batch.first_event for seq in stops]
         for e, p, s, g, r in zip(
             batch.event.tolist(),
             batch.pool.tolist(),
@@ -96,15 +123,20 @@ class IndependentLedger:
             batch.receiver.tolist(),
             strict=True,
         ):
+            while pending and e >= pending[0]:
+                found += on_stop(batch.first_event + pending.pop(0))
             own = tables[p]
             current = own[s]
             if current != g:
                 found.append(self._misfit(batch, e, p, s, g, r, current))
+            before.append(current)
             own[s] = r
+        for rel in pending:
+            found += on_stop(batch.first_event + rel)
+        self.owners.moved(np.asarray(before, dtype=np.int64), batch.receiver, batch.owners)
         self.events_applied += batch.num_events
         self.next_event += batch.num_events
-        self.violations += found
-        return found
+        return self.report(found)
 
     def _misfit(
         self, batch: EventBatch, e: int, p: int, s: int, g: int, r: int, current: int
@@ -166,5 +198,4 @@ class IndependentLedger:
                         None,
                     )
                 )
-        self.violations += found
-        return found
+        return self.report(found)

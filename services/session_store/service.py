@@ -1,5 +1,7 @@
-"""The session store service: replays the ownership stream into the independent ledger
-and serves what it knows over HTTP (`/ledger`, `/health`, `/metrics`)."""
+"""The session store service: replays the ownership stream into the independent ledger,
+checks every forward step's writes against it, and serves what it knows over HTTP
+(`/ledger` and `/sessions/{id}` for operators, `/health`, `/metrics`) on `store_host`,
+loopback unless asked."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from services.session_store.auth import operator_keys
 from services.session_store.consumer import OwnershipConsumer
+from services.session_store.ledger_replay import KINDS
 from shared import streams
 from shared.config import Settings
 
@@ -41,9 +45,16 @@ class StoreService:
         self.applied = Gauge(
             "custody_ledger_events_applied", "ownership events replayed", registry=self.registry
         )
+        self.steps = Gauge(
+            "custody_ledger_steps_checked",
+            "forward steps whose writes were checked against the ledger, or could not be",
+            ["result"],
+            registry=self.registry,
+        )
 
     async def consume_forever(self) -> None:
-        reported = len(self.consumer.ledger.violations)  # those loaded were logged before
+        led = self.consumer.ledger
+        reported = led.found.total()  # those loaded were logged before
         while True:
             try:
                 await asyncio.to_thread(self.consumer.poll, 500)
@@ -51,9 +62,10 @@ class StoreService:
             except redis.ConnectionError as err:
                 log.warning("redis unavailable (%s); retrying", err)
                 await asyncio.sleep(0.5)
-            for v in self.consumer.ledger.violations[reported:]:
+            new = led.found.total() - reported
+            for v in led.violations[-new:] if new else []:
                 log.error("ownership violation %s on %s %s: %s", v.kind, v.pool, v.slots, v.detail)
-            reported = len(self.consumer.ledger.violations)
+            reported += new
 
     def ledger_view(self) -> dict:
         led = self.consumer.ledger
@@ -65,20 +77,29 @@ class StoreService:
             "leaked": led.leaked() if led.ready else {},
             "double_free_total": led.double_frees,
             "violations": [v.as_dict() for v in led.violations[-100:]],
+            "violations_total": dict(led.found),
+            "owners_known": len(led.owners.names),
+            "steps": {
+                "checked": self.consumer.checker.checked,
+                "unchecked": self.consumer.checker.unchecked,
+                "queued": len(self.consumer.checker.queued),
+            },
         }
 
     def metrics(self) -> bytes:
         led = self.consumer.ledger
-        for kind in ("double_free", "not_owner", "leak", "count_mismatch", "gap"):
-            self.violations.labels(kind).set(sum(v.kind == kind for v in led.violations))
+        for kind in KINDS:
+            self.violations.labels(kind).set(led.found[kind])
         for pool in led.names:
             self.leaked.labels(pool).set(len(led.leaked().get(pool, [])))
         self.applied.set(led.events_applied)
+        self.steps.labels("checked").set(self.consumer.checker.checked)
+        self.steps.labels("unchecked").set(self.consumer.checker.unchecked)
         return generate_latest(self.registry)
 
 
-def build_app(store: StoreService) -> web.Application:
-    app = web.Application()
+def build_app(store: StoreService, admin_api_keys: str = "") -> web.Application:
+    app = web.Application(middlewares=[operator_keys(admin_api_keys)])
 
     async def ledger(_: web.Request) -> web.Response:
         return web.json_response(store.ledger_view())
@@ -121,10 +142,10 @@ def build_app(store: StoreService) -> web.Application:
 
 async def serve(settings: Settings) -> None:
     store = StoreService(settings)
-    runner = web.AppRunner(build_app(store))
+    runner = web.AppRunner(build_app(store, settings.admin_api_keys))
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.store_port).start()
-    log.info("session store on http://%s:%d", settings.host, settings.store_port)
+    await web.TCPSite(runner, settings.store_host, settings.store_port).start()
+    log.info("session store on http://%s:%d", settings.store_host, settings.store_port)
     await store.consume_forever()
 
 

@@ -5,13 +5,18 @@ result) that completion must use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.engine.sampling import SamplingParams
 from shared.deferred_ops import DeferredOps
-from shared.wire import WireRow
+from shared.wire import WireRow, step_body
+
+if TYPE_CHECKING:
+    from services.scheduler.allocators.pools import Pools
+    from services.scheduler.engine.misroute import MisrouteWrite
 
 
 @dataclass
@@ -28,6 +33,10 @@ class RowPlan:
     prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
     params: SamplingParams
     future: bool = False  # tokens[0] is the one the step before samples for this request
+    # Ledger owner ids the row writes for, named on the wire for the session store's check.
+    owner: int = 0  # the request: mamba_out and the KV of start..end are its
+    track_owner: int = 0  # snapshot_slot is its track's
+    session_owner: int = 0  # the session whose turn this is (its rollback copy), or 0
     dropped: bool = False  # its request ended or was re-queued while the step was in flight
 
     @property
@@ -65,6 +74,31 @@ class StepPlan:
                 r.params.top_k,
                 r.params.seed,
                 r.future,
+                r.owner,
+                r.track_owner,
+                r.session_owner,
             )
             for r in self.rows
         ]
+
+    def wire_body(
+        self, executor_epoch: str, pools: Pools, misroute: MisrouteWrite | None = None
+    ) -> dict:
+        """The step message's body. Call it right after planning, with no await in
+        between: the ledger's event count is then the point the plan was made at, which
+        the session store checks every write of the step against. `misroute` is the
+        test-only fault hook (misroute.py)."""
+        rows = self.wire_rows()
+        if misroute is not None:
+            misroute.apply(rows)
+        return step_body(
+            self.step_id,
+            self.after,
+            executor_epoch,
+            rows,
+            self.ops.clears,
+            self.ops.copies,
+            ledger_seq=pools.ledger.events.next_seq,
+            page_size=pools.config.page_size,
+            op_owners=self.ops.owners,
+        )

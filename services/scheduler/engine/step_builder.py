@@ -61,6 +61,9 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         prefill=n > 1 or start < len(req.prompt),
         params=req.params,
         future=future,
+        owner=req.slots.owner.id,
+        track_owner=req.slots.track.owner.id,
+        session_owner=req.session.owner.id if req.session is not None else 0,
     )
     req.inflight.append(row)
     return row

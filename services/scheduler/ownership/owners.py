@@ -9,19 +9,29 @@ lost its slots can never pass an ownership check by accident.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
-KIND_BITS = 3
-KIND_MASK = (1 << KIND_BITS) - 1
+from shared.owners import (
+    KIND_BITS,
+    KIND_MASK,
+    SINK_ID,
+    OwnerKind,
+    anonymous,
+    kind_of,
+    label,
+    owner_id,
+)
 
-
-class OwnerKind(IntEnum):
-    FREE = 0
-    REQUEST = 1
-    SESSION = 2
-    CACHE = 3
-    TRACK = 4
-    ADMISSION = 5  # a group reservation held by one admission round
+# re-exported: the encoding lives in shared/ so the session store needs nothing from here
+__all__ = [
+    "FREE",
+    "KIND_BITS",
+    "KIND_MASK",
+    "SINK_ID",
+    "Owner",
+    "OwnerKind",
+    "OwnerRegistry",
+    "kind_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,17 +41,10 @@ class Owner:
     name: str
 
     def __str__(self) -> str:
-        return "free" if self.kind is OwnerKind.FREE else f"{self.kind.name.lower()}:{self.name}"
+        return label(self.kind, self.name)
 
 
 FREE = Owner(0, OwnerKind.FREE, "")
-# Owner id written in slot 0 of every pool: the padding sink belongs to nobody and can
-# never be transferred, so naming it in any transfer fails the ownership check.
-SINK_ID = -1
-
-
-def kind_of(owner_id: int) -> OwnerKind:
-    return OwnerKind(owner_id & KIND_MASK)
 
 
 class OwnerRegistry:
@@ -59,7 +62,7 @@ class OwnerRegistry:
     def new(self, kind: OwnerKind, name: str) -> Owner:
         if kind is OwnerKind.FREE:
             raise ValueError("the free list is a single owner, FREE")
-        owner = Owner((self._next_serial << KIND_BITS) | kind, kind, name)
+        owner = Owner(owner_id(self._next_serial, kind), kind, name)
         self._next_serial += 1
         self._live[owner.id] = owner
         self.declared.append(owner)
@@ -74,12 +77,8 @@ class OwnerRegistry:
     def live(self) -> list[Owner]:
         return list(self._live.values())
 
-    def describe(self, owner_id: int) -> str:
-        if owner_id == 0:
-            return "free"
-        if owner_id == SINK_ID:
-            return "sink"
-        owner = self._live.get(owner_id)
-        if owner is not None:
-            return str(owner)
-        return f"{kind_of(owner_id).name.lower()}#{owner_id >> KIND_BITS}(retired)"
+    def describe(self, owner: int) -> str:
+        live = self._live.get(owner)
+        if live is not None:
+            return str(live)
+        return anonymous(owner) + ("(retired)" if owner > 0 else "")

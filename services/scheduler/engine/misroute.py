@@ -1,0 +1,45 @@
+"""TEST-ONLY fault injection: one misrouted write, to prove the session store's write
+check catches a scheduler bug it could not see in the transfers alone.
+
+With `CUSTODY_FAULT_MISROUTE_WRITE=1` in the scheduler's environment at start, the first
+step published with a row has that row's `mamba_out` replaced, on the wire only, by a
+free Mamba slot: a slot its request does not own. The plan itself is left alone, so the
+scheduler completes the step as usual (only the request's state is wrong). Never set it
+outside tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from services.scheduler.ownership.slot_pool import SlotPool
+from shared.wire import WireRow
+
+log = logging.getLogger("custody.scheduler")
+ENV = "CUSTODY_FAULT_MISROUTE_WRITE"
+
+
+class MisrouteWrite:
+    def __init__(self, mamba: SlotPool, armed: bool) -> None:
+        self.mamba = mamba
+        self.armed = armed
+
+    @classmethod
+    def from_env(cls, mamba: SlotPool, environ: Mapping[str, str] = os.environ) -> MisrouteWrite:
+        armed = environ.get(ENV) == "1"
+        if armed:
+            log.warning("%s=1: the first step will misroute a write (a test-only fault)", ENV)
+        return cls(mamba, armed)
+
+    def apply(self, rows: list[WireRow]) -> None:
+        """Point the first row's state write at a free slot, once."""
+        free = np.flatnonzero(self.mamba.owner_view == 0)
+        if not self.armed or not rows or not len(free):
+            return
+        self.armed = False
+        rows[0].mamba_out = int(free[-1])
+        log.warning("test-only fault: %s writes slot %d it does not own", rows[0].rid, free[-1])

@@ -1,0 +1,255 @@
+"""An independent check of what every forward step writes: one that can catch scheduler
+bugs, not only faults of delivery.
+
+Replaying transfers can only see a slot moved by someone who does not own it; a
+scheduler that plans a write into a slot it never transferred (a stale handle, a slot
+reused too early) moves nothing and so shows nothing there. So the store also reads the
+forward stream (its own consumer group) and checks, for every step, each slot the step
+writes: a row's Mamba output slot (`mamba_out`) and the KV pages of positions
+start..end (its KV indices // page_size, the pages the `kv` pool counts) must be the
+row's request's, its snapshot slot its track's, and each clear or copy destination the
+owner the step names for it, which must be a party of the step (a row's request, track
+or session, the last for a turn's rollback copy).
+
+Each step names `ledger_seq`, the scheduler ledger's event count when it was planned,
+and is checked when the replayed ledger stands at exactly that event: then every owner
+here is the owner the scheduler saw while planning, whatever moved later. Why the store
+always gets there in time: the scheduler puts a step on the forward stream before any
+ownership message holding an event numbered `ledger_seq` or later. The step is encoded
+right after planning with no await between, so those events happen after it is encoded;
+they leave the ledger only at a later drain, and only the scheduler's loop sends, one
+round trip completed before the next begins. The consumer reads its ownership entries
+first and then the forward stream to its end, so every step planned before an event it
+is about to apply is queued by then; a batch is split at each queued step's number, and
+a step whose number the ledger already stands at is checked as soon as it is read. A
+step whose point is behind the ledger (after a snapshot past it) is counted unchecked,
+never guessed at.
+
+It cannot see a write the scheduler does not put in a step (the executor's own faults),
+what a step reads (its read slot, the KV before `start`, copy sources), the content
+written, or a slot that was right at planning but is reused while the step is still in
+flight (the pipelining argument of engine/in_flight.py, not checked here). It trusts the
+owner ids a step names, except that each must be of the right kind and, when its name
+is known, carry the row's request id; so a write into a slot of another party of the
+same step, stated as that party's, passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+
+from services.session_store.ledger_replay import IndependentLedger, Violation
+from shared import streams
+from shared.owners import OwnerKind, kind_of, label
+from shared.wire import WireError, WireRow, decode, unpack_ints
+
+GROUP = "write-checker"
+MAX_QUEUED = 4096  # steps waiting for their ledger point; beyond it the oldest go unchecked
+
+
+@dataclass(frozen=True)
+class Write:
+    pool: str
+    slots: tuple[int, ...]
+    owner: int  # who must own them; 0: any party of the step
+    what: str
+
+
+@dataclass
+class PlannedStep:
+    epoch: str
+    step: int
+    seq: int  # the ledger point it was planned at
+    raw: bytes  # the message, kept for the checkpoint
+    writes: list[Write] = field(default_factory=list)
+    parties: set[int] = field(default_factory=set)  # owners the step's rows name
+    claims: set[tuple[int, OwnerKind, str]] = field(default_factory=set)  # owner, kind, rid
+
+    @classmethod
+    def parse(cls, raw: bytes) -> PlannedStep | None:
+        """The writes of a step message; None for a step naming no ledger point."""
+        msg = decode(raw)
+        if msg.get("ledger_seq") is None:
+            return None
+        planned = cls(msg["epoch"], msg["step"], msg["ledger_seq"], raw)
+        page_size = max(1, int(msg["page_size"]))
+        for body in msg["rows"]:
+            planned._row(WireRow.from_body(body), page_size)
+        clears = unpack_ints(msg["clears"], "<i4").tolist()
+        copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2)[:, 1].tolist()
+        for dsts, owners, what in (
+            (clears, msg["clear_owners"], "a clear"),
+            (copies, msg["copy_owners"], "a copy"),
+        ):
+            for dst, owner in zip(dsts, unpack_ints(owners).tolist(), strict=True):
+                planned.writes.append(Write("mamba", (dst,), owner, what))
+        return planned
+
+    def _row(self, row: WireRow, page_size: int) -> None:
+        for owner, kind in (
+            (row.owner, OwnerKind.REQUEST),
+            (row.track_owner, OwnerKind.TRACK),
+            (row.session_owner, OwnerKind.SESSION),
+        ):
+            if owner or kind is not OwnerKind.SESSION:  # a row of no session names none
+                self.claims.add((owner, kind, row.rid))
+            if owner:
+                self.parties.add(owner)
+        end = row.start + len(row.tokens)
+        pages = np.unique(row.kv_indices[row.start : end] // page_size).tolist()
+        self.writes.append(Write("mamba", (row.mamba_out,), row.owner, f"mamba_out of {row.rid}"))
+        self.writes.append(Write("kv", tuple(pages), row.owner, f"KV of {row.rid}"))
+        if row.snapshot_slot:
+            what = f"snapshot of {row.rid}"
+            self.writes.append(Write("mamba", (row.snapshot_slot,), row.track_owner, what))
+
+    def check(self, ledger: IndependentLedger) -> list[Violation]:
+        """Every write against the ledger, which must stand at this step's point."""
+        found = [self._misnamed(*claim, ledger) for claim in sorted(self.claims)]
+        found = [v for v in found if v is not None]
+        for w in self.writes:
+            outsider = bool(w.owner) and w.owner not in self.parties
+            wrong: dict[int | None, list[int]] = {}
+            for slot in w.slots:
+                actual = ledger.owner_at(w.pool, slot)
+                if outsider or (actual != w.owner if w.owner else actual not in self.parties):
+                    wrong.setdefault(actual, []).append(slot)
+            for actual, slots in wrong.items():
+                found.append(self._violation(w, slots, actual, ledger, outsider))
+        return found
+
+    def _misnamed(
+        self, owner: int, kind: OwnerKind, rid: str, ledger: IndependentLedger
+    ) -> Violation | None:
+        """An owner of the wrong kind, or one declared for another request (a session's
+        name is not checked: the row does not carry its id)."""
+        want = label(kind, rid) if kind is not OwnerKind.SESSION else "a session"
+        name = ledger.owners.names.get(owner)
+        right_name = name is None or kind is OwnerKind.SESSION or name == want
+        if owner and kind_of(owner) is kind and right_name:
+            return None
+        return Violation(
+            "misrouted_write",
+            "*",
+            [],
+            f"step {self.step} (planned at event #{self.seq}) names owner "
+            f"{ledger.name(owner)} as {want}",
+            self.seq,
+            self.step,
+            want,
+            ledger.name(owner),
+        )
+
+    def _violation(
+        self,
+        w: Write,
+        slots: list[int],
+        actual: int | None,
+        ledger: IndependentLedger,
+        outsider: bool,
+    ) -> Violation:
+        """`outsider`: the write names an owner that is no party of the step."""
+        expected = ledger.name(w.owner) if w.owner and not outsider else "a party of the step"
+        named = f" for {ledger.name(w.owner)}, no party of the step," if outsider else ""
+        return Violation(
+            "misrouted_write",
+            w.pool,
+            slots,
+            f"step {self.step} (planned at event #{self.seq}) writes {w.what}{named} into "
+            f"{w.pool} {slots}, owned by {ledger.name(actual)}, not {expected}",
+            self.seq,
+            self.step,
+            expected,
+            ledger.name(actual),
+        )
+
+
+class WriteChecker:
+    """Steps read from the forward stream, queued until the ledger reaches their point."""
+
+    def __init__(self, client: redis.Redis, name: str) -> None:
+        self.client, self.name = client, name
+        self.queued: list[PlannedStep] = []  # by ledger point
+        self.checked = self.unchecked = 0
+        self._read: list[bytes] = []  # entry ids to acknowledge with the next checkpoint
+        self._from = "0"  # this consumer's pending entries first, once
+        streams.ensure_group(client, streams.FORWARD, GROUP)
+
+    # ---- reading ----
+    def read(self, count: int = 512) -> None:
+        """Queue every step on the forward stream now (not blocking)."""
+        while True:
+            reply = self.client.xreadgroup(
+                GROUP, self.name, {streams.FORWARD: self._from}, count=count
+            )
+            entries = reply[0][1] if reply else []
+            for entry_id, fields in entries:
+                self._read.append(entry_id)
+                if fields:
+                    self._queue(fields.get(b"m", b""))
+            if not entries:
+                if self._from == ">":
+                    return
+                self._from = ">"
+
+    def _queue(self, raw: bytes) -> None:
+        try:
+            planned = PlannedStep.parse(raw)
+        except (WireError, KeyError, TypeError, ValueError, IndexError):
+            planned = None
+        if planned is None:
+            self.unchecked += 1
+            return
+        bisect.insort(self.queued, planned, key=lambda p: p.seq)
+        if len(self.queued) > MAX_QUEUED:
+            del self.queued[0]
+            self.unchecked += 1
+
+    # ---- checking ----
+    def stops(self, epoch: str, first: int, end: int) -> list[int]:
+        """Ledger points of queued steps strictly inside the events [first, end)."""
+        return sorted({p.seq for p in self.queued if p.epoch == epoch and first < p.seq < end})
+
+    def at(self, epoch: str, seq: int, ledger: IndependentLedger) -> list[Violation]:
+        """The ledger stands at event `seq`: check the steps planned there, and count
+        those planned before it as unchecked (their point has passed). Returns the
+        violations, for the caller to report."""
+        found, keep = [], []
+        for planned in self.queued:
+            if planned.epoch != epoch or planned.seq > seq:
+                keep.append(planned)
+            elif planned.seq < seq:
+                self.unchecked += 1
+            else:
+                found += planned.check(ledger)
+                self.checked += 1
+        self.queued = keep
+        return found
+
+    def reset(self, epoch: str) -> None:
+        """A snapshot of `epoch`: steps of any other epoch will never be checked."""
+        stale = [p for p in self.queued if p.epoch != epoch]
+        self.unchecked += len(stale)
+        self.queued = [p for p in self.queued if p.epoch == epoch]
+
+    # ---- checkpoint ----
+    def ack(self, pipe: redis.client.Pipeline) -> None:
+        """Acknowledge the steps read since the last checkpoint, in its transaction."""
+        if self._read:
+            pipe.xack(streams.FORWARD, GROUP, *self._read)
+            self._read = []
+
+    def state(self) -> dict:
+        return {
+            "queued": [p.raw for p in self.queued],
+            "checked": self.checked,
+            "unchecked": self.unchecked,
+        }
+
+    def load(self, state: dict) -> None:
+        self.queued = [p for p in map(PlannedStep.parse, state["queued"]) if p is not None]
+        self.checked, self.unchecked = state["checked"], state["unchecked"]
