@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.scheduler.api import build_app
+from services.scheduler.engine.misroute import MisrouteWrite
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.engine.step import StepPlan
@@ -34,7 +35,7 @@ from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
 from shared.tokenizer import load_tokenizer
-from shared.wire import WireError, decode, encode, step_body, unpack_ints
+from shared.wire import WireError, decode, encode, unpack_ints
 
 log = logging.getLogger("custody.scheduler")
 
@@ -48,6 +49,7 @@ class SchedulerService:
         self.tokenizer = load_tokenizer(settings.model, self.model.eos_token_id)
         self.engine = build_engine(settings, self.model, self.tokenizer, strict=False)
         self.pools = self.engine.pools
+        self.misroute = MisrouteWrite.from_env(self.pools.mamba)  # a test-only fault hook
         self.shipper = EventShipper(self.pools.ledger)
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
@@ -252,14 +254,8 @@ class SchedulerService:
             await self._ship_events()
 
     def _wire(self, plan: StepPlan) -> dict:
-        return step_body(
-            plan.step_id,
-            plan.after,
-            self.executor_epoch,
-            plan.wire_rows(),
-            plan.ops.clears,
-            plan.ops.copies,
-        )
+        # called right after plan_step, before any await: see StepPlan.wire_body
+        return plan.wire_body(self.executor_epoch, self.pools, self.misroute)
 
     async def _await_result(self, plan: StepPlan) -> dict | None:
         """The step's result, or None once the executor that was to run it is gone."""

@@ -254,10 +254,10 @@ class EngineCore:
         if node is not None:
             self.pools.kv.borrow(req.slots.row.slot, match.pages)
             req.slots.borrowed = match.length
-            plan.ops.copy(node.mamba, working)
+            plan.ops.copy(node.mamba, working, req.slots.owner.id)
             plan.copy_sources.append(node)
         else:
-            plan.ops.clear(working)
+            plan.ops.clear(working, req.slots.owner.id)
         req.cache_node = node
         req.computed = req.cached_tokens = match.length
         if session is not None:
