@@ -17,84 +17,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.scheduler.api_openai import add_openai_routes
 from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
 from services.scheduler.http_common import (
-    body_of,
-    check_number,
-    error,
-    open_sse,
+    EventStream,
     output_text,
     own_session,
-    send_sse,
-    stop_strings,
+    read_body,
     submitter,
+    token_limit,
 )
+from services.scheduler.http_errors import errors
 from services.scheduler.limits import open_session as open_session_within_limits
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.openapi import add_openapi_route
+from services.scheduler.schemas import request_schemas
 from services.scheduler.tenancy import middleware as tenancy_middleware
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
 
 MAX_BODY = 8 * 1024 * 1024
-SAMPLING_KEYS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "no_stop_trim",
-}
-STATUS = {"not_found": 404, "closed": 404, "busy": 409, "invalid": 400}
-
-
-def sampling_from(raw: object) -> SamplingParams:
-    if raw is None:
-        return SamplingParams()
-    if not isinstance(raw, dict):
-        raise InvalidRequest("sampling_params must be an object")
-    unknown = set(raw) - SAMPLING_KEYS
-    if unknown:
-        raise InvalidRequest(f"unknown sampling_params: {sorted(unknown)}")
-    stop = raw.get("stop_token_ids", ())
-    if not isinstance(stop, list | tuple) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop
-    ):
-        raise InvalidRequest("sampling_params.stop_token_ids must be a list of integers")
-    for key in ("ignore_eos", "no_stop_trim"):
-        if not isinstance(raw.get(key, False), bool):
-            raise InvalidRequest(f"sampling_params.{key} must be true or false")
-    seed = raw.get("seed")
-    if seed is not None:
-        check_number("sampling_params.seed", seed, int)
-    values = dict(raw)
-    values["stop"] = stop_strings(raw.get("stop"))
-    values["stop_token_ids"] = tuple(stop)
-    params = SamplingParams(**values)
-    for name, kind in (
-        ("max_new_tokens", int),
-        ("top_k", int),
-        ("temperature", (int, float)),
-        ("top_p", (int, float)),
-    ):
-        check_number(f"sampling_params.{name}", getattr(params, name), kind)
-    return params
-
-
-def token_input(service: SchedulerService, body: dict) -> list[int]:
-    if "input_ids" in body:
-        tokens = body["input_ids"]
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
-            raise InvalidRequest("input_ids must be a list of integers")
-        return tokens
-    if isinstance(body.get("text"), str):
-        return service.tokenizer.encode(body["text"])
-    raise InvalidRequest("give text (a string) or input_ids (a list of integers)")
+DEFAULT_MAX_NEW_TOKENS = 16
 
 
 def response_of(service: SchedulerService, req: Request, rid: str, logprobs: bool = False) -> dict:
@@ -119,6 +60,7 @@ def build_app(service: SchedulerService) -> web.Application:
         client_max_size=MAX_BODY, middlewares=[errors, tenancy_middleware(service.tenancy)]
     )
     engine = service.engine
+    schemas = request_schemas(engine.config.vocab_size, engine.config.context_len)
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "executor": service.executor_epoch})
@@ -143,25 +85,20 @@ def build_app(service: SchedulerService) -> web.Application:
         )
 
     async def open_session(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        timeout = body.get("timeout")
-        if timeout is not None:
-            check_number("timeout", timeout, (int, float))
-        session = open_session_within_limits(service, request, body.get("session_id"), timeout)
+        body = await read_body(request, schemas.open_session)
+        session = open_session_within_limits(service, request, body.session_id, body.timeout)
         return web.json_response(session.sid)
 
     async def close_session(request: web.Request) -> web.Response:
-        sid = (await body_of(request)).get("session_id")
+        sid = (await read_body(request, schemas.close_session)).session_id
         own_session(service, request, sid)
         engine.sessions.close(sid)
         service.wake.set()
         return web.json_response(True)
 
     async def abort_request(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        targets = service.tenancy.abort_targets(
-            request, body.get("rid"), body.get("abort_all") is True, engine.requests
-        )
+        body = await read_body(request, schemas.abort_request)
+        targets = service.tenancy.abort_targets(request, body.rid, body.abort_all, engine.requests)
         for rid in targets:
             service.finish(engine.abort(rid, "aborted by request"))
         service.wake.set()
@@ -173,27 +110,33 @@ def build_app(service: SchedulerService) -> web.Application:
         return web.json_response(True)
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        body = await body_of(request)
-        params = sampling_from(body.get("sampling_params"))
-        tokens = token_input(service, body)
-        session = body.get("session_params") or {}
-        if not isinstance(session, dict):
-            raise InvalidRequest("session_params must be an object")
-        rid = service.tenancy.claim(request, body.get("rid"))
-        req = Request(rid.server, np.asarray(tokens, dtype=np.int64), params)
-        submit = submitter(service, request, tokens, session.get("id"), session)
-        logprobs = body.get("return_logprob") is True
-        if not body.get("stream"):
+        body = await read_body(request, schemas.generate)
+        tokens = body.input_ids or service.tokenizer.encode(body.text)
+        sampling, sid = body.sampling(), body.session_id()
+        rid = service.tenancy.claim(request, body.rid)
+        submit = submitter(service, request, tokens, sid, body.session_options())
+        limit = token_limit(
+            service,
+            request,
+            sid,
+            len(tokens),
+            "sampling_params.max_new_tokens",
+            sampling.max_new_tokens,
+            DEFAULT_MAX_NEW_TOKENS,
+        )
+        req = Request(rid.server, np.asarray(tokens, dtype=np.int64), sampling.engine_params(limit))
+        logprobs = body.return_logprob
+        if not body.stream:
             done = await service.run_request(req, submit)
             return web.json_response(response_of(service, done, rid.shown, logprobs))
-        sse = await open_sse(request)
+        sse = EventStream(request)
 
         async def progress(r: Request) -> None:
-            await send_sse(sse, response_of(service, r, rid.shown, logprobs))
+            await sse.send(response_of(service, r, rid.shown, logprobs))
 
         await service.run_request(req, submit, progress)
-        await send_sse(sse, "[DONE]")
-        return sse
+        await sse.send("[DONE]")
+        return sse.response
 
     for method, path, handler in (
         ("GET", "/health", health),
@@ -206,19 +149,6 @@ def build_app(service: SchedulerService) -> web.Application:
         ("POST", "/generate", generate),
     ):
         app.router.add_route(method, path, handler)
-    add_openai_routes(app, service)
+    add_openai_routes(app, service, schemas)
+    add_openapi_route(app, schemas)
     return app
-
-
-@web.middleware
-async def errors(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except SessionError as err:
-        return error(STATUS.get(err.kind, 400), str(err), f"session_{err.kind}")
-    except InvalidRequest as err:
-        return error(400, str(err))
-    except web.HTTPRequestEntityTooLarge as err:
-        return error(413, err.text or "request body too large", "request_too_large")
-    except web.HTTPException as err:
-        return error(err.status, err.reason or "error", "http_error")

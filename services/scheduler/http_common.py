@@ -1,19 +1,21 @@
-"""What both HTTP route modules use: JSON errors, body parsing, server-sent events, and
-resolving the session a request names (with API keys on, only the key that opened a
-session may use it)."""
+"""What both HTTP route modules use: JSON errors, typed bodies, the output budget,
+server-sent events, and resolving the session a request names (with API keys on, only the
+key that opened a session may use it)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from aiohttp import web
 
 from services.scheduler.engine.request import Request
 from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.engine.validation import output_budget
 from services.scheduler.limits import check_queue
+from services.scheduler.schemas import decode_body
 from services.scheduler.sessions.session import Session
 from services.scheduler.tenancy import check_owner
 
@@ -21,23 +23,35 @@ if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+T = TypeVar("T")
 
 
-async def body_of(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InvalidRequest(f"the body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
+def error_body(message: str, kind: str, request_id: str | None = None) -> dict:
+    detail = {"message": message, "type": kind}
+    if request_id is not None:
+        detail["request_id"] = request_id
+    return {"error": detail}
 
 
-def check_number(name: str, value: object, kind: type | tuple) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+async def read_body(request: web.Request, schema: type[T]) -> T:
+    """The body as its typed, range-checked struct (`schemas.py`), or a 400."""
+    return decode_body(await request.read(), schema)
+
+
+def token_limit(
+    service: SchedulerService,
+    request: web.Request,
+    sid: str | None,
+    new_tokens: int,
+    field: str,
+    requested: int | None,
+    default: int,
+) -> int:
+    """A request's max_new_tokens (see `output_budget`); a session turn's prompt is the
+    session's history plus its new input."""
+    history = 0 if sid is None else own_session(service, request, sid).history.size
+    context_len = service.engine.config.context_len
+    return output_budget(history, new_tokens, requested, default, context_len, field)
 
 
 def submitter(
@@ -64,27 +78,27 @@ def own_session(service: SchedulerService, request: web.Request, sid: object) ->
     return check_owner(service.engine.sessions.get(sid), request)
 
 
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    sse = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await sse.prepare(request)
-    return sse
+class EventStream:
+    """A reply as server-sent events whose 200 headers go out with the first event: the
+    request is submitted (and so checked completely) before that, so every refusal is
+    still a plain 4xx. Registered on the request, so a fault after the headers can end
+    the stream with an error event (`http_errors.py`)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        request[EVENT_STREAM] = self
+
+    async def send(self, payload: dict | str) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        await self.response.write(f"data: {data}\n\n".encode())
 
 
-async def send_sse(sse: web.StreamResponse, payload: dict | str) -> None:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    await sse.write(f"data: {data}\n\n".encode())
-
-
-def stop_strings(raw: object) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    if isinstance(raw, str):
-        return (raw,)
-    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
-        return tuple(raw)
-    raise InvalidRequest("stop must be a string or a list of strings")
+EVENT_STREAM = web.RequestKey("event_stream", EventStream)
 
 
 def output_text(service: SchedulerService, req: Request) -> str:

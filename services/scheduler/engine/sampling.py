@@ -37,7 +37,7 @@ class SamplingParams:
             raise InvalidRequest(
                 f"top_k must be -1 or lie in [1, {vocab_size}], got {self.top_k!r}"
             )
-        if self.seed is not None and not 0 <= self.seed < 2**64:
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
             raise InvalidRequest(f"seed must lie in [0, 2**64), got {self.seed!r}")
         if len(self.stop_token_ids) > 256:
             raise InvalidRequest("stop_token_ids may hold at most 256 ids")
@@ -45,8 +45,6 @@ class SamplingParams:
             not isinstance(x, str) or not 0 < len(x) <= 256 for x in self.stop
         ):
             raise InvalidRequest("stop must be at most 16 non-empty strings of <= 256 characters")
-        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
-            raise InvalidRequest(f"seed must lie in [0, 2**64 - 1], got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,61 @@
+"""The one place a handler's failure becomes an HTTP answer. A refusal is a 4xx with
+`{"error": {"message", "type"}}`; anything unexpected is a JSON 500 whose `request_id` the
+log names too, never aiohttp's text/plain page; and a streamed reply whose 200 headers
+already went out ends with an error event, never with a second response written into its
+chunked body."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+
+from aiohttp import web
+
+from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.http_common import EVENT_STREAM, error_body
+from services.scheduler.sessions.manager import SessionError
+
+log = logging.getLogger("custody.scheduler.http")
+
+SESSION_STATUS = {"not_found": 404, "closed": 404, "busy": 409, "invalid": 400, "limit": 429}
+
+
+def classify(err: Exception) -> tuple[int, str, str]:
+    """Status, message and type of the answer to `err`."""
+    if isinstance(err, SessionError):
+        return SESSION_STATUS.get(err.kind, 400), str(err), f"session_{err.kind}"
+    if isinstance(err, InvalidRequest):
+        return 400, str(err), "invalid_request_error"
+    if isinstance(err, web.HTTPRequestEntityTooLarge):
+        return 413, err.text or "request body too large", "request_too_large"
+    if isinstance(err, web.HTTPException):
+        return err.status, err.reason or "error", "http_error"
+    return 500, "internal error; the scheduler's log has it under request_id", "internal_error"
+
+
+@web.middleware
+async def errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except Exception as err:
+        stream = request.get(EVENT_STREAM)
+        streaming = stream is not None and stream.response.prepared
+        if streaming and isinstance(err, ConnectionError):
+            log.info("%s %s: the client went away mid-stream", request.method, request.path)
+            return stream.response  # its request was aborted; there is no one to answer
+        status, message, kind = classify(err)
+        request_id = None
+        if status >= 500:
+            request_id = secrets.token_hex(8)
+            log.exception("%s %s failed (request_id %s)", request.method, request.path, request_id)
+        body = error_body(message, kind, request_id)
+        if streaming:
+            with contextlib.suppress(ConnectionError):
+                await stream.send(body)
+                await stream.send("[DONE]")
+            return stream.response
+        headers = {}
+        if isinstance(err, web.HTTPMethodNotAllowed):
+            headers["Allow"] = ",".join(sorted(err.allowed_methods))
+        return web.json_response(body, status=status, headers=headers)

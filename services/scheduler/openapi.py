@@ -1,0 +1,139 @@
+"""GET /openapi.json: an OpenAPI 3.1 document of every route, built from the router and
+from the msgspec structs that validate the request bodies (`schemas.py`) and describe the
+replies (`replies.py`), so what it states is what is enforced."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import version
+
+import msgspec
+from aiohttp import web
+
+from services.scheduler import replies
+from services.scheduler.schemas import RequestSchemas
+
+REF = "#/components/schemas/{name}"
+SESSION_ROUTES = {"/generate", "/close_session", "/v1/completions", "/v1/chat/completions"}
+
+
+@dataclass(frozen=True)
+class Doc:
+    """What one route takes and answers. `body` names a field of RequestSchemas; a
+    reply is a struct, or a JSON Schema for a bare value; `events` is the struct of each
+    server-sent event of a streamed reply."""
+
+    summary: str
+    body: str | None = None
+    reply: type | dict | None = None
+    events: type | None = None
+    media: str = "application/json"
+
+
+BOOLEAN = {"type": "boolean"}
+ROUTES = {
+    ("GET", "/health"): Doc("Liveness, and the epoch of the executor in use", reply=replies.Health),
+    ("GET", "/metrics"): Doc("Prometheus metrics", reply={"type": "string"}, media="text/plain"),
+    ("GET", "/get_model_info"): Doc("The model and the pools", reply=replies.ModelInfo),
+    ("GET", "/openapi.json"): Doc("This document", reply={"type": "object"}),
+    ("POST", "/open_session"): Doc(
+        "Open a streaming session; answers its id", "open_session", {"type": "string"}
+    ),
+    ("POST", "/close_session"): Doc("Close a session", "close_session", BOOLEAN),
+    ("POST", "/abort_request"): Doc("Abort a request, or all", "abort_request", BOOLEAN),
+    ("POST", "/flush_cache"): Doc("Empty the prefix cache", reply=BOOLEAN),
+    ("POST", "/generate"): Doc(
+        "Generate (SGLang)", "generate", replies.GenerateReply, replies.GenerateReply
+    ),
+    ("GET", "/v1/models"): Doc("The served model (OpenAI)", reply=replies.ModelList),
+    ("POST", "/v1/completions"): Doc(
+        "Complete a prompt (OpenAI)", "completions", replies.Completion, replies.Completion
+    ),
+    ("POST", "/v1/chat/completions"): Doc(
+        "Continue a conversation (OpenAI)",
+        "chat_completions",
+        replies.ChatCompletion,
+        replies.ChatCompletionChunk,
+    ),
+}
+
+
+def openapi_document(router: web.UrlDispatcher, schemas: RequestSchemas) -> dict:
+    """The document of every route of `router` (each must have an entry in ROUTES)."""
+    types = [*schemas.all(), replies.ErrorReply]
+    types += [d.reply for d in ROUTES.values() if isinstance(d.reply, type)]
+    types += [d.events for d in ROUTES.values() if d.events is not None]
+    refs, components = msgspec.json.schema_components(dict.fromkeys(types), ref_template=REF)
+    ref = dict(zip(dict.fromkeys(types), refs, strict=True))
+    for component in components.values():
+        if "description" in component:
+            component["description"] = inspect.cleandoc(component["description"])
+    paths: dict[str, dict] = {}
+    for route in router.routes():
+        if route.method == "HEAD":
+            continue
+        path = route.resource.canonical
+        doc = ROUTES[(route.method, path)]
+        paths.setdefault(path, {})[route.method.lower()] = operation(path, doc, ref, schemas)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "custody scheduler",
+            "version": version("custody"),
+            "description": "SGLang- and OpenAI-compatible API of stateful streaming sessions.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def operation(path: str, doc: Doc, ref: dict, schemas: RequestSchemas) -> dict:
+    reply = ref[doc.reply] if isinstance(doc.reply, type) else doc.reply
+    content = {doc.media: {"schema": reply}}
+    described = "OK"
+    if doc.events is not None:
+        content["text/event-stream"] = {"schema": event_schema(ref[doc.events], ref)}
+        described = (
+            "with stream: true, server-sent events `data: <event>`, then `data: [DONE]`; "
+            "a fault after the first event ends the stream with `data: <ErrorReply>`"
+        )
+    responses = {"200": {"description": described, "content": content}}
+    refusals = {}
+    if doc.body is not None:
+        refusals["400"] = "bad input: malformed JSON, a wrong type, a value out of range"
+        refusals["413"] = "the body is over the size limit"
+    if path in SESSION_ROUTES:
+        refusals |= {"404": "unknown or closed session", "409": "the session has a turn running"}
+    refusals["500"] = "an internal fault, logged under error.request_id"
+    refusals["default"] = "any other refusal (401 without a valid key, 405, 429...)"
+    failure = {"application/json": {"schema": ref[replies.ErrorReply]}}
+    responses |= {code: {"description": why, "content": failure} for code, why in refusals.items()}
+    op = {"summary": doc.summary, "responses": responses}
+    if doc.body is not None:
+        body = ref[getattr(schemas, doc.body)]
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return op
+
+
+def event_schema(data: dict, ref: dict) -> dict:
+    """One server-sent event (before OpenAPI 3.2's itemSchema, a stream's `schema`
+    describes each event): its data is `[DONE]`, or JSON holding `data` or an error."""
+    payload = {"anyOf": [data, ref[replies.ErrorReply]]}
+    json_data = {"contentMediaType": "application/json", "contentSchema": payload}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+    }
+
+
+def add_openapi_route(app: web.Application, schemas: RequestSchemas) -> None:
+    """Serve the document of every route added so far (add this one last)."""
+    document: dict = {}
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
+    document.update(openapi_document(app.router, schemas))

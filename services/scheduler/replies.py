@@ -1,0 +1,138 @@
+"""The shapes of the HTTP replies as msgspec structs: /openapi.json documents them, and the
+schemathesis test holds every live reply to them, so the document cannot drift from what
+the handlers send."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    request_id: str | None = None  # on a 500: the id the scheduler's log names it by
+
+
+class ErrorReply(Struct):
+    """Every refusal and failure: 4xx for bad input, JSON 500 for a fault."""
+
+    error: ErrorDetail
+
+
+class FinishReason(Struct):
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None  # stop: the token id or the stop string
+    length: int | None = None  # length: the limit reached
+    message: str | None = None  # abort: why
+
+
+class MetaInfo(Struct):
+    id: str
+    finish_reason: FinishReason | None  # null while a streamed request runs
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[tuple[float, int, str]] | None = None
+
+
+class GenerateReply(Struct):
+    """One /generate reply, or one event of a streamed one (the output so far)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class Health(Struct):
+    status: str
+    executor: str | None  # the executor's epoch; null until one is up
+
+
+class ModelInfo(Struct):
+    model_path: str
+    context_length: int
+    page_size: int
+    kv_pages: int
+    mamba_slots: int
+    max_running_requests: int
+
+
+class Model(Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(Struct):
+    object: str
+    data: list[Model]
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None
+
+
+class Completion(Struct):
+    """A /v1/completions reply, or one event of a streamed one (`text_completion.chunk`,
+    the last carrying `usage` when stream_options.include_usage)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    finish_reason: Literal["stop", "length"] | None
+    message: AssistantMessage
+
+
+class ChatCompletion(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDeltaChoice(Struct):
+    index: int
+    finish_reason: Literal["stop", "length"] | None
+    delta: AssistantMessage
+
+
+class ChatCompletionChunk(Struct):
+    """One event of a streamed /v1/chat/completions reply."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatDeltaChoice]
+    usage: Usage | None = None

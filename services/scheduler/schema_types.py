@@ -1,0 +1,68 @@
+"""The building blocks of the request schemas (`schemas.py`, `schemas_openai.py`): the
+ranges every body shares, and the two a deployment sets (vocabulary, context length)."""
+
+# No `from __future__ import annotations`: msgspec must see these annotations as objects.
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from services.scheduler.engine.sampling import SEED_MAX
+
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+
+Text = Annotated[str, Meta(min_length=1)]  # an empty text has no token to start from
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)]
+Temperature = Annotated[
+    float, Meta(ge=0, le=100, description="below 1e-5 the executor samples greedily")
+]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+# msgspec cannot bound an int past int64: the upper bound is documented here and checked
+# by `check_seed`.
+Seed = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": SEED_MAX})]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a body's ranges depend on: the model's vocabulary and the context length."""
+
+    vocab_size: int
+    context_len: int
+
+    @property
+    def token(self) -> Any:
+        return Annotated[int, Meta(ge=0, lt=self.vocab_size)]
+
+    @property
+    def input_ids(self) -> Any:
+        """A non-empty list of token ids that leaves room for one output token (the
+        bound is documented; `check_input` refuses with a message naming the context)."""
+        return Annotated[
+            list[self.token],
+            Meta(min_length=1, extra_json_schema={"maxItems": self.context_len - 1}),
+        ]
+
+    @property
+    def max_tokens(self) -> Any:
+        return Annotated[int, Meta(ge=1, lt=self.context_len)]
+
+    def check_input(self, field: str, ids: object) -> None:
+        if isinstance(ids, list) and len(ids) >= self.context_len:
+            raise ValueError(
+                f"{field} has {len(ids)} tokens: they reach the context length "
+                f"{self.context_len}, which must leave room for one output token"
+            )
+
+
+def check_seed(field: str, seed: int | None) -> None:
+    if seed is not None and seed > SEED_MAX:
+        raise ValueError(f"{field} must lie in [0, 2**64 - 1], got {seed}")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

@@ -1,0 +1,180 @@
+"""Every HTTP request body as a typed, range-checked msgspec struct, built for one
+deployment's vocabulary and context length.
+
+A body is decoded into its struct before anything else runs, so a value that the engine,
+the wire (msgpack) or the executor cannot hold (a seed past 64 bits, a token id outside
+the vocabulary, NaN, a lone surrogate) is a 400 naming its field, never a crash in the
+scheduler's loop. Fields of the SGLang and OpenAI APIs that custody does not implement, and
+unknown fields, are ignored (msgspec's default for structs); a known field of the wrong
+type or range is refused. The same structs give /openapi.json its schemas, so the document
+states exactly what is enforced. The OpenAI bodies are in `schemas_openai.py`.
+"""
+
+# No `from __future__ import annotations`: the structs are defined inside
+# `request_schemas`, closed over its limits, and msgspec must see their annotations as
+# objects, not as strings naming locals it cannot resolve.
+
+import re
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
+from services.scheduler.schema_types import (
+    MAX_STOP_TOKEN_IDS,
+    Limits,
+    Seed,
+    Stop,
+    Temperature,
+    Text,
+    TopP,
+    check_seed,
+    stop_strings,
+)
+from services.scheduler.schemas_openai import openai_schemas
+from services.scheduler.sessions.manager import SESSION_ID
+
+MAX_SESSION_TIMEOUT = 7 * 24 * 3600
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# What GenerateRequest.__post_init__ enforces, stated in its schema: one input, not both.
+ONE_INPUT = {
+    "oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+    ]
+}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestSchemas:
+    """The body struct of every route that takes one (a struct type, or one annotated with
+    a rule its schema states beside the struct's own)."""
+
+    generate: Any
+    open_session: type
+    close_session: type
+    abort_request: type
+    completions: type
+    chat_completions: type
+
+    def all(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
+    """The structs of the SGLang and OpenAI bodies, bounded for this deployment."""
+    limits = Limits(vocab_size, context_len)
+    TopK = Annotated[int, Meta(ge=-1, le=vocab_size, extra_json_schema={"not": {"const": 0}})]
+    StopTokenIds = Annotated[list[limits.token], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+
+    class GenerateSamplingParams(Struct):
+        """SGLang's sampling parameters. An absent or null max_new_tokens is the route's
+        default, cut to the room the context leaves; an explicit one that does not fit
+        beside the prompt is refused."""
+
+        max_new_tokens: limits.max_tokens | None = None
+        temperature: Temperature = 0.0
+        top_p: TopP = 1.0
+        top_k: TopK = -1
+        seed: Seed | None = None
+        stop: Stop | None = None
+        stop_token_ids: StopTokenIds | None = None
+        ignore_eos: bool = False
+        no_stop_trim: bool = False
+
+        def __post_init__(self) -> None:
+            if self.top_k == 0:
+                raise ValueError("sampling_params.top_k must be -1 (off) or at least 1, got 0")
+            check_seed("sampling_params.seed", self.seed)
+
+        def engine_params(self, max_new_tokens: int) -> SamplingParams:
+            return SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                stop=stop_strings(self.stop),
+                ignore_eos=self.ignore_eos,
+                no_stop_trim=self.no_stop_trim,
+            )
+
+    class SessionParams(Struct):
+        """The session a turn continues. Its history is append-only: offset, replace and
+        drop_previous_output are refused with a 400 that says so."""
+
+        id: str | None = None
+        offset: int | None = None
+        replace: bool | None = None
+        drop_previous_output: bool | None = None
+
+    class GenerateRequest(Struct):
+        """SGLang's /generate: text or input_ids, not both."""
+
+        text: Text | None = None
+        input_ids: limits.input_ids | None = None
+        sampling_params: GenerateSamplingParams | None = None
+        session_params: SessionParams | None = None
+        rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+        stream: bool = False
+        return_logprob: bool = False
+
+        def __post_init__(self) -> None:
+            if (self.text is None) == (self.input_ids is None):
+                raise ValueError("give exactly one of text (a string) and input_ids (token ids)")
+            limits.check_input("input_ids", self.input_ids)
+
+        def sampling(self) -> GenerateSamplingParams:
+            return self.sampling_params or GenerateSamplingParams()
+
+        def session_id(self) -> str | None:
+            return None if self.session_params is None else self.session_params.id
+
+        def session_options(self) -> dict:
+            params = self.session_params
+            return {} if params is None else msgspec.structs.asdict(params)
+
+    class OpenSessionRequest(Struct):
+        """A new streaming session, its id chosen by the caller or by custody."""
+
+        session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
+        timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
+
+    class CloseSessionRequest(Struct):
+        session_id: str
+
+    class AbortRequest(Struct):
+        """One request by id, or every request."""
+
+        rid: str | None = None
+        abort_all: bool = False
+
+    completions, chat = openai_schemas(limits)
+    return RequestSchemas(
+        Annotated[GenerateRequest, Meta(extra_json_schema=ONE_INPUT)],
+        OpenSessionRequest,
+        CloseSessionRequest,
+        AbortRequest,
+        completions,
+        chat,
+    )
+
+
+def decode_body(raw: bytes, schema: type[T]) -> T:
+    """`raw` as a `schema`, or InvalidRequest naming what is wrong. msgspec refuses what
+    json.loads lets through: NaN and Infinity, and a lone surrogate escape (a str that
+    could not be encoded again)."""
+    try:
+        return msgspec.json.decode(raw, type=schema)
+    except msgspec.ValidationError as err:
+        raise InvalidRequest(f"invalid request: {err}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as err:
+        hint = ""
+        if LONE_SURROGATE.search(raw):
+            hint = " (a \\ud800-\\udfff escape is valid only as half of a surrogate pair)"
+        raise InvalidRequest(f"the body is not valid JSON: {err}{hint}") from None

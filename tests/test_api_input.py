@@ -1,0 +1,239 @@
+"""Typed, range-checked input at the HTTP edge, over real HTTP against the real services:
+the inputs a hostile user found (a seed past 64 bits, a token id past int64, a lone
+surrogate, a bad parameter on a streamed request) are JSON 4xx answers that change
+nothing; explicit output limits that overrun the context are refused naming both numbers;
+fields custody does not implement are ignored; /openapi.json documents every route; and a
+fault in a handler is a JSON 500 with a request id, also after a stream began."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+
+import pytest
+import redis
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+
+from services.scheduler.http_common import EventStream
+from services.scheduler.http_errors import errors
+from shared.tokenizer import BYTE_VOCAB as VOCAB  # the built-in model's
+from tests.services_harness import POOLS, call, ledger_when_idle, stack_settings, start_stack
+
+CONTEXT = POOLS["context_len"]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url):
+    """One stack for the module: every test here leaves it as it found it."""
+    redis.Redis.from_url(redis_url).flushdb()
+    running = start_stack(stack_settings(redis_url))
+    yield running
+    running.stop()
+
+
+def post(port: int, path: str, body: bytes | dict) -> tuple[int, str, bytes]:
+    """Status, Content-Type and body, read with http.client: the status line is the
+    first thing the server sent, so a 4xx here means no 200 headers went out before it."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+def refusal(port: int, path: str, body: bytes | dict, status: int = 400) -> str:
+    code, kind, raw = post(port, path, body)
+    assert (code, kind.split(";")[0]) == (status, "application/json"), (code, kind, raw[:300])
+    return json.loads(raw)["error"]["message"]
+
+
+def generate(ids: list[int], **sampling: object) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, **sampling}}
+
+
+def test_seed_is_bounded_to_64_bits_and_the_scheduler_keeps_serving(stack):
+    port = stack.settings.port
+    epoch = call(port, "/health")["executor"]
+    message = refusal(port, "/generate", generate([1, 2, 3], seed=2**70, temperature=1.0))
+    assert "sampling_params.seed" in message and "2**64 - 1" in message
+    assert "seed" in refusal(port, "/v1/completions", {"prompt": "x", "seed": 2**64})
+    assert "seed" in refusal(port, "/generate", generate([1], seed=-1))
+    top = call(port, "/generate", generate([1, 2, 3], seed=2**64 - 1, temperature=1.0))
+    assert len(top["output_ids"]) == 2
+    done = call(port, "/v1/completions", {"prompt": "x", "seed": 2**64 - 1, "max_tokens": 2})
+    assert done["usage"]["completion_tokens"] <= 2
+    assert call(port, "/health")["executor"] == epoch
+    assert all(child.poll() is None for child in stack.children.values())
+
+
+def test_values_no_layer_can_hold_get_json_400s(stack):
+    port = stack.settings.port
+    assert "input_ids[1]" in refusal(port, "/generate", generate([1, 2**63]))
+    assert "input_ids[0]" in refusal(port, "/generate", generate([VOCAB]))
+    assert "prompt" in refusal(port, "/v1/completions", {"prompt": [2**64]})
+    lone = b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}'
+    assert "surrogate" in refusal(port, "/generate", lone)
+    chat = b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}'
+    assert "surrogate" in refusal(port, "/v1/chat/completions", chat)
+    for value in ("NaN", "Infinity", "-Infinity", "1e999"):
+        raw = f'{{"input_ids": [1], "sampling_params": {{"temperature": {value}}}}}'.encode()
+        refusal(port, "/generate", raw)
+        refusal(port, "/v1/completions", f'{{"prompt": "x", "top_p": {value}}}'.encode())
+    assert "temperature" in refusal(port, "/generate", generate([1], temperature=100.5))
+    assert "top_k" in refusal(port, "/generate", generate([1], top_k=0))
+    assert "stop_token_ids" in refusal(port, "/generate", generate([1], stop_token_ids=[1] * 257))
+    assert "stop" in refusal(port, "/generate", generate([1], stop=["x"] * 17))
+    assert "stop[0]" in refusal(port, "/generate", generate([1], stop=["x" * 257]))
+    assert "context length" in refusal(port, "/generate", generate([1] * CONTEXT))
+    assert "exactly one" in refusal(port, "/generate", {"text": "a", "input_ids": [1]})
+    assert "$.n" in refusal(port, "/v1/completions", {"prompt": "x", "n": 2})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/generate", generate([1, 2], temperature="x"), 400),
+        ("/generate", {"input_ids": [1], "session_params": {"id": "nobody"}}, 404),
+        ("/generate", generate([1] * (CONTEXT - 2), max_new_tokens=5), 400),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -3}, 400),
+    ],
+)
+def test_a_streamed_request_is_refused_before_its_200_headers(stack, path, body, status):
+    refusal(stack.settings.port, path, {**body, "stream": True}, status)
+
+
+def test_an_explicit_limit_past_the_context_names_both_numbers(stack):
+    port = stack.settings.port
+    prompt = [7] * 1000
+    message = refusal(port, "/generate", generate(prompt, max_new_tokens=24))
+    assert all(str(n) in message for n in ("max_new_tokens 24", "1000", f"{CONTEXT}"))
+    message = refusal(port, "/v1/completions", {"prompt": prompt, "max_tokens": 24})
+    assert "max_tokens 24" in message and "1000" in message
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": CONTEXT - 1}
+    assert "max_completion_tokens" in refusal(port, "/v1/chat/completions", chat)
+    # no limit: the route's default, cut to the room the context leaves
+    fits = call(port, "/generate", {"input_ids": prompt, "sampling_params": {"ignore_eos": True}})
+    assert fits["meta_info"]["completion_tokens"] == 16
+    edge = [7] * (CONTEXT - 5)
+    cut = call(port, "/generate", {"input_ids": edge, "sampling_params": {"ignore_eos": True}})
+    assert cut["meta_info"]["completion_tokens"] == 5
+    # a session turn: the history counts
+    sid = call(port, "/open_session", {"session_id": "overrun"})
+    first = call(
+        port,
+        "/generate",
+        {**generate([3] * 900, max_new_tokens=20, ignore_eos=True), "session_params": {"id": sid}},
+    )
+    history = 900 + len(first["output_ids"])
+    turn = {
+        **generate([4] * 10, max_new_tokens=CONTEXT - history - 10),
+        "session_params": {"id": sid},
+    }
+    message = refusal(port, "/generate", turn)
+    assert f"{history} of session history + 10 new" in message
+    assert f"max_new_tokens {CONTEXT - history - 10}" in message
+    turn["sampling_params"]["max_new_tokens"] = CONTEXT - history - 11
+    assert call(port, "/generate", turn)["meta_info"]["prompt_tokens"] == history + 10
+    call(port, "/close_session", {"session_id": sid})
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_unimplemented_and_unknown_fields_are_ignored(stack):
+    port = stack.settings.port
+    sid = call(
+        port,
+        "/open_session",
+        {"session_id": "ignored", "capacity_of_str_len": 1000, "streaming": True, "x": [1]},
+    )
+    sglang = {
+        **generate([1, 2, 3], frequency_penalty=0.5, min_p=0.1, json_schema="{}"),
+        "session_params": {"id": sid, "rid": "r"},
+        "lora_path": "adapter",
+        "logprob_start_len": 0,
+        "custom_logit_processor": None,
+        "no_such_field": {"nested": [1, 2]},
+    }
+    assert len(call(port, "/generate", sglang)["output_ids"]) == 2
+    openai = {"max_tokens": 2, "user": "u", "logit_bias": {"5": -100}, "presence_penalty": 1}
+    assert call(port, "/v1/completions", {"prompt": "hi", "echo": False, **openai})["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi", "name": "n"}], "tools": [], **openai}
+    assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 2
+    call(port, "/close_session", {"session_id": sid, "extra": 1})
+
+
+def test_openapi_document_covers_every_route(stack):
+    doc = call(stack.settings.port, "/openapi.json")
+    assert doc["openapi"].startswith("3.1")
+    routes = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == {
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("GET", "/get_model_info"),
+        ("GET", "/openapi.json"),
+        ("GET", "/v1/models"),
+        ("POST", "/open_session"),
+        ("POST", "/close_session"),
+        ("POST", "/abort_request"),
+        ("POST", "/flush_cache"),
+        ("POST", "/generate"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    }
+    schemas = doc["components"]["schemas"]
+    ids = schemas["GenerateRequest"]["properties"]["input_ids"]["anyOf"][0]
+    assert ids["maxItems"] == CONTEXT - 1 and ids["items"]["exclusiveMaximum"] == VOCAB
+    seed = schemas["GenerateSamplingParams"]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (0, 2**64 - 1)
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        reply = doc["paths"][path]["post"]["responses"]
+        assert "text/event-stream" in reply["200"]["content"]
+        assert reply["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorReply")
+
+
+def test_a_fault_in_a_handler_is_a_json_500_with_its_request_id(caplog):
+    """The middleware alone, in an aiohttp app over real HTTP: no product route can be
+    made to fail on purpose without a hook for it."""
+
+    async def broken(_: web.Request) -> web.Response:
+        raise RuntimeError("broken on purpose")
+
+    async def broken_mid_stream(request: web.Request) -> web.StreamResponse:
+        stream = EventStream(request)
+        await stream.send({"text": "first"})
+        raise RuntimeError("broken after the headers")
+
+    async def scenario() -> None:
+        app = web.Application(middlewares=[errors])
+        app.router.add_post("/broken", broken)
+        app.router.add_post("/stream", broken_mid_stream)
+        async with TestServer(app) as server, ClientSession() as client:
+            async with client.post(server.make_url("/broken")) as resp:
+                assert resp.status == 500 and resp.content_type == "application/json"
+                detail = (await resp.json())["error"]
+            assert detail["type"] == "internal_error" and detail["request_id"]
+            assert any(detail["request_id"] in r.getMessage() for r in caplog.records)
+            async with client.post(server.make_url("/stream")) as resp:
+                assert resp.status == 200 and resp.content_type == "text/event-stream"
+                events = [
+                    line.removeprefix("data: ")
+                    for line in (await resp.text()).splitlines()
+                    if line.startswith("data: ")
+                ]
+            assert json.loads(events[0]) == {"text": "first"} and events[-1] == "[DONE]"
+            assert json.loads(events[1])["error"]["type"] == "internal_error"
+            async with client.get(server.make_url("/broken")) as resp:
+                assert resp.status == 405 and resp.headers["Allow"] == "POST"
+                assert "error" in await resp.json()
+            async with client.post(server.make_url("/nowhere")) as resp:
+                assert resp.status == 404 and "error" in await resp.json()
+
+    with caplog.at_level(logging.ERROR, logger="custody.scheduler.http"):
+        asyncio.run(scenario())
