@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import logging
+import socket
 
 import pytest
 import redis
@@ -237,3 +238,16 @@ def test_a_fault_in_a_handler_is_a_json_500_with_its_request_id(caplog):
 
     with caplog.at_level(logging.ERROR, logger="custody.scheduler.http"):
         asyncio.run(scenario())
+
+
+def test_a_request_aiohttps_parser_refuses_gets_a_json_error(stack):
+    """A header line without a colon never reaches the app: still the API's JSON shape."""
+    with socket.create_connection(("127.0.0.1", stack.settings.port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400"
+    assert b"application/json" in head
+    assert "message" in json.loads(body)["error"]

@@ -48,6 +48,23 @@ class GuardedConnection(RequestHandler):
         finally:
             self.handling = False
 
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's own refusals (a malformed request line or header, which never reach
+        the app's middleware) in the API's JSON error shape."""
+        plain = super().handle_error(request, status, exc, message)
+        resp = web.json_response(
+            {"error": {"message": message or plain.reason or "bad request", "type": "http_error"}},
+            status=status,
+        )
+        resp.force_close()
+        return resp
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         super().connection_lost(exc)
