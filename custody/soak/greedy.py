@@ -1,0 +1,122 @@
+"""The clients whose every output is checked: greedy sessions with random turn lengths,
+disconnects mid-stream, over-long inputs, closes, idle timeouts, and plain requests that
+share a prefix. Each finished output is kept with its exact prompt for the teacher-forced
+replay; a session whose turn did not finish normally is abandoned (closed), so a replay
+never has to guess a history."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import random
+import threading
+import time
+
+from custody.soak.client import NO_ANSWER, Reply, Stream, call
+from custody.soak.tally import OK, REFUSED, Tally
+
+PREFIX = [(7 * j) % 250 + 1 for j in range(48)]
+CLOSED = frozenset({"200", "404"})  # a close of what already ended (expiry, a fault) is a 404
+
+
+class Greedy:
+    def __init__(self, port: int, context_len: int, tally: Tally, key: str | None) -> None:
+        """`key`: tenant A's. Tenant B's abort_all may end B's own requests, so B, the
+        hostile tenant, has none that must finish."""
+        self.port, self.context_len, self.tally, self.key = port, context_len, tally, key
+        self.finished: list[tuple[list[int], list[int]]] = []  # (prompt, output)
+        self.opened: dict[str, str | None] = {}  # every session id handed out, by its key
+        self.turns = 0
+        self.lock = threading.Lock()
+
+    def worker(self, k: int, deadline: float) -> None:
+        rng = random.Random(k)
+        key = self.key
+        sid, history = None, []
+        while time.monotonic() < deadline:
+            if rng.random() < 0.25:
+                self.plain(rng, key)
+                continue
+            if sid is None:
+                sid, history = self.open(rng, key), []
+                continue
+            new = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+            n = rng.randint(1, 24)
+            body = {
+                "input_ids": new,
+                "session_params": {"id": sid},
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
+            }
+            roll = rng.random()
+            if roll < 0.05:  # over-long whatever `new` is: a clean 400 that changes nothing
+                body["input_ids"] = new * (self.context_len // len(new) + 1)
+                self.tally.judge("over_long", self.call("/generate", body, key), REFUSED)
+                continue
+            if roll < 0.15:
+                self.disconnect_midway(body, key)
+                sid = self.close(sid, key)  # its history is uncertain: abandon it
+                continue
+            reply = self.call("/generate", body, key)
+            self.tally.judge("turn", reply, OK)
+            if reply.status == 200 and not reply.aborted:
+                output = self.record(history + new, reply)
+                with self.lock:
+                    self.turns += 1
+                history += new + output
+                if len(history) > 700 or rng.random() < 0.1:
+                    sid = self.close(sid, key)
+            else:
+                self.record(history + new, reply)
+                sid = self.close(sid, key)
+        self.close(sid, key)
+
+    def plain(self, rng: random.Random, key: str | None) -> None:
+        n = rng.randint(1, 12)
+        prompt = [*PREFIX, *(rng.randrange(256) for _ in range(rng.randint(1, 8)))]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+        reply = self.call("/generate", body, key)
+        self.tally.judge("plain", reply, OK)
+        self.record(prompt, reply)
+
+    def open(self, rng: random.Random, key: str | None) -> str | None:
+        timeout = 1.0 if rng.random() < 0.1 else None  # some expire while idle
+        reply = self.call("/open_session", {"timeout": timeout} if timeout else {}, key)
+        self.tally.judge("open_session", reply, OK)
+        if reply.status != 200 or not isinstance(reply.body, str):
+            return None
+        with self.lock:
+            self.opened[reply.body] = key
+        return None if timeout else reply.body
+
+    def close(self, sid: str | None, key: str | None) -> None:
+        if sid is not None:
+            self.tally.judge(
+                "close_session", self.call("/close_session", {"session_id": sid}, key), CLOSED
+            )
+        return None
+
+    def close_all(self) -> None:
+        """Close every session ever opened: a close lost to a fault is retried here."""
+        for sid, key in sorted(self.opened.items()):
+            self.close(sid, key)
+
+    def record(self, prompt: list[int], reply: Reply) -> list[int]:
+        """Keep a 200's output (an aborted one too: what it produced is still greedy)."""
+        output = reply.body.get("output_ids", []) if reply.status == 200 and reply.is_dict else []
+        if output:
+            with self.lock:
+                self.finished.append((list(prompt), list(output)))
+        return output
+
+    def call(self, path: str, body: dict, key: str | None) -> Reply:
+        reply = call(self.port, path, body, key)
+        if reply.outcome == NO_ANSWER:
+            time.sleep(0.3)  # the scheduler is restarting: do not spin
+        return reply
+
+    def disconnect_midway(self, body: dict, key: str | None) -> None:
+        stream = Stream(self.port, body, key, timeout=60)
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            next(stream.events(), None)
+        stream.conn.close()
+        self.tally.note("client_disconnect")
