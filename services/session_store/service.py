@@ -29,6 +29,7 @@ class StoreService:
         self.client = redis.Redis.from_url(settings.redis_url)
         # A stable name: a restarted store resumes its own pending entries first.
         self.consumer = OwnershipConsumer(self.client, "session-store-1")
+        self.faults = 0  # exceptions survived by the consuming loop
         self.registry = CollectorRegistry()
         self.violations = Gauge(
             "custody_ledger_violations",
@@ -62,6 +63,10 @@ class StoreService:
             except redis.ConnectionError as err:
                 log.warning("redis unavailable (%s); retrying", err)
                 await asyncio.sleep(0.5)
+            except Exception:  # a bad entry must not stop the ledger: say so, go on
+                log.exception("fault while applying the ownership stream")
+                self.faults += 1
+                await asyncio.sleep(0.5)
             new = led.found.total() - reported
             for v in led.violations[-new:] if new else []:
                 log.error("ownership violation %s on %s %s: %s", v.kind, v.pool, v.slots, v.detail)
@@ -79,6 +84,7 @@ class StoreService:
             "violations": [v.as_dict() for v in led.violations[-100:]],
             "violations_total": dict(led.found),
             "owners_known": len(led.owners.names),
+            "consumer_faults": self.faults,
             "steps": {
                 "checked": self.consumer.checker.checked,
                 "unchecked": self.consumer.checker.unchecked,
