@@ -66,10 +66,8 @@ def build_app(service: SchedulerService) -> web.Application:
         return web.json_response({"status": "ok", "executor": service.executor_epoch})
 
     async def metrics(_: web.Request) -> web.Response:
-        await service.refresh_stream_lag()
-        return web.Response(
-            body=service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        body = await service.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def model_info(_: web.Request) -> web.Response:
         s = service.settings

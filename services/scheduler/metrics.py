@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shared import streams
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
@@ -100,6 +103,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 class SchedulerMetrics:
     def __init__(self, service: SchedulerService) -> None:
+        self.service = service
         self.registry = CollectorRegistry()
         self.registry.register(LiveState(service))
         self.ttft = Histogram(
@@ -125,5 +129,16 @@ class SchedulerMetrics:
             registry=self.registry,
         )
 
-    def render(self) -> bytes:
+    async def render(self) -> bytes:
+        """The exposition, with each stream's lag read fresh: entries not yet read, or
+        read and not acknowledged, by each consumer group."""
+        client = self.service.redis
+        for stream in (streams.OWNERSHIP, streams.FORWARD):
+            try:
+                groups = await client.xinfo_groups(stream)
+            except aioredis.ResponseError:
+                continue
+            self.service.stream_lag[stream] = sum(
+                int(g.get("lag") or 0) + int(g["pending"]) for g in groups
+            )
         return generate_latest(self.registry)

@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -29,6 +28,7 @@ from services.scheduler.engine.setup import build_engine
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.session_rebuild import rebuild_sessions
 from services.scheduler.slow_clients import GuardedRunner
 from services.scheduler.tenancy import Tenancy
 from shared import streams
@@ -126,49 +126,15 @@ class SchedulerService:
         self.results = aioredis.from_url(self.settings.redis_url)
         # Fencing: from now on the executor refuses steps of any earlier scheduler life.
         await self.redis.set(streams.SCHEDULER_EPOCH, self.shipper.epoch)
-        await self._rebuild_sessions()
+        epoch = await rebuild_sessions(self.redis, self.engine.sessions)
+        if epoch is not None:
+            self.executor_epoch = epoch
         self._outbox.append(self.shipper.snapshot())
         await self._flush_outbox()
         # Read results from an explicit id, never "$": a result that lands between
         # publishing a step and starting to read must not be missed.
         last = await self.redis.xrevrange(streams.RESULTS, count=1)
         self._results_from = last[0][0] if last else "0-0"
-
-    async def _rebuild_sessions(self) -> None:
-        """A restarted scheduler takes its sessions back from the session store, slots
-        included when the store is caught up and the executor is the one that holds
-        them; otherwise history only (their next turn re-prefills)."""
-        caught_up = await self._store_caught_up()
-        keys = await self.redis.smembers(streams.SESSIONS)
-        records = []
-        for sid in sorted(k.decode() for k in keys):
-            raw = await self.redis.hget(streams.session_key(sid), "record")
-            if raw is not None:
-                records.append(msgpack.unpackb(raw, raw=False))
-        alive = await self.redis.get(streams.EXECUTOR_ALIVE)
-        epoch = alive.decode() if alive else None
-        for group in {r.get("executor") for r in records}:
-            valid = caught_up and epoch is not None and group == epoch
-            self.engine.sessions.rebuild([r for r in records if r.get("executor") == group], valid)
-        if records:
-            self.executor_epoch = epoch
-            log.info("rebuilt %d sessions from the session store", len(records))
-
-    async def _store_caught_up(self, timeout: float = 10.0) -> bool:
-        """Whether the store has applied everything on the ownership stream."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                groups = await self.redis.xinfo_groups(streams.OWNERSHIP)
-                info = await self.redis.xinfo_stream(streams.OWNERSHIP)
-            except aioredis.ResponseError:
-                return True  # no stream yet: nothing to catch up on
-            store = next((g for g in groups if g["name"].decode() == streams.STORE_GROUP), None)
-            last = info["last-generated-id"]
-            if store is not None and store["pending"] == 0 and store["last-delivered-id"] == last:
-                return True
-            await asyncio.sleep(0.1)
-        return False
 
     async def loop(self) -> None:
         while True:
@@ -359,17 +325,6 @@ class SchedulerService:
         finished, self._finished = self._finished, []
         self._tokens_arrived([req.rid for req in finished])
         self.finish(finished)
-
-    async def refresh_stream_lag(self) -> None:
-        """Entries not yet read by each stream's consumer group (for /metrics)."""
-        for stream in (streams.OWNERSHIP, streams.FORWARD):
-            try:
-                groups = await self.redis.xinfo_groups(stream)
-            except aioredis.ResponseError:
-                continue
-            self.stream_lag[stream] = sum(
-                int(g.get("lag") or 0) + int(g["pending"]) for g in groups
-            )
 
 
 async def serve(settings: Settings) -> None:

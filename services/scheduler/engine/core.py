@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.room import make_room
 from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.step import StepPlan
-from services.scheduler.engine.step_builder import grow_kv, pages_to_grow, row_plan
+from services.scheduler.engine.step_builder import StepBudget, grow_kv, pages_to_grow, row_plan
 from services.scheduler.engine.stopping import finish_reason, length_limit
 from services.scheduler.engine.validation import check_prompt_length, check_tokens
 from services.scheduler.ownership.invariants import (
@@ -113,7 +112,7 @@ class EngineCore:
         self.sessions.expire()
         plan = StepPlan(next(self._step_ids), [], DeferredOps(), self.in_flight.last_step)
         chosen: list[tuple[Request, int]] = []
-        state = _Budget(self.config.max_step_tokens)
+        state = StepBudget(self.config.max_step_tokens)
         for req in list(self.running):
             if req in self.running:
                 n = self._fit_running(req, chosen, state)
@@ -201,7 +200,7 @@ class EngineCore:
         return report
 
     # ---- planning ----
-    def _fit_running(self, req: Request, chosen: list, state: _Budget) -> int:
+    def _fit_running(self, req: Request, chosen: list, state: StepBudget) -> int:
         """Tokens `req` computes this step, after making KV room (evicting the cache, then
         retracting the newest unplanned requests); 0 if it cannot run now."""
         if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
@@ -220,7 +219,7 @@ class EngineCore:
         state.take(n, need)
         return n
 
-    def _admit(self, req: Request, plan: StepPlan, state: _Budget) -> int:
+    def _admit(self, req: Request, plan: StepPlan, state: StepBudget) -> int:
         """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
         fit. Every path out of here either keeps all it took or gives all back (lesson 7)."""
         session = req.session
@@ -338,15 +337,3 @@ class EngineCore:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.retractions += 1
-
-
-@dataclass
-class _Budget:
-    """What the step being planned has taken so far."""
-
-    tokens: int
-    pages: int = 0
-
-    def take(self, tokens: int, pages: int) -> None:
-        self.tokens -= tokens
-        self.pages += pages

@@ -5,6 +5,8 @@ and, where one is due, the track slot and length of a snapshot."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from services.scheduler.allocators.paged_kv import pages_for
@@ -67,3 +69,15 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     )
     req.inflight.append(row)
     return row
+
+
+@dataclass
+class StepBudget:
+    """What the step being planned has taken so far."""
+
+    tokens: int
+    pages: int = 0
+
+    def take(self, tokens: int, pages: int) -> None:
+        self.tokens -= tokens
+        self.pages += pages

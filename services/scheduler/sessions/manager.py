@@ -31,6 +31,7 @@ from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.sessions.records import DurableRecords
 from services.scheduler.sessions.session import Session
 from shared.deferred_ops import DeferredOps
 
@@ -47,7 +48,7 @@ class SessionError(InvalidRequest):
         self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
 
 
-class SessionManager:
+class SessionManager(DurableRecords):
     def __init__(
         self,
         pools: Pools,
@@ -217,62 +218,6 @@ class SessionManager:
         for session in self.sessions.values():
             if session.turn is None or session.turn.slots is None:
                 self._drop_state(session)
-
-    # ---- durable records ----
-    def take_records(self) -> list[dict]:
-        """What changed since the last call, as records the session store persists: the
-        history always; the slots only while the session itself holds them (not lent to
-        a turn, not borrowing cache pages), since only then can a restarted scheduler
-        take them over."""
-        out = []
-        for sid in sorted(self.dirty):
-            s = self.sessions.get(sid)
-            if s is None or s.closing:
-                out.append({"sid": sid, "closed": True})
-                continue
-            rec = {
-                "sid": sid,
-                "closed": False,
-                "timeout": s.timeout,
-                "tenant": s.tenant,  # its owner survives a restart (a hash, never a key)
-                "history": s.history.astype(np.int32).tobytes(),
-                "cached_len": s.cached_len,
-                "row": None,
-            }
-            if s.slots is not None and s.slots.borrowed == 0:
-                row = s.slots.row.slot
-                rec |= {
-                    "row": row,
-                    "working": s.slots.working.slot,
-                    "pages": self.pools.rows.row_pages(row, 0, s.cached_len).tobytes(),
-                }
-            out.append(rec)
-        self.dirty.clear()
-        return out
-
-    def rebuild(self, records: list[dict], state_valid: bool) -> None:
-        """A restarted scheduler takes its sessions back: the history always, the slots
-        too when the executor that holds their contents is the same one."""
-        for rec in records:
-            if rec.get("closed"):
-                continue
-            session = self.open(rec["sid"], rec.get("timeout"), rec.get("tenant"), limited=False)
-            session.history = np.frombuffer(rec["history"], dtype=np.int32).astype(np.int64)
-            if not state_valid or rec.get("row") is None:
-                continue
-            owner, pools = session.owner, self.pools
-            row, working = np.array([rec["row"]]), np.array([rec["working"]])
-            pages = np.frombuffer(rec["pages"], dtype=np.int64).copy()
-            pools.req.take(row, owner, "rebuild")
-            pools.mamba.take(working, owner, "rebuild")
-            pools.kv_pages.take(pages, owner, "rebuild")
-            pools.kv.restore_row(int(row[0]), pages, rec["cached_len"])
-            session.slots = handover.SessionSlots(
-                owner,
-                new_lease(pools.req, owner, int(row[0])),
-                new_lease(pools.mamba, owner, int(working[0])),
-            )
-            session.cached_len = rec["cached_len"]
 
     # ---- state moves, called by the engine ----
     def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:

@@ -1,0 +1,56 @@
+"""How a restarted scheduler takes its sessions back from the session store's records:
+the history always, the slots too when the store has applied everything on the ownership
+stream and the executor alive now is the one the records' slots belong to; otherwise
+history only (their next turn re-prefills)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgpack
+import redis.asyncio as aioredis
+
+from services.scheduler.sessions.manager import SessionManager
+from shared import streams
+
+log = logging.getLogger("custody.scheduler")
+
+
+async def rebuild_sessions(client: aioredis.Redis, sessions: SessionManager) -> str | None:
+    """Rebuild every recorded session; returns the live executor's epoch when there were
+    records (their slots are valid on it), else None."""
+    caught_up = await store_caught_up(client)
+    keys = await client.smembers(streams.SESSIONS)
+    records = []
+    for sid in sorted(k.decode() for k in keys):
+        raw = await client.hget(streams.session_key(sid), "record")
+        if raw is not None:
+            records.append(msgpack.unpackb(raw, raw=False))
+    alive = await client.get(streams.EXECUTOR_ALIVE)
+    epoch = alive.decode() if alive else None
+    for group in {r.get("executor") for r in records}:
+        valid = caught_up and epoch is not None and group == epoch
+        sessions.rebuild([r for r in records if r.get("executor") == group], valid)
+    if not records:
+        return None
+    log.info("rebuilt %d sessions from the session store", len(records))
+    return epoch
+
+
+async def store_caught_up(client: aioredis.Redis, timeout: float = 10.0) -> bool:
+    """Whether the store has applied everything on the ownership stream."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            groups = await client.xinfo_groups(streams.OWNERSHIP)
+            info = await client.xinfo_stream(streams.OWNERSHIP)
+        except aioredis.ResponseError:
+            return True  # no stream yet: nothing to catch up on
+        store = next((g for g in groups if g["name"].decode() == streams.STORE_GROUP), None)
+        last = info["last-generated-id"]
+        if store is not None and store["pending"] == 0 and store["last-delivered-id"] == last:
+            return True
+        await asyncio.sleep(0.1)
+    return False
