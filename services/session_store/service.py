@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import signal
 
 import msgpack
 import numpy as np
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     Settings.add_arguments(parser)
     settings = Settings.resolve(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s session-store %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack
     asyncio.run(serve(settings))
 
 

@@ -49,6 +49,7 @@ from shared.wire import WireError, WireRow, decode, unpack_ints
 
 GROUP = "write-checker"
 MAX_QUEUED = 4096  # steps waiting for their ledger point; beyond it the oldest go unchecked
+MAX_READ = 2048  # steps read per ownership poll
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ class PlannedStep:
     epoch: str
     step: int
     seq: int  # the ledger point it was planned at
-    raw: bytes  # the message, kept for the checkpoint
     writes: list[Write] = field(default_factory=list)
     parties: set[int] = field(default_factory=set)  # owners the step's rows name
     claims: set[tuple[int, OwnerKind, str]] = field(default_factory=set)  # owner, kind, rid
+    entry: bytes = b""  # its forward-stream entry, acknowledged once it is checked
 
     @classmethod
     def parse(cls, raw: bytes) -> PlannedStep | None:
@@ -75,7 +76,7 @@ class PlannedStep:
         msg = decode(raw)
         if msg.get("ledger_seq") is None:
             return None
-        planned = cls(msg["epoch"], msg["step"], msg["ledger_seq"], raw)
+        planned = cls(msg["epoch"], msg["step"], msg["ledger_seq"])
         page_size = max(1, int(msg["page_size"]))
         for body in msg["rows"]:
             planned._row(WireRow.from_body(body), page_size)
@@ -169,44 +170,54 @@ class PlannedStep:
 
 
 class WriteChecker:
-    """Steps read from the forward stream, queued until the ledger reaches their point."""
+    """Steps read from the forward stream, queued until the ledger reaches their point.
+
+    A step's stream entry is acknowledged (with the next checkpoint) only once the step
+    is checked or its point has passed, so a restarted store reads the steps it had
+    queued again as its pending entries; the checkpoint holds counts, never steps.
+    """
 
     def __init__(self, client: redis.Redis, name: str) -> None:
         self.client, self.name = client, name
         self.queued: list[PlannedStep] = []  # by ledger point
         self.checked = self.unchecked = 0
-        self._read: list[bytes] = []  # entry ids to acknowledge with the next checkpoint
-        self._from = "0"  # this consumer's pending entries first, once
+        self._done: list[bytes] = []  # entry ids to acknowledge with the next checkpoint
+        self._from: str | bytes = "0"  # pending entries of a previous life first, then ">"
         streams.ensure_group(client, streams.FORWARD, GROUP)
 
     # ---- reading ----
-    def read(self, count: int = 512) -> None:
-        """Queue every step on the forward stream now (not blocking)."""
-        while True:
+    def read(self, most: int = MAX_READ) -> None:
+        """Queue the steps on the forward stream now (not blocking), at most `most` a
+        call: a stream busier than the store must not starve the ledger; a step read
+        after its point has passed is counted unchecked."""
+        while most > 0:
             reply = self.client.xreadgroup(
-                GROUP, self.name, {streams.FORWARD: self._from}, count=count
+                GROUP, self.name, {streams.FORWARD: self._from}, count=min(512, most)
             )
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
-                self._read.append(entry_id)
-                if fields:
-                    self._queue(fields.get(b"m", b""))
+                if self._from != ">":
+                    self._from = entry_id  # pending entries: go on after this one
+                self._queue(entry_id, fields.get(b"m", b"") if fields else b"")
+            most -= len(entries)
             if not entries:
                 if self._from == ">":
                     return
                 self._from = ">"
 
-    def _queue(self, raw: bytes) -> None:
+    def _queue(self, entry: bytes, raw: bytes) -> None:
         try:
             planned = PlannedStep.parse(raw)
         except (WireError, KeyError, TypeError, ValueError, IndexError):
             planned = None
         if planned is None:
             self.unchecked += 1
+            self._done.append(entry)
             return
+        planned.entry = entry
         bisect.insort(self.queued, planned, key=lambda p: p.seq)
         if len(self.queued) > MAX_QUEUED:
-            del self.queued[0]
+            self._done.append(self.queued.pop(0).entry)
             self.unchecked += 1
 
     # ---- checking ----
@@ -222,11 +233,13 @@ class WriteChecker:
         for planned in self.queued:
             if planned.epoch != epoch or planned.seq > seq:
                 keep.append(planned)
-            elif planned.seq < seq:
+                continue
+            if planned.seq < seq:
                 self.unchecked += 1
             else:
                 found += planned.check(ledger)
                 self.checked += 1
+            self._done.append(planned.entry)
         self.queued = keep
         return found
 
@@ -234,22 +247,19 @@ class WriteChecker:
         """A snapshot of `epoch`: steps of any other epoch will never be checked."""
         stale = [p for p in self.queued if p.epoch != epoch]
         self.unchecked += len(stale)
+        self._done += [p.entry for p in stale]
         self.queued = [p for p in self.queued if p.epoch == epoch]
 
     # ---- checkpoint ----
     def ack(self, pipe: redis.client.Pipeline) -> None:
-        """Acknowledge the steps read since the last checkpoint, in its transaction."""
-        if self._read:
-            pipe.xack(streams.FORWARD, GROUP, *self._read)
-            self._read = []
+        """Acknowledge the steps finished with since the last checkpoint, in its
+        transaction."""
+        if self._done:
+            pipe.xack(streams.FORWARD, GROUP, *self._done)
+            self._done = []
 
     def state(self) -> dict:
-        return {
-            "queued": [p.raw for p in self.queued],
-            "checked": self.checked,
-            "unchecked": self.unchecked,
-        }
+        return {"checked": self.checked, "unchecked": self.unchecked}
 
     def load(self, state: dict) -> None:
-        self.queued = [p for p in map(PlannedStep.parse, state["queued"]) if p is not None]
         self.checked, self.unchecked = state["checked"], state["unchecked"]

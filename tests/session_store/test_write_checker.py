@@ -16,6 +16,7 @@ from services.scheduler.engine.misroute import ENV, MisrouteWrite
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
+from services.session_store.write_checker import WriteChecker
 from shared import streams
 from shared.wire import WireRow, encode, pack_ints
 from tests.engine.driver import Driver
@@ -153,8 +154,9 @@ def test_a_misrouted_state_write_is_named_with_slot_owner_and_step(redis_client)
 
 
 def test_a_restarted_store_still_checks_the_steps_it_had_queued(redis_client):
-    """A step read before the events of its planning waits in the checkpoint: the store
-    restarted meanwhile checks it once its ledger gets there."""
+    """A step read before the events of its planning stays unacknowledged: the store
+    restarted meanwhile reads it again among its pending entries and checks it once its
+    ledger gets there."""
     d = Driver(page_size=4)
     pub = Publisher(d, redis_client)
     d.generate(text(10, 1), max_new=3)
@@ -164,6 +166,7 @@ def test_a_restarted_store_still_checks_the_steps_it_had_queued(redis_client):
     pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([], "x1"))  # nothing moved yet
     drain(OwnershipConsumer(redis_client, "store-1"))
     again = OwnershipConsumer(redis_client, "store-1")
+    again.checker.read()  # its pending entries: the steps its last life had queued
     assert [p.step for p in again.checker.queued] == [plan.step_id]
     pub.run()
     drain(again)
@@ -304,3 +307,21 @@ def test_a_clean_live_run_checks_every_step_and_the_store_wants_an_operator_key(
             assert b'custody_ledger_violations{kind="misrouted_write"} 0.0' in resp.read()
     finally:
         stack.stop()
+
+
+def test_a_restarted_checker_reads_its_pending_steps_once_each_and_goes_on(redis_client):
+    """Pending entries are read in pages, each once (reading them from "0" again and
+    again never ends); a busy stream is read at most MAX_READ entries a call."""
+    for i in range(1300):
+        redis_client.xadd(streams.FORWARD, {"m": b"not a step %d" % i})
+    first = WriteChecker(redis_client, "store-1")
+    first.read(most=1300)  # read, never acknowledged: the store dies here
+    assert first.unchecked == 1300
+    again = WriteChecker(redis_client, "store-1")
+    again.read(most=1000)
+    assert again.unchecked == 1000
+    again.read()
+    assert again.unchecked == 1300
+    redis_client.xadd(streams.FORWARD, {"m": b"late"})
+    again.read()
+    assert again.unchecked == 1301
