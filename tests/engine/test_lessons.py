@@ -1,4 +1,4 @@
-"""One test per lesson of ARCHITECTURE.md on caches and sessions (1-11). Each fails if
+"""One test per lesson of docs/ownership.md on caches and sessions (1-11). Each fails if
 the protection it names is removed."""
 
 import numpy as np

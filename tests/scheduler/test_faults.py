@@ -1,4 +1,4 @@
-"""Each fault of ARCHITECTURE.md's lessons, in its generic form, is caught the moment it
+"""Each fault of the lessons in docs/ownership.md, in its generic form, is caught the moment it
 happens, and the error names the slots, their owners and the event that moved them."""
 
 import numpy as np

@@ -4,7 +4,7 @@ A lease is (pool, owner, slots). It never caches validity: every use checks the 
 owner table, and owner ids are never reused, so once any transfer moves a leased slot
 away the old lease fails at its next use, naming the slot, its current owner and the
 transfer that moved it. A holder therefore cannot keep using, or skip re-allocating,
-a slot it handed on (lessons 1 and 2 of ARCHITECTURE.md).
+a slot it handed on (lessons 1 and 2 of docs/ownership.md).
 """
 
 from __future__ import annotations
