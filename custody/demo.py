@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from custody.inprocess import InProcess
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
 TURNS = [
@@ -38,7 +38,7 @@ def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
                 first = time.perf_counter() - start
         print(
             f"turn {k + 1}: prompt {len(turn.prompt)} tokens, cached {turn.cached_tokens}, "
-            f"first token after {first * 1e3:.0f} ms, finish {turn.finish_reason['type']}"
+            f"first token after {first * 1e3:.0f} ms, finish {turn.finish_reason.type}"
         )
         print(f"  -> {local.tokenizer.decode(turn.output)!r}")
     local.engine.sessions.close(sid)

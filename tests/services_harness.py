@@ -11,8 +11,8 @@ import numpy as np
 
 from custody.inprocess import InProcess
 from custody.up import Stack
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 from shared.redis_server import free_port
 

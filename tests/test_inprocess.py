@@ -5,8 +5,8 @@ real tensors), an aborted turn keeps the cache (S4), and the ledger is clean at 
 import numpy as np
 
 from custody.inprocess import InProcess
-from services.scheduler.engine.request import Request, Status
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.request import Request, Status
+from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
 SMALL = Settings(

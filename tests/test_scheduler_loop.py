@@ -10,8 +10,8 @@ import contextlib
 import numpy as np
 import redis
 
-from services.scheduler.engine.request import Request, Status
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.request import Request, Status
+from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.service import SchedulerService
 from shared import streams
 from shared.wire import decode
@@ -77,7 +77,7 @@ def test_a_step_that_cannot_be_encoded_fails_only_its_requests(redis_url, redis_
     engine.submit(bad)
     bad.params = SamplingParams(max_new_tokens=4, seed=2**70)  # past the edge's checks
     assert loop.run_until_complete(service._publish_next()) is None
-    assert bad.status is Status.ABORTED and "could not be sent" in bad.finish_reason["message"]
+    assert bad.status is Status.ABORTED and "could not be sent" in bad.finish_reason.message
     assert redis_client.xlen(streams.FORWARD) == 0 and not engine.in_flight
     assert engine.check(idle=True).ok
     engine.submit(plain("good"))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.scheduler.api_openai import add_openai_routes
-from services.scheduler.engine.request import Request
 from services.scheduler.http_common import (
     EventStream,
     output_text,
@@ -28,6 +28,7 @@ from services.scheduler.http_common import (
 from services.scheduler.http_errors import errors
 from services.scheduler.limits import open_session as open_session_within_limits
 from services.scheduler.openapi import add_openapi_route
+from services.scheduler.records.request import Request
 from services.scheduler.schemas import request_schemas
 from services.scheduler.tenancy import middleware as tenancy_middleware
 
@@ -42,7 +43,7 @@ def response_of(service: SchedulerService, req: Request, rid: str, logprobs: boo
     """The SGLang response; `rid` is the client's (the engine's is internal)."""
     meta = {
         "id": rid,
-        "finish_reason": req.finish_reason,
+        "finish_reason": msgspec.to_builtins(req.finish_reason),
         "prompt_tokens": len(req.prompt),
         "completion_tokens": len(req.output),
         "cached_tokens": req.cached_tokens,

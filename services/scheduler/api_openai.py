@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 from aiohttp import web
 
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.http_common import (
     EventStream,
     output_text,
@@ -25,6 +23,8 @@ from services.scheduler.http_common import (
     submitter,
     token_limit,
 )
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import InvalidRequest
 
 if TYPE_CHECKING:
     from services.scheduler.schemas import RequestSchemas
@@ -54,7 +54,7 @@ def add_openai_routes(
         }
 
     def finish(req: Request) -> str:
-        return "stop" if (req.finish_reason or {}).get("type") == "stop" else "length"
+        return "stop" if req.finish_reason and req.finish_reason.type == "stop" else "length"
 
     async def respond(
         request: web.Request, body: OpenAIRequest, tokens: list[int], chat: bool

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 from aiohttp import web
 
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.validation import output_budget
 from services.scheduler.limits import check_queue
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.session import Session
 from services.scheduler.schemas import decode_body
-from services.scheduler.sessions.session import Session
 from services.scheduler.tenancy import check_owner
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ EVENT_STREAM = web.RequestKey("event_stream", EventStream)
 def output_text(service: SchedulerService, req: Request) -> str:
     """The decoded output, cut before a matched stop string unless no_stop_trim."""
     text = service.tokenizer.decode(req.output)
-    matched = (req.finish_reason or {}).get("matched")
+    matched = req.finish_reason.matched if req.finish_reason else None
     if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
         text = text[: text.index(matched)]
     return text

@@ -12,8 +12,8 @@ import secrets
 
 from aiohttp import web
 
-from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.http_common import EVENT_STREAM, error_body
+from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.sessions.manager import SessionError
 
 log = logging.getLogger("custody.scheduler.http")

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionError
-from services.scheduler.sessions.session import Session
 from services.scheduler.tenancy import CALLER, Refused
 
 if TYPE_CHECKING:

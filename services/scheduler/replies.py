@@ -8,6 +8,8 @@ from typing import Literal
 
 from msgspec import Struct
 
+from services.scheduler.records.finish import FinishReason
+
 
 class ErrorDetail(Struct):
     message: str
@@ -19,13 +21,6 @@ class ErrorReply(Struct):
     """Every refusal and failure: 4xx for bad input, JSON 500 for a fault."""
 
     error: ErrorDetail
-
-
-class FinishReason(Struct):
-    type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None  # stop: the token id or the stop string
-    length: int | None = None  # length: the limit reached
-    message: str | None = None  # abort: why
 
 
 class MetaInfo(Struct):

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
-from services.scheduler.engine.sampling import SEED_MAX
+from services.scheduler.records.sampling import SEED_MAX
 
 MAX_STOP_TOKEN_IDS = 256
 MAX_STOPS, MAX_STOP_CHARS = 16, 256

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.schema_types import (
     MAX_STOP_TOKEN_IDS,
     Limits,

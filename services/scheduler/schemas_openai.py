@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.schema_types import (
     Limits,
     Seed,

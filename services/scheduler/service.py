@@ -23,11 +23,11 @@ from aiohttp import web
 
 from services.scheduler.api import build_app
 from services.scheduler.engine.misroute import MisrouteWrite
-from services.scheduler.engine.request import Request
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.event_shipper import EventShipper
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.records.request import Request
 from services.scheduler.session_rebuild import rebuild_sessions
 from services.scheduler.slow_clients import GuardedRunner
 from services.scheduler.tenancy import Tenancy

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionError
-from services.scheduler.sessions.session import Session
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 OPERATOR_PATHS = frozenset({"/flush_cache"})

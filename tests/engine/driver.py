@@ -13,8 +13,8 @@ import numpy as np
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import SamplingParams
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
 from tests.engine.data_model import DataModelExecutor
 
 VOCAB = 256

@@ -8,9 +8,9 @@ import numpy as np
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.sampling import SamplingParams
 from services.scheduler.engine.step import StepPlan
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
 from shared.deferred_ops import apply_to_arrays
 
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.scheduler.engine.request import Request, Status
-from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.records.request import Request, Status
+from services.scheduler.records.sampling import InvalidRequest
 from tests.engine.data_model import reference, state_of
 from tests.engine.driver import VOCAB, Driver
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from services.scheduler.engine.faults import POISON_LOSSES
-from services.scheduler.engine.request import Status
+from services.scheduler.records.request import Status
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_sessions import close_all, text
@@ -70,7 +70,7 @@ def test_a_request_executing_at_two_executor_losses_is_quarantined():
         if loss < POISON_LOSSES:
             assert ended == [] and poison.status is Status.WAITING
     assert poison in ended and other in ended  # both were in the executing step twice
-    assert "quarantined" in poison.finish_reason["message"]
+    assert "quarantined" in poison.finish_reason.message
     assert d.engine.quarantined == 2
     d.assert_idle_clean()
 

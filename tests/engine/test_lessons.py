@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from services.scheduler.allocators.request_slots import admit
-from services.scheduler.engine.request import Status
 from services.scheduler.ownership.errors import OwnershipError, StaleHandle
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.records.request import Status
 from tests.engine.driver import Driver
 from tests.engine.scripted import Scripted
 from tests.engine.test_sessions import abort_mid_decode, close_all, text

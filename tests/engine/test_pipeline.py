@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.scheduler.engine.request import Status
+from services.scheduler.records.request import Status
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_sessions import close_all, text
@@ -82,7 +82,7 @@ def test_a_refused_step_ends_its_requests_and_requeues_those_planned_after_it():
     ended = d.engine.step_refused(first, "Mamba slots [0] must lie in 1..64")
     assert not d.engine.in_flight and all(r.dropped for r in second.rows)
     assert ended == [a] and a.status is Status.ABORTED
-    assert "executor refused the step" in a.finish_reason["message"]
+    assert "executor refused the step" in a.finish_reason.message
     assert b.status is Status.WAITING and b.computed == 0  # re-queued: it re-prefills
     d.run()
     assert b.output == reference(text(7, 2), 4, VOCAB)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from services.scheduler.engine.request import Status
-from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.records.request import Status
+from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.sessions.manager import SessionError
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
@@ -49,7 +49,7 @@ def test_s1_stop_token_keeps_every_computed_position():
     d2 = Driver()
     sid2 = d2.engine.sessions.open().sid
     t1 = d2.run_turn(sid2, text(6, 1), max_new=12, stop_token_ids=(stop,))
-    assert t1.finish_reason["type"] == "stop" and t1.output[-1] == stop
+    assert t1.finish_reason.type == "stop" and t1.output[-1] == stop
     t2 = d2.run_turn(sid2, text(3, 2), max_new=4)
     assert t2.cached_tokens == len(t1.prompt) + len(t1.output) - 1  # the stop token is trimmed
     assert t2.prompt.tolist() == t1.prompt.tolist() + t1.output[:-1] + text(3, 2)

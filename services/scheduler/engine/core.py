@@ -20,9 +20,7 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.faults import lose_device, refuse_step
 from services.scheduler.engine.in_flight import InFlight
-from services.scheduler.engine.request import Request, Status, TurnStart
 from services.scheduler.engine.room import make_room
-from services.scheduler.engine.sampling import InvalidRequest
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.step_builder import StepBudget, grow_kv, pages_to_grow, row_plan
 from services.scheduler.engine.stopping import finish_reason, length_limit
@@ -32,6 +30,9 @@ from services.scheduler.ownership.invariants import (
     InvariantGuard,
     check_integrity,
 )
+from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.request import Request, Status, TurnStart
+from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
 
@@ -321,7 +322,7 @@ class EngineCore:
         if req.session is not None and req.session.turn is req:
             self.sessions.rollback(req, keep_turn=False)
         req.status = Status.ABORTED
-        req.finish_reason = {"type": "abort", "message": req.abort_reason}
+        req.finish_reason = FinishReason("abort", message=req.abort_reason)
         req.slots = None
         self.requests.pop(req.rid, None)
         return req

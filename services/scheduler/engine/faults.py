@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from services.scheduler.engine.request import Request
 from services.scheduler.engine.step import StepPlan
+from services.scheduler.records.request import Request
 
 if TYPE_CHECKING:
     from services.scheduler.engine.core import EngineCore

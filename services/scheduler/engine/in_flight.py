@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.engine.request import Request
 from services.scheduler.engine.step import StepPlan
+from services.scheduler.records.request import Request
 
 PIPELINE_DEPTH = 1  # steps in flight while the next is planned: one per spare working slot
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from services.scheduler.allocators.paged_kv import pages_for
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.engine.request import Request
-from services.scheduler.engine.step import RowPlan
+from services.scheduler.records.request import Request
+from services.scheduler.records.row_plan import RowPlan
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.scheduler.engine.request import Request
+from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.request import Request
 
 
 def finish_reason(
@@ -13,26 +14,26 @@ def finish_reason(
     eos_token_id: int | None,
     context_len: int,
     decode: Callable[[list[int]], str] | None,
-) -> dict | None:
+) -> FinishReason | None:
     """A stop token (its id is `matched`), a stop string (decoded from the output's tail),
     the request's token limit, or the context length; None to go on."""
     if req.params.stops_at(token, eos_token_id):
-        return {"type": "stop", "matched": token}
+        return FinishReason("stop", matched=token)
     if req.params.stop and decode is not None:
         window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode
         tail = decode(req.output[-window:])
         for stop in req.params.stop:
             if stop in tail:
-                return {"type": "stop", "matched": stop}
+                return FinishReason("stop", matched=stop)
     return length_limit(req, context_len)
 
 
-def length_limit(req: Request, context_len: int, pending: int = 0) -> dict | None:
+def length_limit(req: Request, context_len: int, pending: int = 0) -> FinishReason | None:
     """The token limit or the context length, reached once `pending` more tokens are
     sampled: the one way to end that is known before the token is."""
     produced = len(req.output) + pending
     if produced >= req.params.max_new_tokens:
-        return {"type": "length", "length": req.params.max_new_tokens}
+        return FinishReason("length", length=req.params.max_new_tokens)
     if req.length + pending >= context_len:
-        return {"type": "length", "length": produced}
+        return FinishReason("length", length=produced)
     return None

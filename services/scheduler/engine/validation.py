@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.scheduler.engine.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest
 
 
 def check_tokens(tokens: object, vocab_size: int) -> np.ndarray:

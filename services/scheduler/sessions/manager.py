@@ -26,13 +26,13 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots, release
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.engine.request import Request, TurnStart
-from services.scheduler.engine.sampling import InvalidRequest, SamplingParams
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.records.request import Request, TurnStart
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
+from services.scheduler.records.session import Session
 from services.scheduler.sessions.records import DurableRecords
-from services.scheduler.sessions.session import Session
 from shared.deferred_ops import DeferredOps
 
 log = logging.getLogger("custody.sessions")

@@ -19,7 +19,7 @@ from services.scheduler.ownership.lease import new_lease
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
-    from services.scheduler.sessions.session import Session
+    from services.scheduler.records.session import Session
 
 
 class DurableRecords:

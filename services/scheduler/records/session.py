@@ -12,7 +12,7 @@ from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.owners import Owner
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.request import Request
+    from services.scheduler.records.request import Request
 
 
 @dataclass(eq=False)

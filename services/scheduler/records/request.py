@@ -19,12 +19,13 @@ import numpy as np
 
 from services.scheduler.allocators.request_slots import RequestSlots
 from services.scheduler.cache.node import CacheNode
-from services.scheduler.engine.sampling import SamplingParams
 from services.scheduler.ownership.lease import Lease
+from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.step import RowPlan
-    from services.scheduler.sessions.session import Session
+    from services.scheduler.records.row_plan import RowPlan
+    from services.scheduler.records.session import Session
 
 
 class Status(Enum):
@@ -50,7 +51,7 @@ class Request:
     session: Session | None = None
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     slots: RequestSlots | None = None
     cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
     computed: int = 0
@@ -88,8 +89,7 @@ class Request:
     def committed_output(self) -> list[int]:
         """The output as it enters a session's history: a stop token is trimmed unless
         the request asked to keep it."""
-        reason = self.finish_reason or {}
-        matched_token = isinstance(reason.get("matched"), int)
-        if reason.get("type") == "stop" and matched_token and not self.params.no_stop_trim:
+        reason = self.finish_reason
+        if reason is not None and reason.matched_token and not self.params.no_stop_trim:
             return self.output[:-1]
         return list(self.output)
