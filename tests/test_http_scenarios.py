@@ -1,4 +1,4 @@
-"""The streaming-session scenarios of shared/acceptance/scenarios.md through the HTTP API
+"""The streaming-session scenarios of docs/scenarios.md through the HTTP API
 of the real services (S5, trimming an over-allocated tail, has no HTTP trigger and is
 covered on the scheduler core; S11 is the end-to-end test of test_services.py)."""
 

@@ -1,6 +1,7 @@
 """Scheduler core and the real executor together, in one process: a session's turns
 give exactly the tokens of one-shot greedy generations over the whole history (S11 with
-real tensors), an aborted turn keeps the cache (S4), and the ledger is clean at idle."""
+real tensors), an aborted turn keeps the cache (S4), and the ledger is clean at idle.
+Scenario ids are those of docs/scenarios.md."""
 
 import numpy as np
 

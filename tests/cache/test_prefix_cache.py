@@ -1,4 +1,4 @@
-"""Scenarios P1-P3 and P7 of shared/acceptance/scenarios.md on the radix cache."""
+"""Scenarios P1-P3 and P7 of docs/scenarios.md on the radix cache."""
 
 import numpy as np
 

@@ -1,4 +1,5 @@
-"""Scenarios P1 (last part), P4, P5, P6 and P8 through the scheduling core."""
+"""Scenarios P1 (last part), P4, P5, P6 and P8 of docs/scenarios.md through the scheduling
+core."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""Scenarios S1-S11 of shared/acceptance/scenarios.md on the scheduling core."""
+"""Scenarios S1-S11 of docs/scenarios.md on the scheduling core."""
 
 import numpy as np
 import pytest
