@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 
 from custody.inprocess import InProcess
-from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
@@ -26,11 +25,10 @@ def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
     sid = local.engine.sessions.open().sid
     print(f"session {sid}: {turns} turns, {max_new_tokens} new tokens each\n")
     for k, text in enumerate((TURNS * turns)[:turns]):
-        req = Request(
-            f"turn{k}", np.zeros(0, dtype=np.int64), SamplingParams(max_new_tokens=max_new_tokens)
-        )
+        params = SamplingParams(max_new_tokens=max_new_tokens)
         start = time.perf_counter()
-        turn = local.engine.submit_turn(sid, np.asarray(local.tokenizer.encode(text)), req)
+        tokens = np.asarray(local.tokenizer.encode(text))
+        turn = local.engine.submit_turn(sid, tokens, f"turn{k}", params)
         first = None
         while not turn.done:
             local.step()

@@ -23,7 +23,7 @@ log = logging.getLogger("custody.up")
 SERVICES = {
     "session-store": "services.session_store.service",
     "executor": "services.executor.service",
-    "scheduler": "services.scheduler.service",
+    "scheduler": "services.scheduler.main",
 }
 
 

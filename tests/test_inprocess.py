@@ -30,8 +30,8 @@ def one_shot(prompt: list[int], n: int) -> list[int]:
 
 
 def turn(local: InProcess, sid: str, text: str, n: int, rid: str) -> Request:
-    req = Request(rid, np.zeros(0, dtype=np.int64), SamplingParams(max_new_tokens=n))
-    return local.engine.submit_turn(sid, np.asarray(local.tokenizer.encode(text)), req)
+    tokens = np.asarray(local.tokenizer.encode(text))
+    return local.engine.submit_turn(sid, tokens, rid, SamplingParams(max_new_tokens=n))
 
 
 def test_session_turns_equal_one_shot_generation_over_the_history():

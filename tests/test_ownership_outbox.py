@@ -10,8 +10,8 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from services.scheduler.main import Scheduler
 from services.scheduler.ownership.owners import OwnerKind
-from services.scheduler.service import SchedulerService
 from shared import streams
 from shared.redis_server import PrivateRedis
 from shared.wire import decode
@@ -30,22 +30,22 @@ def test_ownership_messages_survive_a_redis_restart_without_a_gap():
     with PrivateRedis(appendonly=True) as server:
 
         async def scenario() -> None:
-            service = SchedulerService(stack_settings(server.url))
+            service = Scheduler(stack_settings(server.url))
             await service.start()
-            pools = service.pools
+            pools = service.engine.pools
             owner = pools.ledger.new_owner(OwnerKind.REQUEST, "r1")
             slot = pools.mamba.alloc_one(owner)
-            await service._ship_events()
+            await service.loop.ship_events()
             server.stop()  # Redis goes away with events waiting to be shipped
             pools.mamba.free_one(slot, owner)
             with pytest.raises((RedisConnectionError, OSError)):
-                await service._ship_events()
-            assert service._outbox  # kept, numbered, for the next attempt
+                await service.loop.ship_events()
+            assert service.outbox.messages  # kept, numbered, for the next attempt
             server.start()
-            await service._ship_events()
-            assert not service._outbox
+            await service.loop.ship_events()
+            assert not service.outbox.messages
             await service.redis.aclose()
-            await service.results.aclose()
+            await service.link.results.aclose()
 
         asyncio.run(scenario())
         seqs = sequence_numbers(server.url)

@@ -10,9 +10,9 @@ import contextlib
 import numpy as np
 import redis
 
+from services.scheduler.main import Scheduler
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.service import SchedulerService
 from shared import streams
 from shared.wire import decode
 from tests.services_harness import stack_settings
@@ -22,10 +22,10 @@ def ownership_messages(client: redis.Redis) -> list[dict]:
     return [decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
 
 
-def started(url: str) -> SchedulerService:
-    service = SchedulerService(stack_settings(url))
+def started(url: str) -> Scheduler:
+    service = Scheduler(stack_settings(url))
     asyncio.get_event_loop().run_until_complete(service.start())
-    service.executor_epoch = "executor-under-test"  # steps are published for it
+    service.link.epoch = "executor-under-test"  # steps are published for it
     return service
 
 
@@ -43,10 +43,10 @@ def test_a_released_sessions_record_is_on_the_stream_before_the_step_that_reuses
     asyncio.set_event_loop(loop)
     service = started(redis_url)
     service.engine.sessions.open("gone")
-    loop.run_until_complete(service._ship_events())
+    loop.run_until_complete(service.loop.ship_events())
     service.engine.sessions.close("gone")
     service.engine.submit(plain("r1"))
-    plan = loop.run_until_complete(service._publish_next())
+    plan = loop.run_until_complete(service.loop.publish_next())
     assert plan is not None and redis_client.xlen(streams.FORWARD) == 1
     records = [
         r for m in ownership_messages(redis_client) if m["kind"] == "sessions" for r in m["records"]
@@ -59,9 +59,9 @@ def test_the_scheduler_announces_its_epoch_for_fencing(redis_url, redis_client):
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     first = started(redis_url)
-    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == first.shipper.epoch
+    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == first.outbox.shipper.epoch
     second = started(redis_url)
-    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == second.shipper.epoch
+    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == second.outbox.shipper.epoch
     loop.close()
 
 
@@ -76,12 +76,12 @@ def test_a_step_that_cannot_be_encoded_fails_only_its_requests(redis_url, redis_
     bad = plain("bad")
     engine.submit(bad)
     bad.params = SamplingParams(max_new_tokens=4, seed=2**70)  # past the edge's checks
-    assert loop.run_until_complete(service._publish_next()) is None
+    assert loop.run_until_complete(service.loop.publish_next()) is None
     assert bad.status is Status.ABORTED and "could not be sent" in bad.finish_reason.message
     assert redis_client.xlen(streams.FORWARD) == 0 and not engine.in_flight
     assert engine.check(idle=True).ok
     engine.submit(plain("good"))
-    assert loop.run_until_complete(service._publish_next()) is not None
+    assert loop.run_until_complete(service.loop.publish_next()) is not None
     loop.close()
 
 
@@ -94,7 +94,7 @@ def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(redis_u
     engine = service.engine
     req = plain("r1")
     engine.submit(req)
-    loop.run_until_complete(service._publish_next())
+    loop.run_until_complete(service.loop.publish_next())
     calls = []
 
     async def broken_step() -> None:
@@ -103,10 +103,10 @@ def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(redis_u
             raise KeyError("a bug in completion")
         raise asyncio.CancelledError  # the second pass ends the test
 
-    service.step = broken_step
+    service.loop.step = broken_step
     with contextlib.suppress(asyncio.CancelledError):
-        loop.run_until_complete(service.loop())
-    assert service.loop_faults == 1 and len(calls) == 2
+        loop.run_until_complete(service.loop.run())
+    assert service.loop.faults == 1 and len(calls) == 2
     assert req.status is Status.WAITING and not engine.in_flight  # re-queued
     assert engine.check().ok
     loop.close()

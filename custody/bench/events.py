@@ -42,7 +42,7 @@ RAW = "custody:raw"
 
 def _producer(url: str, batch: int, seconds: float, ready, out) -> None:
     from services.scheduler.allocators.pools import PoolConfig, Pools
-    from services.scheduler.event_shipper import EventShipper
+    from services.scheduler.runtime.event_shipper import EventShipper
     from services.scheduler.ownership.owners import OwnerKind
 
     client = redis.Redis.from_url(url)

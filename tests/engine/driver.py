@@ -15,6 +15,7 @@ from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
+from shared.wire import result_body
 from tests.engine.data_model import DataModelExecutor
 
 VOCAB = 256
@@ -86,7 +87,10 @@ class Driver:
     def _complete_oldest(self) -> list[Request]:
         engine = self.engine
         oldest = engine.in_flight[0]
-        ended = engine.complete_step(oldest, self.model.run(oldest))
+        sampled = self.model.run(oldest)
+        tokens = list(sampled.values())
+        reply = result_body(oldest.step_id, "", "", list(sampled), tokens, [0.0] * len(tokens))
+        ended = engine.complete(oldest, reply)
         for req in ended:
             self.ended[req.rid] = req
         report = self.engine.check()
@@ -110,12 +114,8 @@ class Driver:
     def turn(
         self, sid: str, tokens, max_new: int = 12, session_params: dict | None = None, **params
     ) -> Request:
-        req = Request(
-            self.rid(),
-            np.zeros(0, dtype=np.int64),
-            SamplingParams(max_new_tokens=max_new, **params),
-        )
-        return self.engine.submit_turn(sid, np.asarray(tokens), req, session_params)
+        params = SamplingParams(max_new_tokens=max_new, **params)
+        return self.engine.submit_turn(sid, np.asarray(tokens), self.rid(), params, session_params)
 
     def run_turn(self, sid: str, tokens, max_new: int = 12, **params) -> Request:
         req = self.turn(sid, tokens, max_new, **params)

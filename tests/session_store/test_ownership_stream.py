@@ -4,8 +4,8 @@ ledger: agreement with the scheduler, faults named, exactly-once across restarts
 import numpy as np
 import pytest
 
-from services.scheduler.event_shipper import EventShipper
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from shared import streams
 from shared.wire import EventBatch, encode, pack_ints

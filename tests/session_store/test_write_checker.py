@@ -14,7 +14,7 @@ import numpy as np
 
 from services.scheduler.engine.misroute import ENV, MisrouteWrite
 from services.scheduler.engine.step import StepPlan
-from services.scheduler.event_shipper import EventShipper
+from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from services.session_store.write_checker import WriteChecker
 from shared import streams

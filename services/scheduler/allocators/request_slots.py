@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.allocators.group_reservation import GroupReservation
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.track_buffer import PingPongTrack
 from services.scheduler.allocators.working_pair import WorkingPair
@@ -50,13 +49,12 @@ def row_state_claims(
     ]
 
 
-def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -> RequestSlots:
+def admit(pools: Pools, rid: str) -> RequestSlots:
     """Row + two working slots + two track slots for request `rid`, all or nothing."""
-    from_pool = 3 + (1 if reservation is None or reservation.remaining == 0 else 0)
     if not pools.req.can_alloc(1):
         raise PoolExhausted("req", 1, pools.req.free_count)
-    if not pools.mamba.can_alloc(from_pool):
-        raise PoolExhausted("mamba", from_pool, pools.mamba.free_count)
+    if not pools.mamba.can_alloc(MAMBA_SLOTS_PER_REQUEST):
+        raise PoolExhausted("mamba", MAMBA_SLOTS_PER_REQUEST, pools.mamba.free_count)
     ledger = pools.ledger
     owner = ledger.new_owner(OwnerKind.REQUEST, rid)
     track_owner = ledger.new_owner(OwnerKind.TRACK, rid)
@@ -64,8 +62,7 @@ def admit(pools: Pools, rid: str, reservation: GroupReservation | None = None) -
     try:
         row = new_lease(pools.req, owner, pools.req.alloc_one(owner, "admit"))
         taken.append(row)
-        slot = reservation.take(owner) if reservation else pools.mamba.alloc_one(owner, "admit")
-        taken.append(new_lease(pools.mamba, owner, slot))
+        taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
         taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
         track_slots = pools.mamba.alloc(2, track_owner, "admit")
         taken.append(new_lease(pools.mamba, track_owner, track_slots))

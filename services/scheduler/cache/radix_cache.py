@@ -7,19 +7,23 @@ has run. Inserting donates the slot holding a request's latest snapshot (ownersh
 moves, nothing is copied). KV eviction takes unlocked leaves, least recently used first;
 Mamba eviction takes the least recently used unlocked state anywhere, turning an inner
 node into a tombstone. No unlocked leaf is ever a tombstone.
+
+Both evictions take from indexes in recency order (lru.py), refiled wherever a node
+changes, so that evicting a node costs the same whatever the size of the tree.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.lru import LruIndex
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.owners import Owner, OwnerKind
@@ -43,6 +47,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         empty = np.zeros(0, dtype=np.int64)
         self.root = CacheNode(self._new_owner(), empty, empty, None, 0, kv_lock=1)
+        self._kv_lru: LruIndex[CacheNode] = LruIndex(attrgetter("kv_time"))
+        self._mamba_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
 
     # ---- lookups ----
     def match(self, tokens: np.ndarray, limit: int) -> Match:
@@ -63,6 +69,7 @@ class RadixCache:
         for n in path:
             n.kv_time = now
         best.mamba_time = now
+        self._index(best)  # of the path, only `best` can be a leaf
         pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
         return Match(best, best.end, pages)
 
@@ -84,6 +91,7 @@ class RadixCache:
             if child is None:
                 break
             child.kv_time = now
+            self._index(child)  # a leaf, or the lower half of the split below
             common = self._common(child.key, tokens[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
@@ -101,16 +109,19 @@ class RadixCache:
             leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
             self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
             node.children[self._edge(leaf.key, 0)] = leaf
+            self._index(node)  # no longer a leaf
             node = leaf
         elif donate is not None and node is not self.root and not node.mamba:
             node.mamba = donate(node.owner)
             node.mamba_time = now
+        self._index(node)
         path = node.path()
         tree_pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
         return node, tree_pages
 
     def _split(self, node: CacheNode, at: int) -> CacheNode:
-        """Cut `node` after `at` tokens; the new upper half is a tombstone."""
+        """Cut `node` after `at` tokens; the new upper half is a tombstone. Neither half
+        changes in the indexes: the upper one is inner and stateless."""
         ps = self.page_size
         parent = node.parent
         upper = CacheNode(
@@ -132,6 +143,7 @@ class RadixCache:
     def lock(self, node: CacheNode) -> None:
         for n in node.path():
             n.kv_lock += 1
+        self._index(node)  # of the path, only `node` can be a leaf
 
     def unlock(self, node: CacheNode) -> None:
         for n in node.path():
@@ -142,37 +154,31 @@ class RadixCache:
 
     def lock_copy(self, node: CacheNode) -> None:
         node.copy_lock += 1
+        self._index(node)
 
     def unlock_copy(self, node: CacheNode) -> None:
         if node.copy_lock <= 0:
             raise RuntimeError(f"copy unlock of {node} without a copy lock")
         node.copy_lock -= 1
+        self._index(node)
         self._prune(node)
 
     # ---- eviction ----
     def evict_kv(self, pages: int) -> int:
-        """Free at least `pages` KV pages from unlocked leaves, LRU first; returns freed."""
-        heap = [(n.kv_time, id(n), n) for n in self.nodes() if self._kv_evictable(n)]
-        heapq.heapify(heap)
+        """Free at least `pages` KV pages from unlocked leaves, LRU first; returns freed.
+        Any node left an unlocked leaf may go in the same call, even above pruned
+        tombstones. Equal stamps (both halves of a split) go in the order filed."""
         freed = 0
-        while freed < pages and heap:
-            _, _, node = heapq.heappop(heap)
+        while freed < pages and (node := self._kv_lru.oldest()) is not None:
             parent = node.parent
             freed += self._remove(node)
             freed += self._prune(parent)
-            if parent.parent is not None and parent.children == {} and self._kv_evictable(parent):
-                heapq.heappush(heap, (parent.kv_time, id(parent), parent))
         return freed
 
     def evict_mamba(self, states: int) -> int:
         """Free `states` Mamba states, LRU first; a leaf goes whole. Returns freed."""
-        order = sorted((n for n in self.nodes() if n.mamba), key=lambda n: n.mamba_time)
         freed = 0
-        for node in order:
-            if freed >= states:
-                break
-            if node.copy_lock or (node.is_leaf and node.kv_lock):
-                continue
+        while freed < states and (node := self._mamba_lru.oldest()) is not None:
             if node.is_leaf:
                 parent = node.parent
                 self._remove(node)
@@ -180,32 +186,40 @@ class RadixCache:
             else:
                 self.pools.mamba.free_one(node.mamba, node.owner, "evict")
                 node.mamba = 0
+                self._index(node)
             freed += 1
         return freed
 
     def _kv_evictable(self, node: CacheNode) -> bool:
-        return node.is_leaf and not node.kv_lock and not node.copy_lock and node is not self.root
+        """An unlocked leaf still in the tree (the root has no parent either)."""
+        return node.parent is not None and node.is_leaf and not node.kv_lock and not node.copy_lock
+
+    def _mamba_evictable(self, node: CacheNode) -> bool:
+        """A state no copy waits on, where freeing it takes no borrowed KV with it."""
+        return bool(node.mamba) and not node.copy_lock and not (node.is_leaf and node.kv_lock)
+
+    def _index(self, node: CacheNode) -> None:
+        """Refile `node` in both eviction indexes after a change to it."""
+        self._kv_lru.update(node, self._kv_evictable(node))
+        self._mamba_lru.update(node, self._mamba_evictable(node))
 
     def _remove(self, node: CacheNode) -> int:
         if node.mamba:
             self.pools.mamba.free_one(node.mamba, node.owner, "evict")
             node.mamba = 0
         self.pools.kv_pages.free(node.pages, node.owner, "evict")
-        del node.parent.children[self._edge(node.key, 0)]
+        parent = node.parent
+        del parent.children[self._edge(node.key, 0)]
         node.parent = None  # marks it removed
+        self._index(node)
+        self._index(parent)  # it may be a leaf now
         self.ledger.retire(node.owner)
         return len(node.pages)
 
     def _prune(self, node: CacheNode) -> int:
         """Remove unlocked tombstone leaves from `node` upwards; returns pages freed."""
         freed = 0
-        while (
-            node.parent is not None
-            and node.is_leaf
-            and not node.mamba
-            and not node.kv_lock
-            and not node.copy_lock
-        ):
+        while self._kv_evictable(node) and not node.mamba:
             parent = node.parent
             freed += self._remove(node)
             node = parent
@@ -252,7 +266,7 @@ class RadixCache:
         return pages
 
     def problems(self) -> list[str]:
-        """Structural invariants of the tree."""
+        """Structural invariants of the tree, and the eviction indexes against a walk."""
         out = []
         for n in self.nodes():
             if len(n.key) % self.page_size or len(n.pages) * self.page_size != len(n.key):
@@ -266,6 +280,8 @@ class RadixCache:
             over_parent = n.parent is not self.root and n.kv_lock > n.parent.kv_lock
             if n.kv_lock < 0 or n.copy_lock < 0 or over_parent:
                 out.append(f"{n}: lock counts inconsistent with parent {n.parent}")
+        out += self._kv_lru.problems(n for n in self.nodes() if self._kv_evictable(n))
+        out += self._mamba_lru.problems(n for n in self.nodes() if self._mamba_evictable(n))
         return out
 
     # ---- helpers ----

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit, release
+from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.completion import complete
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.faults import lose_device, refuse_step
 from services.scheduler.engine.in_flight import InFlight
@@ -32,7 +33,7 @@ from services.scheduler.ownership.invariants import (
 )
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request, Status, TurnStart
-from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
 
@@ -79,14 +80,20 @@ class EngineCore:
         return req
 
     def submit_turn(
-        self, sid: str, new_tokens: np.ndarray, req: Request, session_params: dict | None = None
+        self,
+        sid: str,
+        new_tokens: np.ndarray,
+        rid: str,
+        params: SamplingParams,
+        session_params: dict | None = None,
     ) -> Request:
-        """Queue the next turn of session `sid` (the prompt becomes history + input)."""
+        """Queue the next turn of session `sid` (the prompt becomes history + input; the
+        session builds the request)."""
         tokens = check_tokens(new_tokens, self.config.vocab_size)
-        req.params.validate(self.config.vocab_size)
-        self._check_rid(req.rid)
+        params.validate(self.config.vocab_size)
+        self._check_rid(rid)
         turn = self.sessions.begin_turn(
-            sid, tokens, req.params, req.rid, self.config.context_len, session_params
+            sid, tokens, params, rid, self.config.context_len, session_params
         )
         self.requests[turn.rid] = turn
         self.waiting.append(turn)
@@ -104,7 +111,7 @@ class EngineCore:
         else:
             self._stop(req)
             if req.session is None:
-                self._release(req)
+                req.release(self.pools, self.cache)
         return [self._end_aborted(req)]
 
     # ---- one step ----
@@ -164,8 +171,14 @@ class EngineCore:
                     ended.append(req)
                     continue
             if row.snapshot_slot and row.prefill and req.session is None:
-                self._cache_prefix(req)  # a chunk's state is reachable at once (P6)
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md)
+                self._cache_prefix(req)
         return ended
+
+    def complete(self, plan: StepPlan, result: dict) -> list[Request]:
+        """Apply the executor's reply to `plan` (completion.py); returns the requests
+        that ended."""
+        return complete(self, plan, result)
 
     def step_refused(self, plan: StepPlan, error: str, ops_ran: bool = False) -> list[Request]:
         """The executor refused `plan` (faults.py); returns the requests that ended."""
@@ -222,7 +235,8 @@ class EngineCore:
 
     def _admit(self, req: Request, plan: StepPlan, state: StepBudget) -> int:
         """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
-        fit. Every path out of here either keeps all it took or gives all back (lesson 7)."""
+        fit. Every path out of here either keeps all it took or gives all back (lesson 7,
+        docs/ownership.md)."""
         session = req.session
         if session is not None and session.slots is not None:
             n = min(req.length - session.cached_len, self.config.chunk_size, state.tokens)
@@ -286,7 +300,7 @@ class EngineCore:
             self.sessions.save(req)
         else:
             self._cache_prefix(req)
-            self._release(req)
+            req.release(self.pools, self.cache)
         req.slots = None
         del self.requests[req.rid]
 
@@ -312,12 +326,6 @@ class EngineCore:
             self.cache.unlock(req.cache_node)
         req.cache_node = node
 
-    def _release(self, req: Request) -> None:
-        release(self.pools, req.slots)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-            req.cache_node = None
-
     def _end_aborted(self, req: Request) -> Request:
         if req.session is not None and req.session.turn is req:
             self.sessions.rollback(req, keep_turn=False)
@@ -333,7 +341,7 @@ class EngineCore:
         if req.session is not None:
             self.sessions.rollback(req, keep_turn=True)
         else:
-            self._release(req)
+            req.release(self.pools, self.cache)
             req.slots, req.computed = None, 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)

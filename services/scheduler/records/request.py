@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.scheduler.allocators.request_slots import RequestSlots
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.allocators.request_slots import RequestSlots, release
 from services.scheduler.cache.node import CacheNode
+from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import Lease
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.sampling import SamplingParams
@@ -93,3 +95,12 @@ class Request:
         if reason is not None and reason.matched_token and not self.params.no_stop_trim:
             return self.output[:-1]
         return list(self.output)
+
+    def release(self, pools: Pools, cache: RadixCache) -> None:
+        """Give every slot back and unlock the cache node the row borrows from: the one
+        release path, for a plain request that ends and a turn whose session had no
+        state."""
+        release(pools, self.slots)
+        if self.cache_node is not None:
+            cache.unlock(self.cache_node)
+            self.cache_node = None

@@ -23,7 +23,7 @@ import numpy as np
 
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import RequestSlots, release
+from services.scheduler.allocators.request_slots import RequestSlots
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.invariants import Claim
@@ -135,7 +135,8 @@ class SessionManager(DurableRecords):
 
     @staticmethod
     def check_session_params(params: dict) -> None:
-        """History is append-only: splicing or replacing it is refused (scenario S9)."""
+        """History is append-only: splicing or replacing it is refused (scenario S9,
+        docs/scenarios.md)."""
         rewrites = [k for k in ("offset", "replace", "drop_previous_output") if params.get(k)]
         if params.get("offset") == 0 and "offset" not in rewrites:
             rewrites.append("offset")
@@ -230,7 +231,7 @@ class SessionManager(DurableRecords):
         session.slots = None
         self.dirty.add(session.sid)  # lent: a restarted scheduler must not reuse this state
         row = slots.row.slot
-        self.pools.kv.free_tail(row, session.cached_len, "trim")  # lesson 5
+        self.pools.kv.free_tail(row, session.cached_len, "trim")  # lesson 5, docs/ownership.md
         rollback = new_lease(
             self.pools.mamba, session.owner, self.pools.mamba.alloc_one(session.owner, "rollback")
         )
@@ -244,7 +245,8 @@ class SessionManager(DurableRecords):
         """The turn finished: its state and history become the session's."""
         session = req.session
         row = req.slots.row.slot
-        self.pools.kv.free_tail(row, req.computed, "trim")  # an over-allocated tail (S5)
+        # an over-allocated tail (scenario S5, docs/scenarios.md)
+        self.pools.kv.free_tail(row, req.computed, "trim")
         if req.turn_start is not None and req.turn_start.rollback is not None:
             req.turn_start.rollback.release("turn_done")
         session.slots = handover.save(self.pools, req.slots, session.owner)
@@ -263,7 +265,7 @@ class SessionManager(DurableRecords):
         self.dirty.add(session.sid)
         if req.slots is not None:
             if start is None or start.rollback is None:
-                self._release(req)  # the session had no state: it stays empty
+                req.release(self.pools, self.cache)  # the session had no state: it stays empty
             else:
                 self.pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
                 session.slots = handover.save(self.pools, req.slots, session.owner, start.rollback)
@@ -284,12 +286,6 @@ class SessionManager(DurableRecords):
         return out
 
     # ---- internals ----
-    def _release(self, req: Request) -> None:
-        release(self.pools, req.slots)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-            req.cache_node = None
-
     def _touch(self, session: Session, now: float) -> None:
         """`session` was used at `now`: its expiry deadline moves."""
         session.last_used = now

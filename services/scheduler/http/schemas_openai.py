@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.schema_types import (
+from services.scheduler.http.schema_types import (
     Limits,
     Seed,
     Stop,
@@ -23,6 +22,7 @@ from services.scheduler.schema_types import (
     check_seed,
     stop_strings,
 )
+from services.scheduler.records.sampling import SamplingParams
 
 
 class StreamOptions(Struct):

@@ -12,7 +12,7 @@ import secrets
 
 from aiohttp import web
 
-from services.scheduler.http_common import EVENT_STREAM, error_body
+from services.scheduler.http.common import EVENT_STREAM, error_body
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.sessions.manager import SessionError
 

@@ -5,23 +5,19 @@ key that opened a session may use it)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-import numpy as np
 from aiohttp import web
 
 from services.scheduler.engine.validation import output_budget
-from services.scheduler.limits import check_queue
+from services.scheduler.http.app_keys import FRONT_DOOR
+from services.scheduler.http.limits import check_queue
+from services.scheduler.http.schemas import decode_body
+from services.scheduler.http.tenancy import check_owner
 from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
-from services.scheduler.schemas import decode_body
-from services.scheduler.tenancy import check_owner
-
-if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
-
+from services.scheduler.runtime.front_door import FrontDoor, Progress
 
 T = TypeVar("T")
 
@@ -39,7 +35,6 @@ async def read_body(request: web.Request, schema: type[T]) -> T:
 
 
 def token_limit(
-    service: SchedulerService,
     request: web.Request,
     sid: str | None,
     new_tokens: int,
@@ -49,33 +44,34 @@ def token_limit(
 ) -> int:
     """A request's max_new_tokens (see `output_budget`); a session turn's prompt is the
     session's history plus its new input."""
-    history = 0 if sid is None else own_session(service, request, sid).history.size
-    context_len = service.engine.config.context_len
+    history = 0 if sid is None else own_session(request, sid).history.size
+    context_len = request.app[FRONT_DOOR].context_len
     return output_budget(history, new_tokens, requested, default, context_len, field)
 
 
-def submitter(
-    service: SchedulerService,
+async def run_generation(
     request: web.Request,
+    rid: str,
     tokens: list[int],
+    params: SamplingParams,
     sid: object,
     session_params: dict,
-) -> Callable[[Request], Request]:
-    """How to queue a request: plain, or the next turn of a session the caller owns (with
-    API keys on, a session is visible only to the key that opened it); refused with a 503
-    while the waiting queue is full."""
-    engine = service.engine
-    check_queue(service)
-    if sid is None:
-        return engine.submit
-    own_session(service, request, sid)
-    return lambda r: engine.submit_turn(sid, np.asarray(tokens), r, session_params)
+    progress: Progress | None = None,
+) -> Request:
+    """Run a plain request, or the next turn of a session the caller owns (with API keys
+    on, a session is visible only to the key that opened it), to its end; refused with a
+    503 while the waiting queue is full."""
+    check_queue(request)
+    if sid is not None:
+        own_session(request, sid)
+    door = request.app[FRONT_DOOR]
+    return await door.generate(rid, tokens, params, sid, session_params, progress)
 
 
-def own_session(service: SchedulerService, request: web.Request, sid: object) -> Session:
+def own_session(request: web.Request, sid: object) -> Session:
     if not isinstance(sid, str):
         raise InvalidRequest("a session id must be a string")
-    return check_owner(service.engine.sessions.get(sid), request)
+    return check_owner(request.app[FRONT_DOOR].session(sid), request)
 
 
 class EventStream:
@@ -101,9 +97,9 @@ class EventStream:
 EVENT_STREAM = web.RequestKey("event_stream", EventStream)
 
 
-def output_text(service: SchedulerService, req: Request) -> str:
+def output_text(door: FrontDoor, req: Request) -> str:
     """The decoded output, cut before a matched stop string unless no_stop_trim."""
-    text = service.tokenizer.decode(req.output)
+    text = door.tokenizer.decode(req.output)
     matched = req.finish_reason.matched if req.finish_reason else None
     if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
         text = text[: text.index(matched)]

@@ -7,29 +7,24 @@ by itself)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
+from services.scheduler.http.app_keys import FRONT_DOOR
+from services.scheduler.http.tenancy import CALLER, Refused
 from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionError
-from services.scheduler.tenancy import CALLER, Refused
-
-if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
 
 RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
 
 
-def open_session(
-    service: SchedulerService, request: web.Request, sid: str | None, timeout: float | None
+def open_session_within_limits(
+    request: web.Request, sid: str | None, timeout: float | None
 ) -> Session:
     """A new session of the caller, within the per-key and the global limits."""
-    tenant = request[CALLER].tenant
-    sessions = service.engine.sessions
-    per_key = service.settings.max_sessions_per_key
+    tenant, door = request[CALLER].tenant, request.app[FRONT_DOOR]
+    per_key = door.settings.max_sessions_per_key
     if tenant is not None and per_key:
-        held = sum(1 for s in sessions.sessions.values() if s.tenant == tenant)
+        held = door.sessions_of(tenant)
         if held >= per_key:
             raise Refused(
                 429,
@@ -38,17 +33,17 @@ def open_session(
                 "session_limit",
             )
     try:
-        return sessions.open(sid, timeout, tenant)
+        return door.open_session(sid, timeout, tenant)
     except SessionError as err:
         if err.kind != "limit":
             raise
         raise Refused(429, str(err), "session_limit") from None
 
 
-def check_queue(service: SchedulerService) -> None:
+def check_queue(request: web.Request) -> None:
     """503 with Retry-After while the engine's waiting queue is full (0: no limit)."""
-    limit = service.settings.max_queued_requests
-    waiting = len(service.engine.waiting)
+    door = request.app[FRONT_DOOR]
+    limit, waiting = door.settings.max_queued_requests, door.queued
     if limit and waiting >= limit:
         raise Refused(
             503,

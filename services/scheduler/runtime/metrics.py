@@ -7,7 +7,7 @@ it measures. Latencies are histograms observed as tokens arrive.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
@@ -18,17 +18,21 @@ from prometheus_client.registry import Collector
 from shared import streams
 
 if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.engine.core import EngineCore
+    from services.scheduler.runtime.executor_link import ExecutorLink
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class LiveState(Collector):
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
+    def __init__(self, engine: EngineCore, link: ExecutorLink, loop_faults: Callable[[], int]):
+        self.engine = engine
+        self.link = link
+        self.loop_faults = loop_faults
+        self.stream_lag: dict[str, int] = {}  # read fresh by `SchedulerMetrics.render`
 
     def collect(self) -> Iterator:
-        engine, pools = self.service.engine, self.service.pools
+        engine, pools = self.engine, self.engine.pools
         capacity = GaugeMetricFamily("custody_pool_capacity", "slots in the pool", labels=["pool"])
         free = GaugeMetricFamily("custody_pool_free", "free slots", labels=["pool"])
         held = GaugeMetricFamily(
@@ -69,7 +73,7 @@ class LiveState(Collector):
         yield _counter(
             "custody_executor_restarts",
             "executor losses seen (device state lost)",
-            self.service.executor_losses,
+            self.link.losses,
         )
         yield _counter(
             "custody_quarantined_requests",
@@ -79,12 +83,12 @@ class LiveState(Collector):
         yield _counter(
             "custody_scheduler_loop_faults",
             "faults of the scheduler loop itself, survived by the device-lost path",
-            self.service.loop_faults,
+            self.loop_faults(),
         )
         lag = GaugeMetricFamily(
             "custody_stream_lag_entries", "entries not yet read by a group", labels=["stream"]
         )
-        for stream, entries in self.service.stream_lag.items():
+        for stream, entries in self.stream_lag.items():
             lag.add_metric([stream], entries)
         yield lag
 
@@ -102,10 +106,12 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class SchedulerMetrics:
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
+    """Latency histograms, observed by the intake and the step loop; the live state is
+    registered (`watch`) once those exist."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(LiveState(service))
+        self.live: LiveState | None = None
         self.ttft = Histogram(
             "custody_ttft_seconds", "time to first token", buckets=BUCKETS, registry=self.registry
         )
@@ -129,16 +135,19 @@ class SchedulerMetrics:
             registry=self.registry,
         )
 
-    async def render(self) -> bytes:
+    def watch(self, live: LiveState) -> None:
+        self.live = live
+        self.registry.register(live)
+
+    async def render(self, client: aioredis.Redis) -> bytes:
         """The exposition, with each stream's lag read fresh: entries not yet read, or
         read and not acknowledged, by each consumer group."""
-        client = self.service.redis
         for stream in (streams.OWNERSHIP, streams.FORWARD):
             try:
                 groups = await client.xinfo_groups(stream)
             except aioredis.ResponseError:
                 continue
-            self.service.stream_lag[stream] = sum(
+            self.live.stream_lag[stream] = sum(
                 int(g.get("lag") or 0) + int(g["pending"]) for g in groups
             )
         return generate_latest(self.registry)

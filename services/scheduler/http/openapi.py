@@ -11,8 +11,8 @@ from importlib.metadata import version
 import msgspec
 from aiohttp import web
 
-from services.scheduler import replies
-from services.scheduler.schemas import RequestSchemas
+from services.scheduler.http import replies
+from services.scheduler.http.schemas import RequestSchemas
 
 REF = "#/components/schemas/{name}"
 SESSION_ROUTES = {"/generate", "/close_session", "/v1/completions", "/v1/chat/completions"}

@@ -21,8 +21,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.schema_types import (
+from services.scheduler.http.schema_types import (
     MAX_STOP_TOKEN_IDS,
     Limits,
     Seed,
@@ -33,7 +32,8 @@ from services.scheduler.schema_types import (
     check_seed,
     stop_strings,
 )
-from services.scheduler.schemas_openai import openai_schemas
+from services.scheduler.http.schemas_openai import openai_schemas
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SESSION_ID
 
 MAX_SESSION_TIMEOUT = 7 * 24 * 3600

@@ -1,0 +1,30 @@
+"""The HTTP application: its middlewares (JSON errors, keys and tenancy), what its
+handlers carry (`app_keys.py`), and the route table of the SGLang and OpenAI routes, with
+/openapi.json documenting them all."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.scheduler.http import openai_routes, routes
+from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.errors import errors
+from services.scheduler.http.openapi import add_openapi_route
+from services.scheduler.http.schemas import request_schemas
+from services.scheduler.http.tenancy import Tenancy
+from services.scheduler.http.tenancy import middleware as tenancy_middleware
+from services.scheduler.runtime.front_door import FrontDoor
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:
+    app = web.Application(
+        client_max_size=MAX_BODY, middlewares=[errors, tenancy_middleware(tenancy)]
+    )
+    schemas = request_schemas(door.vocab_size, door.context_len)
+    app[FRONT_DOOR], app[SCHEMAS], app[TENANCY] = door, schemas, tenancy
+    for method, path, handler in routes.ROUTES + openai_routes.ROUTES:
+        app.router.add_route(method, path, handler)
+    add_openapi_route(app, schemas)
+    return app

@@ -1,0 +1,135 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (plain or
+streamed), with `usage.prompt_tokens_details.cached_tokens`.
+
+A session is named with the extension field `session_id`. An agent loop sends its whole
+conversation every time; custody appends to the session only what follows the last
+assistant message (the reply it produced itself), so each turn prefills only its new
+tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.common import (
+    EventStream,
+    output_text,
+    own_session,
+    read_body,
+    run_generation,
+    token_limit,
+)
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import InvalidRequest
+
+if TYPE_CHECKING:
+    from services.scheduler.http.schemas_openai import ChatMessage, OpenAIRequest
+
+MODEL_ID = "custody"
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
+
+
+def render(messages: list[ChatMessage], generation_prompt: bool = True) -> str:
+    """The chat template of the built-in byte-level model."""
+    text = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
+    return text + ("<|assistant|>\n" if generation_prompt else "")
+
+
+def usage(req: Request) -> dict:
+    return {
+        "prompt_tokens": len(req.prompt),
+        "completion_tokens": len(req.output),
+        "total_tokens": len(req.prompt) + len(req.output),
+        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+    }
+
+
+def finish(req: Request) -> str:
+    return "stop" if req.finish_reason and req.finish_reason.type == "stop" else "length"
+
+
+class Reply:
+    """The envelope of one completion or chat completion, whole or as chunks."""
+
+    def __init__(self, rid: str, chat: bool, stream: bool) -> None:
+        self.rid, self.chat, self.stream = rid, chat, stream
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+
+    def choice(self, text: str, reason: str | None) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        part = "message" if reason is not None and not self.stream else "delta"
+        return {"index": 0, "finish_reason": reason, part: {"role": "assistant", "content": text}}
+
+    def body(self, choices: list[dict], **extra: object) -> dict:
+        kind = f"{self.kind}.chunk" if self.stream else self.kind
+        head = {"id": self.rid, "object": kind, "created": self.created, "model": MODEL_ID}
+        return head | {"choices": choices} | extra
+
+
+async def respond(
+    request: web.Request, body: OpenAIRequest, tokens: list[int], chat: bool
+) -> web.StreamResponse:
+    door = request.app[FRONT_DOOR]
+    claim = request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")
+    sid, reply = body.session_id, Reply(claim.shown, chat, body.stream)
+    field, requested = body.requested_tokens()
+    default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
+    if not body.stream:
+        done = await run_generation(request, claim.server, tokens, params, sid, {})
+        choice = reply.choice(output_text(door, done), finish(done))
+        return web.json_response(reply.body([choice], usage=usage(done)))
+    sse, sent = EventStream(request), [0]
+
+    async def progress(r: Request) -> None:
+        new, sent[0] = r.output[sent[0] :], len(r.output)
+        text = door.tokenizer.decode(new)
+        await sse.send(reply.body([reply.choice(text, finish(r) if r.done else None)]))
+
+    done = await run_generation(request, claim.server, tokens, params, sid, {}, progress)
+    if body.include_usage():
+        await sse.send(reply.body([], usage=usage(done)))
+    await sse.send("[DONE]")
+    return sse.response
+
+
+async def models(_: web.Request) -> web.Response:
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "custody"}],
+        }
+    )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request, request.app[SCHEMAS].completions)
+    prompt = body.prompt
+    tokenizer = request.app[FRONT_DOOR].tokenizer
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return await respond(request, body, tokens, False)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request, request.app[SCHEMAS].chat_completions)
+    messages, sid = body.messages, body.session_id
+    if sid is not None and own_session(request, sid).history.size:
+        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        messages = messages[last + 1 :]
+        if not messages:
+            raise InvalidRequest("nothing new after the last assistant message")
+    tokens = request.app[FRONT_DOOR].tokenizer.encode(render(messages))
+    return await respond(request, body, tokens, True)
+
+
+ROUTES = (
+    ("GET", "/v1/models", models),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat),
+)

@@ -1,0 +1,138 @@
+"""The SGLang-compatible routes: sessions, generate (plain or streamed as server-sent
+events), abort, flush, health, model info and metrics. The OpenAI-compatible routes are in
+`openai_routes.py`; the route table and middlewares in `app.py`.
+
+Every refusal is a 4xx with `{"error": {"message", "type"}}` and happens before any slot
+moves; a client that disconnects aborts its request, with the abort semantics of sessions
+(the session keeps its cache). Handlers reach the scheduler only through its front door.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.common import (
+    EventStream,
+    output_text,
+    own_session,
+    read_body,
+    run_generation,
+    token_limit,
+)
+from services.scheduler.http.limits import open_session_within_limits
+from services.scheduler.records.request import Request
+from services.scheduler.runtime.front_door import FrontDoor
+
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+def response_of(door: FrontDoor, req: Request, rid: str, logprobs: bool = False) -> dict:
+    """The SGLang response; `rid` is the client's (the engine's is internal)."""
+    meta = {
+        "id": rid,
+        "finish_reason": msgspec.to_builtins(req.finish_reason),
+        "prompt_tokens": len(req.prompt),
+        "completion_tokens": len(req.output),
+        "cached_tokens": req.cached_tokens,
+    }
+    if logprobs:  # SGLang's shape: [logprob, token id, token text]
+        meta["output_token_logprobs"] = [
+            [lp, tok, door.tokenizer.decode([tok])]
+            for lp, tok in zip(req.logprobs, req.output, strict=False)
+        ]
+    return {"text": output_text(door, req), "output_ids": list(req.output), "meta_info": meta}
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "executor": request.app[FRONT_DOOR].executor_epoch})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await request.app[FRONT_DOOR].metrics()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    s = request.app[FRONT_DOOR].settings
+    return web.json_response(
+        {
+            "model_path": str(s.model) if s.model else "builtin",
+            "context_length": s.context_len,
+            "page_size": s.page_size,
+            "kv_pages": s.kv_pages,
+            "mamba_slots": s.mamba_slots,
+            "max_running_requests": s.max_running_requests,
+        }
+    )
+
+
+async def open_session(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].open_session)
+    session = open_session_within_limits(request, body.session_id, body.timeout)
+    return web.json_response(session.sid)
+
+
+async def close_session(request: web.Request) -> web.Response:
+    sid = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
+    own_session(request, sid)
+    request.app[FRONT_DOOR].close_session(sid)
+    return web.json_response(True)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].abort_request)
+    door = request.app[FRONT_DOOR]
+    targets = request.app[TENANCY].abort_targets(
+        request, body.rid, body.abort_all, door.running_ids()
+    )
+    door.abort(targets)
+    return web.json_response(True)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    request.app[FRONT_DOOR].flush_cache()
+    return web.json_response(True)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request, request.app[SCHEMAS].generate)
+    door = request.app[FRONT_DOOR]
+    tokens = body.input_ids or door.tokenizer.encode(body.text)
+    sampling, sid = body.sampling(), body.session_id()
+    rid = request.app[TENANCY].claim(request, body.rid)
+    limit = token_limit(
+        request,
+        sid,
+        len(tokens),
+        "sampling_params.max_new_tokens",
+        sampling.max_new_tokens,
+        DEFAULT_MAX_NEW_TOKENS,
+    )
+    params, logprobs = sampling.engine_params(limit), body.return_logprob
+    options = body.session_options()
+    if not body.stream:
+        done = await run_generation(request, rid.server, tokens, params, sid, options)
+        return web.json_response(response_of(door, done, rid.shown, logprobs))
+    sse = EventStream(request)
+
+    async def progress(r: Request) -> None:
+        await sse.send(response_of(door, r, rid.shown, logprobs))
+
+    await run_generation(request, rid.server, tokens, params, sid, options, progress)
+    await sse.send("[DONE]")
+    return sse.response
+
+
+ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/metrics", metrics),
+    ("GET", "/get_model_info", model_info),
+    ("POST", "/open_session", open_session),
+    ("POST", "/close_session", close_session),
+    ("POST", "/abort_request", abort_request),
+    ("POST", "/flush_cache", flush_cache),
+    ("POST", "/generate", generate),
+)

@@ -1,0 +1,90 @@
+"""The scheduler's composition root: build the engine and the four parts that drive it
+(intake, step loop, ownership outbox, executor link), the façade the HTTP edge calls,
+and serve. Every other module receives what it needs from here and constructs nothing of
+another's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from services.scheduler.engine.setup import build_engine
+from services.scheduler.http.app import build_app
+from services.scheduler.http.slow_clients import GuardedRunner
+from services.scheduler.http.tenancy import Tenancy
+from services.scheduler.runtime.event_shipper import EventShipper
+from services.scheduler.runtime.executor_link import ExecutorLink
+from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.runtime.intake import Intake
+from services.scheduler.runtime.metrics import LiveState, SchedulerMetrics
+from services.scheduler.runtime.outbox import OwnershipOutbox
+from services.scheduler.runtime.session_rebuild import rebuild_sessions
+from services.scheduler.runtime.step_loop import StepLoop
+from shared import streams
+from shared.config import Settings
+from shared.model_config import ModelConfig, builtin_config
+from shared.tokenizer import load_tokenizer
+
+log = logging.getLogger("custody.scheduler")
+
+
+class Scheduler:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        model = builtin_config() if settings.model is None else ModelConfig.from_dir(settings.model)
+        tokenizer = load_tokenizer(settings.model, model.eos_token_id)
+        self.engine = build_engine(settings, model, tokenizer, strict=False)
+        self.redis = aioredis.from_url(settings.redis_url)
+        shipper = EventShipper(self.engine.pools.ledger)
+        self.link = ExecutorLink(shipper.epoch, settings.executor_timeout_seconds)
+        self.outbox = OwnershipOutbox(
+            self.engine, shipper, settings.stream_maxlen, settings.heartbeat_seconds
+        )
+        metrics = SchedulerMetrics()
+        self.intake = Intake(self.engine, metrics, asyncio.Event())
+        self.loop = StepLoop(
+            settings, self.engine, self.link, self.outbox, self.intake, metrics, self.redis
+        )
+        metrics.watch(LiveState(self.engine, self.link, lambda: self.loop.faults))
+        self.front_door = FrontDoor(
+            settings, tokenizer, self.engine, self.intake, self.link, metrics, self.redis
+        )
+        self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
+
+    async def start(self) -> None:
+        """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
+        # From now on the executor refuses steps of any earlier scheduler life.
+        await self.redis.set(streams.SCHEDULER_EPOCH, self.outbox.shipper.epoch)
+        epoch = await rebuild_sessions(self.redis, self.engine.sessions)
+        if epoch is not None:
+            self.link.epoch = epoch
+        self.outbox.queue_snapshot()
+        await self.loop.flush()
+        await self.link.start(self.settings.redis_url, self.redis)
+
+
+async def serve(settings: Settings) -> None:
+    scheduler = Scheduler(settings)
+    await scheduler.start()
+    app = build_app(scheduler.front_door, scheduler.tenancy)
+    runner = GuardedRunner(app, settings.read_timeout_seconds, settings.keepalive_seconds)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    log.info("API listening on http://%s:%d", settings.host, settings.port)
+    await scheduler.loop.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="custody scheduler service")
+    Settings.add_arguments(parser)
+    settings = Settings.resolve(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The scheduler's view of the executor: which executor life (epoch) is up, reading the
+result of a step from the results stream, and noticing that the executor is gone (its
+alive key expired or names a new epoch), which means its device state is gone too."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from services.scheduler.engine.step import StepPlan
+from shared import streams
+from shared.wire import WireError, decode
+
+log = logging.getLogger("custody.scheduler")
+
+
+class ExecutorLost(Exception):
+    """The executor that was to run a step is gone; `alive` is the epoch up now, if any."""
+
+    def __init__(self, alive: str | None) -> None:
+        super().__init__(f"executor lost; alive now: {alive}")
+        self.alive = alive
+
+
+class ExecutorLink:
+    def __init__(self, scheduler_epoch: str, timeout_seconds: float) -> None:
+        self.scheduler_epoch = scheduler_epoch
+        self.timeout_seconds = timeout_seconds
+        self.epoch: str | None = None  # the executor life steps are published for
+        self.losses = 0
+        self.results: aioredis.Redis | None = None  # its own connection: it blocks
+        self._results_from = "0-0"
+
+    async def start(self, redis_url: str, redis: aioredis.Redis) -> None:
+        """Read results from an explicit id, never "$": a result that lands between
+        publishing a step and starting to read must not be missed."""
+        self.results = aioredis.from_url(redis_url)
+        last = await redis.xrevrange(streams.RESULTS, count=1)
+        self._results_from = last[0][0] if last else "0-0"
+
+    async def alive_epoch(self, redis: aioredis.Redis) -> str | None:
+        alive = await redis.get(streams.EXECUTOR_ALIVE)
+        return alive.decode() if alive else None
+
+    async def await_result(self, redis: aioredis.Redis, plan: StepPlan) -> dict:
+        """The step's result; raises `ExecutorLost` once the executor that was to run it
+        is gone."""
+        deadline = time.monotonic() + self.timeout_seconds
+        while True:
+            reply = await self.results.xread(
+                {streams.RESULTS: self._results_from}, count=8, block=200
+            )
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._results_from = entry_id
+                    msg = self._result_of(fields, plan.step_id)
+                    if msg is not None:
+                        return msg
+            if reply and time.monotonic() < deadline:
+                continue  # results are flowing: ask after the executor only when they stop
+            alive = await self.alive_epoch(redis)
+            if alive == self.epoch:
+                deadline = time.monotonic() + self.timeout_seconds
+            elif time.monotonic() > deadline or alive is not None:
+                log.error("executor %s lost during step %s", self.epoch, plan.step_id)
+                raise ExecutorLost(alive)
+
+    def _result_of(self, fields: dict, step_id: int) -> dict | None:
+        try:
+            msg = decode(fields[b"m"])
+        except (WireError, KeyError):
+            return None
+        mine = (
+            msg.get("step") == step_id
+            and msg.get("scheduler_epoch") == self.scheduler_epoch
+            and msg.get("executor_epoch") == self.epoch
+        )
+        return msg if mine else None

@@ -1,0 +1,115 @@
+"""What the HTTP edge may ask of the scheduler, and nothing more: submit a request or a
+session turn and wait for it, open and close sessions, abort, flush the cache, and read
+what the edge shows (health, model info, metrics). Handlers never reach past this into
+the engine, its sessions, cache or queues; every call that changes state wakes the step
+loop."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from services.scheduler.engine.core import EngineCore
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.session import Session
+from services.scheduler.runtime.executor_link import ExecutorLink
+from services.scheduler.runtime.intake import Intake
+from services.scheduler.runtime.metrics import SchedulerMetrics
+from shared.config import Settings
+from shared.tokenizer import Tokenizer
+
+Progress = Callable[[Request], Awaitable[None]]
+
+
+class FrontDoor:
+    def __init__(
+        self,
+        settings: Settings,
+        tokenizer: Tokenizer,
+        engine: EngineCore,
+        intake: Intake,
+        link: ExecutorLink,
+        metrics: SchedulerMetrics,
+        redis: aioredis.Redis,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._engine = engine
+        self._intake = intake
+        self._link = link
+        self._metrics = metrics
+        self._redis = redis
+
+    # ---- what the edge reads ----
+    @property
+    def context_len(self) -> int:
+        return self._engine.config.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.config.vocab_size
+
+    @property
+    def executor_epoch(self) -> str | None:
+        return self._link.epoch
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to be admitted."""
+        return len(self._engine.waiting)
+
+    def running_ids(self) -> list[str]:
+        """Server ids of every request not yet ended (an operator's abort-all)."""
+        return list(self._engine.requests)
+
+    def session(self, sid: str) -> Session:
+        """An open session; `SessionError` if it is unknown or closed."""
+        return self._engine.sessions.get(sid)
+
+    def sessions_of(self, tenant: str) -> int:
+        return sum(1 for s in self._engine.sessions.sessions.values() if s.tenant == tenant)
+
+    async def metrics(self) -> bytes:
+        return await self._metrics.render(self._redis)
+
+    # ---- what the edge does ----
+    async def generate(
+        self,
+        rid: str,
+        tokens: list[int],
+        params: SamplingParams,
+        sid: str | None = None,
+        session_params: dict | None = None,
+        progress: Progress | None = None,
+    ) -> Request:
+        """Run a plain request, or the next turn of session `sid` (`tokens` are then only
+        its new input), to its end; `progress` is called as tokens arrive."""
+        engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
+        if sid is None:
+            return await self._intake.run(
+                lambda: engine.submit(Request(rid, tokens, params)), progress
+            )
+        return await self._intake.run(
+            lambda: engine.submit_turn(sid, tokens, rid, params, session_params), progress
+        )
+
+    def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
+        return self._engine.sessions.open(sid, timeout, tenant)
+
+    def close_session(self, sid: str) -> None:
+        self._engine.sessions.close(sid)
+        self._intake.wake.set()
+
+    def abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._intake.ended(self._engine.abort(rid, "aborted by request"))
+        self._intake.wake.set()
+
+    def flush_cache(self) -> None:
+        """Evict every unlocked prefix-cache entry."""
+        cache, pools = self._engine.cache, self._engine.pools
+        cache.evict_kv(pools.kv_pages.capacity)
+        cache.evict_mamba(pools.mamba.capacity)

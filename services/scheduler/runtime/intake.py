@@ -1,0 +1,86 @@
+"""Requests on their way in and their clients waiting for the way out: submit, wait for
+tokens and the end, and the latencies each client sees. A finished request is announced
+only once its records are on the ownership stream (`hold`, then `announce` after the
+outbox flushed), so a scheduler restarted after the reply still knows that history."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from services.scheduler.engine.core import EngineCore
+from services.scheduler.records.request import Request
+from services.scheduler.runtime.metrics import SchedulerMetrics
+
+
+class Intake:
+    def __init__(self, engine: EngineCore, metrics: SchedulerMetrics, wake: asyncio.Event) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.wake = wake  # set whenever the step loop has something new to do
+        self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
+        self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
+        self.unannounced: list[Request] = []  # ended, records not yet on the stream
+
+    async def run(
+        self,
+        submit: Callable[[], Request],
+        progress: Callable[[Request], Awaitable[None]] | None = None,
+    ) -> Request:
+        """Submit (`submit` queues the request in the engine, refusing bad input before
+        anything moves) and wait for the end, calling `progress` as tokens arrive; a
+        cancelled wait (the client went away) aborts the request."""
+        submitted = submit()
+        event = asyncio.Event()
+        self.waiters[submitted.rid] = (submitted, event)
+        self.timing[submitted.rid] = [time.monotonic(), None]
+        self.wake.set()
+        try:
+            while not submitted.done or submitted in self.unannounced:
+                await event.wait()
+                event.clear()
+                if progress is not None:
+                    await progress(submitted)
+            return submitted
+        finally:
+            self.waiters.pop(submitted.rid, None)
+            self.timing.pop(submitted.rid, None)
+            if not submitted.done:
+                self.ended(self.engine.abort(submitted.rid, "client disconnected"))
+                self.wake.set()
+
+    def ended(self, requests: list[Request]) -> None:
+        """Tell the clients of `requests` that they ended (records already shipped)."""
+        now = time.monotonic()
+        for req in requests:
+            start = self.timing.get(req.rid)
+            if start is not None:
+                self.metrics.e2e.observe(now - start[0])
+            self._notify(req.rid)
+
+    def hold(self, requests: list[Request]) -> None:
+        """`requests` ended in a step; their clients hear it at the next `announce`."""
+        self.unannounced += requests
+
+    def announce(self) -> None:
+        """The outbox flushed: the held requests' records are on the stream."""
+        held, self.unannounced = self.unannounced, []
+        self.tokens_arrived([req.rid for req in held])
+        self.ended(held)
+
+    def tokens_arrived(self, rids: list[str]) -> None:
+        now = time.monotonic()
+        for rid in rids:
+            seen = self.timing.get(rid)
+            if seen is not None:
+                (self.metrics.ttft if seen[1] is None else self.metrics.itl).observe(
+                    now - (seen[0] if seen[1] is None else seen[1])
+                )
+                seen[1] = now
+            self._notify(rid)
+
+    def _notify(self, rid: str) -> None:
+        waiter = self.waiters.get(rid)
+        if waiter is not None:
+            waiter[1].set()

@@ -1,0 +1,76 @@
+"""The ownership outbox: every ownership message (ledger transfers, changed session
+records, idle counts, snapshots) is numbered by the event shipper and kept here until
+Redis has taken it. A send that fails (Redis restarting) is retried, never skipped: the
+store would see a gap in the sequence (a resent message Redis had taken is a duplicate the
+store drops). A step may ride along in the same round trip, after the ownership messages
+(write-ahead: a slot a session released is never written by a published step before the
+record saying so is on the ownership stream)."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from services.scheduler.engine.core import EngineCore
+from services.scheduler.runtime.event_shipper import EventShipper
+from shared import streams
+
+
+class OwnershipOutbox:
+    def __init__(
+        self,
+        engine: EngineCore,
+        shipper: EventShipper,
+        stream_maxlen: int,
+        snapshot_check_seconds: float,
+    ) -> None:
+        self.engine = engine
+        self.shipper = shipper
+        self.stream_maxlen = stream_maxlen
+        self.snapshot_check_seconds = snapshot_check_seconds
+        self.messages: list[bytes] = []  # numbered, not yet on the stream
+        self._was_idle = True
+        self._next_snapshot_check = 0.0
+
+    def queue_ownership(self, executor_epoch: str | None) -> None:
+        """The ledger's new transfers and the changed session records."""
+        shipped = self.shipper.batch()
+        if shipped is not None:
+            self.messages.append(shipped[0])
+        records = self.engine.sessions.take_records()
+        if records:
+            self.messages.append(self.shipper.sessions(records, executor_epoch))
+
+    def queue_snapshot(self) -> None:
+        self.messages.append(self.shipper.snapshot())
+
+    async def queue_all(self, redis: aioredis.Redis, executor_epoch: str | None) -> None:
+        """Drain the ledger and, on becoming idle, take its counts, with no await in
+        between: an API handler running during an await could move slots, and the idle
+        counts would then be ahead of the events shipped before them. Once a heartbeat,
+        a snapshot if the store asked for one."""
+        self.queue_ownership(executor_epoch)
+        idle = self.engine.idle
+        if idle and not self._was_idle:
+            self.messages.append(self.shipper.idle(self.engine.audit().counts))
+        self._was_idle = idle
+        if time.monotonic() >= self._next_snapshot_check:
+            self._next_snapshot_check = time.monotonic() + self.snapshot_check_seconds
+            if await redis.exists(streams.SNAPSHOT_WANTED):
+                self.queue_snapshot()
+
+    async def flush(self, redis: aioredis.Redis, step: bytes | None = None) -> None:
+        """Every message not yet on the stream, in order, then `step` on the forward
+        stream, in one round trip; a message leaves the outbox only once Redis took it."""
+        if not self.messages and step is None:
+            return
+        pipe = redis.pipeline(transaction=False)
+        for message in self.messages:
+            pipe.xadd(
+                streams.OWNERSHIP, {"m": message}, maxlen=self.stream_maxlen, approximate=True
+            )
+        if step is not None:
+            pipe.xadd(streams.FORWARD, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
+        await pipe.execute()
+        self.messages.clear()
