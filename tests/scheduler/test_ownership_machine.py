@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.scheduler.allocators import handover
-from services.scheduler.allocators.group_reservation import GroupReservation
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.allocators.request_slots import RequestSlots, admit, release
 from services.scheduler.ownership.errors import PoolExhausted
@@ -42,7 +41,6 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.running: list[RequestSlots] = []
         self.sessions: list[handover.SessionSlots] = []
         self.cache: list[tuple[Owner, int]] = []
-        self.reservations: list[GroupReservation] = []
         self.serial = 0
 
     def _name(self) -> str:
@@ -64,11 +62,10 @@ class OwnershipMachine(RuleBasedStateMachine):
             assert np.array_equal(a, b), "a failed operation changed state"
 
     # ---- requests ----
-    @rule(use_reservation=st.booleans())
-    def admit_request(self, use_reservation):
-        reservation = self.reservations[0] if use_reservation and self.reservations else None
+    @rule()
+    def admit_request(self):
         with contextlib.suppress(PoolExhausted):
-            self.running.append(admit(self.pools, self._name(), reservation))
+            self.running.append(admit(self.pools, self._name()))
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -162,7 +159,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.sessions.remove(sess)
         handover.close(self.pools, sess)
 
-    # ---- cache and reservations ----
+    # ---- cache ----
     @precondition(lambda self: self.cache)
     @rule(data=st.data())
     def evict(self, data):
@@ -171,24 +168,12 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.pools.mamba.free_one(slot, node, "evict")
         self.pools.ledger.retire(node)
 
-    @rule(want=st.integers(0, 4))
-    def open_reservation(self, want):
-        self.reservations.append(
-            GroupReservation(self.pools.ledger, self.pools.mamba, want, self._name())
-        )
-
-    @precondition(lambda self: self.reservations)
-    @rule()
-    def close_reservation(self):
-        self.reservations.pop(0).close()
-
     # ---- checks ----
     def claims(self) -> list:
         p = self.pools
         claims = [c for r in self.running for c in r.claims(p)]
         claims += [c for s in self.sessions for c in s.claims(p)]
         claims += [(node, "mamba", [slot]) for node, slot in self.cache]
-        claims += [(g.owner, "mamba", g._slots) for g in self.reservations]
         return claims
 
     @invariant()
@@ -207,8 +192,6 @@ class OwnershipMachine(RuleBasedStateMachine):
         for node, slot in self.cache:
             self.pools.mamba.free_one(slot, node, "evict")
             self.pools.ledger.retire(node)
-        for g in self.reservations:
-            g.close()
         report = assert_clean(self.pools, [], idle=True)
         for name, pool in self.pools.ledger.pools.items():
             assert report.counts[name]["free"] == pool.capacity
