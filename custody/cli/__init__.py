@@ -1,0 +1,111 @@
+"""The `custody` command.
+
+Parsing imports nothing heavy: each subcommand imports what it needs in its handler, so
+`custody up` (a supervisor of child processes) never loads torch or a benchmark. The
+command is a package of its own, above the rest of custody: the benchmarks and the soak
+build on `custody.up`, and only this package imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from shared.config import Settings
+
+# The choices of `custody bench`, known without importing the benchmarks (torch); a test
+# checks them against `benchmarks()`.
+BENCHMARK_NAMES = ("allocators", "e2e", "events", "executor", "sessions")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's arguments; apart from `main` so a test can parse `up` in a
+    fresh interpreter and see that nothing heavy was loaded."""
+    parser = argparse.ArgumentParser(prog="custody", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="measure custody side by side with its references")
+    bench.add_argument("name", nargs="?", choices=BENCHMARK_NAMES, help="one (default: all)")
+    bench.add_argument("--json", action="store_true", help="print the combined JSON object")
+    bench.add_argument("--repeats", type=int, default=7, help="repeats per figure (median)")
+    demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
+    demo.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a NemotronH checkpoint directory (default: the built-in tiny model)",
+    )
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    soak = sub.add_parser("soak", help="concurrent sessions, aborts and faults; then checks")
+    soak.add_argument("--duration", type=float, default=180.0, help="seconds of load")
+    soak.add_argument("--chaos", action="store_true", help="kill services, restart Redis")
+    soak.add_argument("--json", action="store_true")
+    up = sub.add_parser("up", help="start Redis (unless given) and the three services")
+    Settings.add_arguments(up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, then hand over to the subcommand's handler (which imports what it needs)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"bench": _bench, "demo": _demo, "soak": _soak, "up": _up}
+    return handlers[args.command](parser, args)
+
+
+def _up(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from custody import up
+
+    try:
+        settings = Settings.resolve(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return up.run(settings)
+
+
+def _soak(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from custody import soak
+
+    if args.duration <= 0:
+        parser.error("--duration must be > 0")
+    return soak.run(args.duration, args.chaos, args.json)
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from custody import demo
+
+    if args.turns < 1 or args.max_new_tokens < 1:
+        parser.error("--turns and --max-new-tokens must be >= 1")
+    return demo.run(args.model, args.turns, args.max_new_tokens)
+
+
+def benchmarks() -> dict[str, Callable[[int], dict]]:
+    """Each benchmark's entry point (repeats -> result with a markdown "table"); imports
+    them all, torch included."""
+    from custody.bench import allocators, e2e, events, executor, sessions
+
+    return {
+        "allocators": allocators.run,
+        "e2e": e2e.run,
+        "events": events.run,
+        "executor": executor.run,
+        "sessions": sessions.run,
+    }
+
+
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    runs = benchmarks()
+    names = [args.name] if args.name else list(BENCHMARK_NAMES)
+    combined = {}
+    for name in names:
+        result = runs[name](args.repeats)
+        combined[name] = {k: v for k, v in result.items() if k != "table"}
+        if not args.json:
+            print(f"## {name}\n\n{result['table']}\n")
+    if args.json:
+        print(json.dumps(combined[names[0]] if len(names) == 1 else combined, indent=2))
+    return 0
