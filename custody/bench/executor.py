@@ -27,8 +27,8 @@ import torch
 
 from custody.bench.harness import RESULTS_DIR, progress, table, write_results
 from custody.bench.harness import Row as ResultRow
-from services.executor.batch import Row
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.batch import Row
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model
 from shared.deferred_ops import DeferredOps

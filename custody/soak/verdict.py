@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 
 from custody.soak.client import call
-from services.executor.batch import ForwardBatch, Row
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.batch import ForwardBatch, Row
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.weights import load_model
 
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
-from services.executor.batch import ForwardBatch, Row, to_device
+from services.executor.model.batch import ForwardBatch, Row, to_device
 from services.executor.model.nemotron_h import NemotronH
-from services.executor.pools import DevicePools
+from services.executor.model.pools import DevicePools
 from services.executor.sampling import sample
 from shared.deferred_ops import DeferredOps, DeferredOpsError
 

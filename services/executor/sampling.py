@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.batch import Row
+from services.executor.model.batch import Row
 
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy
 

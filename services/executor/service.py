@@ -20,9 +20,9 @@ import redis
 import torch
 from prometheus_client import Counter, Histogram, start_http_server
 
-from services.executor.batch import Row
 from services.executor.fence import SchedulerFence
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.batch import Row
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
 from services.executor.weights import load_model

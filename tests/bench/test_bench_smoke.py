@@ -33,7 +33,7 @@ def test_executor_decode_gives_the_same_tokens_as_transformers():
     import torch
 
     from custody.bench import executor as ex
-    from services.executor.pools import DevicePools, PoolSizes
+    from services.executor.model.pools import DevicePools, PoolSizes
     from services.executor.runner import ModelRunner
     from services.executor.weights import builtin_model
 
@@ -46,3 +46,10 @@ def test_executor_decode_gives_the_same_tokens_as_transformers():
     runner = ModelRunner(model, DevicePools(model.cfg, sizes, torch.device("cpu")))
     assert ex._same_tokens(runner, hf, 2)
     assert ex._logit_diff(runner, hf) < 1e-4
+
+
+def test_the_cli_knows_every_benchmark_without_importing_one():
+    """`custody bench`'s choices are listed without torch; they must name every entry."""
+    from custody.cli import BENCHMARK_NAMES, benchmarks
+
+    assert sorted(benchmarks()) == sorted(BENCHMARK_NAMES)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from services.executor.batch import ForwardBatch, Row
+from services.executor.model.batch import ForwardBatch, Row
 from services.executor.model.nemotron_h import NemotronH
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.weights import load_model
 
 LAYERS = [

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from services.executor.batch import Row
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.batch import Row
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model, load_model
 from shared.deferred_ops import DeferredOps

@@ -4,7 +4,7 @@ whether a failing step's ops ran."""
 import pytest
 import torch
 
-from services.executor.batch import Row
+from services.executor.model.batch import Row
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from shared.deferred_ops import DeferredOps
 from tests.executor.oracle import (

@@ -4,7 +4,7 @@ parameter or logit that makes the distribution NaN or empty."""
 import pytest
 import torch
 
-from services.executor.batch import Row, Sampling
+from services.executor.model.batch import Row, Sampling
 from services.executor.sampling import SamplingError, sample
 
 g = torch.Generator().manual_seed(0)

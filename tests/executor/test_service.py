@@ -11,9 +11,9 @@ import redis
 import torch
 from prometheus_client import REGISTRY
 
-from services.executor.batch import Row
 from services.executor.fence import SchedulerFence
-from services.executor.pools import DevicePools
+from services.executor.model.batch import Row
+from services.executor.model.pools import DevicePools
 from services.executor.runner import ModelRunner
 from services.executor.service import ExecutorService
 from shared import streams

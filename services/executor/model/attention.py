@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.batch import ForwardBatch, to_device
-from services.executor.pools import DevicePools
+from services.executor.model.batch import ForwardBatch, to_device
+from services.executor.model.pools import DevicePools
 from shared.model_config import ModelConfig
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.batch import ForwardBatch, Row
+from services.executor.model.batch import ForwardBatch, Row
 from services.executor.model.layers import GatedRMSNorm
+from services.executor.model.pools import DevicePools
 from services.executor.model.ssd import chunked_scan, recurrent_step
-from services.executor.pools import DevicePools
 from shared.model_config import ModelConfig
 
 

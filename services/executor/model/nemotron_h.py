@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.executor.batch import ForwardBatch
 from services.executor.model.attention import Attention
+from services.executor.model.batch import ForwardBatch
 from services.executor.model.layers import MLP, RMSNorm
 from services.executor.model.mamba2 import Mamba2Mixer
-from services.executor.pools import DevicePools
+from services.executor.model.pools import DevicePools
 from shared.model_config import ModelConfig
 
 
