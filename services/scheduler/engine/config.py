@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.allocators.pools import PoolConfig
+from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,7 +18,15 @@ class EngineConfig:
     track_interval: int = 64  # decode snapshot interval (multiple of the page)
     max_sessions: int | None = None  # sessions open at once; None: no limit
 
-    def check(self, page_size: int) -> None:
+    def check(self, pools: PoolConfig) -> None:
+        """Refuse settings the pools cannot serve."""
+        page_size = pools.page_size
+        if self.context_len > pools.max_context:
+            raise ValueError("context_len exceeds the row table's max_context")
+        if pools.kv_pages * page_size < self.context_len:
+            raise ValueError("the KV pool must hold at least one request of context_len")
+        if pools.mamba_slots < MAMBA_SLOTS_PER_REQUEST + 1:
+            raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
         for name in ("chunk_size", "track_interval"):
             if getattr(self, name) % page_size:
                 raise ValueError(f"{name} must be a multiple of the page size {page_size}")

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.admission import admit_waiting
 from services.scheduler.engine.completion import complete
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.faults import lose_device, refuse_step
@@ -32,7 +32,7 @@ from services.scheduler.ownership.invariants import (
     check_integrity,
 )
 from services.scheduler.records.finish import FinishReason
-from services.scheduler.records.request import Request, Status, TurnStart
+from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
@@ -46,13 +46,7 @@ class EngineCore:
         strict: bool = True,
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
-        config.check(pools.config.page_size)
-        if config.context_len > pools.config.max_context:
-            raise ValueError("context_len exceeds the row table's max_context")
-        if pools.config.kv_pages * pools.config.page_size < config.context_len:
-            raise ValueError("the KV pool must hold at least one request of context_len")
-        if pools.config.mamba_slots < MAMBA_SLOTS_PER_REQUEST + 1:
-            raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
+        config.check(pools.config)
         self.pools = pools
         self.config = config
         self.decode = decode  # detokenizer, for stop strings
@@ -127,7 +121,7 @@ class EngineCore:
                 if n:
                     chosen.append((req, n))
         while self.waiting and state.tokens > 0:
-            n = self._admit(self.waiting[0], plan, state)
+            n = admit_waiting(self, self.waiting[0], plan, state)
             if not n:
                 break
             req = self.waiting.popleft()
@@ -224,7 +218,7 @@ class EngineCore:
             return 0
         need = pages_to_grow(self.pools.config.page_size, req.planned, n)
         planned = {id(r) for r, _ in chosen}
-        while not self._room(need + state.pages, 0, 0):
+        while not self.make_room(need + state.pages, 0, 0):
             victims = [r for r in reversed(self.running) if r is not req and id(r) not in planned]
             if not victims:
                 self.retract(req)
@@ -233,53 +227,9 @@ class EngineCore:
         state.take(n, need)
         return n
 
-    def _admit(self, req: Request, plan: StepPlan, state: StepBudget) -> int:
-        """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
-        fit. Every path out of here either keeps all it took or gives all back (lesson 7,
-        docs/ownership.md)."""
-        session = req.session
-        if session is not None and session.slots is not None:
-            n = min(req.length - session.cached_len, self.config.chunk_size, state.tokens)
-            need = pages_to_grow(self.pools.config.page_size, session.cached_len, n)
-            if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
-                return 0
-            req.slots = self.sessions.restore(req, plan.ops)
-            state.take(n, need)
-            return n
-        match = self.cache.match(req.sequence, req.length - 1)
-        node = match.node if match.length else None
-        if node is not None:
-            self.cache.lock(node)
-            self.cache.lock_copy(node)  # the copy source survives any eviction below
-        n = min(req.length - match.length, self.config.chunk_size, state.tokens)
-        need = pages_to_grow(
-            self.pools.config.page_size, match.length, n
-        )  # a match ends on a page boundary
-        if not self._room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
-            if node is not None:
-                self.cache.unlock_copy(node)
-                self.cache.unlock(node)
-            return 0
-        req.slots = admit(self.pools, req.rid)
-        self.cache_queries += 1
-        self.cache_hits += bool(match.length)
-        self.cache_hit_tokens += match.length
-        working = req.slots.state.current.slot
-        if node is not None:
-            self.pools.kv.borrow(req.slots.row.slot, match.pages)
-            req.slots.borrowed = match.length
-            plan.ops.copy(node.mamba, working, req.slots.owner.id)
-            plan.copy_sources.append(node)
-        else:
-            plan.ops.clear(working, req.slots.owner.id)
-        req.cache_node = node
-        req.computed = req.cached_tokens = match.length
-        if session is not None:
-            req.turn_start = TurnStart(0, None)
-        state.take(n, need)
-        return n
-
-    def _room(self, pages: int, mamba: int, rows: int, drop_sessions: bool = True) -> bool:
+    def make_room(self, pages: int, mamba: int, rows: int, drop_sessions: bool = True) -> bool:
+        """Free what is needed, evicting the cache and dropping idle sessions' state
+        (room.py); False if even that cannot."""
         return make_room(self.pools, self.cache, self.sessions, pages, mamba, rows, drop_sessions)
 
     def _check_rid(self, rid: str) -> None:
@@ -310,7 +260,7 @@ class EngineCore:
         snap = track.latest_snapshot()
         if snap is None or snap.seq_len <= req.slots.borrowed:
             return
-        if not self._room(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
+        if not self.make_room(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
             return
         row = req.slots.row.slot
         node, tree_pages = self.cache.insert(

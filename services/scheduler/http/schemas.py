@@ -21,17 +21,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from services.scheduler.http.schema_types import (
-    MAX_STOP_TOKEN_IDS,
-    Limits,
-    Seed,
-    Stop,
-    Temperature,
-    Text,
-    TopP,
-    check_seed,
-    stop_strings,
-)
+from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SESSION_ID
@@ -65,11 +55,53 @@ class RequestSchemas:
         return [getattr(self, f.name) for f in fields(self)]
 
 
+class SessionParams(Struct):
+    """The session a turn continues. Its history is append-only: offset, replace and
+    drop_previous_output are refused with a 400 that says so."""
+
+    id: str | None = None
+    offset: int | None = None
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+class OpenSessionRequest(Struct):
+    """A new streaming session, its id chosen by the caller or by custody."""
+
+    session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
+    timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
+
+
+class CloseSessionRequest(Struct):
+    session_id: str
+
+
+class AbortRequest(Struct):
+    """One request by id, or every request."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
 def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
     """The structs of the SGLang and OpenAI bodies, bounded for this deployment."""
-    limits = Limits(vocab_size, context_len)
-    TopK = Annotated[int, Meta(ge=-1, le=vocab_size, extra_json_schema={"not": {"const": 0}})]
-    StopTokenIds = Annotated[list[limits.token], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+    limits = st.Limits(vocab_size, context_len)
+    completions, chat = openai_schemas(limits)
+    return RequestSchemas(
+        Annotated[generate_schema(limits), Meta(extra_json_schema=ONE_INPUT)],
+        OpenSessionRequest,
+        CloseSessionRequest,
+        AbortRequest,
+        completions,
+        chat,
+    )
+
+
+def sampling_schema(limits: st.Limits) -> type:
+    """SGLang's sampling parameters, bounded by the vocabulary and context."""
+    vocab = limits.vocab_size
+    TopK = Annotated[int, Meta(ge=-1, le=vocab, extra_json_schema={"not": {"const": 0}})]
+    StopTokenIds = Annotated[list[limits.token], Meta(max_length=st.MAX_STOP_TOKEN_IDS)]
 
     class GenerateSamplingParams(Struct):
         """SGLang's sampling parameters. An absent or null max_new_tokens is the route's
@@ -77,11 +109,11 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         beside the prompt is refused."""
 
         max_new_tokens: limits.max_tokens | None = None
-        temperature: Temperature = 0.0
-        top_p: TopP = 1.0
+        temperature: st.Temperature = 0.0
+        top_p: st.TopP = 1.0
         top_k: TopK = -1
-        seed: Seed | None = None
-        stop: Stop | None = None
+        seed: st.Seed | None = None
+        stop: st.Stop | None = None
         stop_token_ids: StopTokenIds | None = None
         ignore_eos: bool = False
         no_stop_trim: bool = False
@@ -89,7 +121,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         def __post_init__(self) -> None:
             if self.top_k == 0:
                 raise ValueError("sampling_params.top_k must be -1 (off) or at least 1, got 0")
-            check_seed("sampling_params.seed", self.seed)
+            st.check_seed("sampling_params.seed", self.seed)
 
         def engine_params(self, max_new_tokens: int) -> SamplingParams:
             return SamplingParams(
@@ -99,26 +131,24 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
                 top_k=self.top_k,
                 seed=self.seed,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
-                stop=stop_strings(self.stop),
+                stop=st.stop_strings(self.stop),
                 ignore_eos=self.ignore_eos,
                 no_stop_trim=self.no_stop_trim,
             )
 
-    class SessionParams(Struct):
-        """The session a turn continues. Its history is append-only: offset, replace and
-        drop_previous_output are refused with a 400 that says so."""
+    return GenerateSamplingParams
 
-        id: str | None = None
-        offset: int | None = None
-        replace: bool | None = None
-        drop_previous_output: bool | None = None
+
+def generate_schema(limits: st.Limits) -> type:
+    """SGLang's /generate body, bounded by the vocabulary and context."""
+    Sampling = sampling_schema(limits)
 
     class GenerateRequest(Struct):
         """SGLang's /generate: text or input_ids, not both."""
 
-        text: Text | None = None
+        text: st.Text | None = None
         input_ids: limits.input_ids | None = None
-        sampling_params: GenerateSamplingParams | None = None
+        sampling_params: Sampling | None = None
         session_params: SessionParams | None = None
         rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
         stream: bool = False
@@ -129,8 +159,8 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
                 raise ValueError("give exactly one of text (a string) and input_ids (token ids)")
             limits.check_input("input_ids", self.input_ids)
 
-        def sampling(self) -> GenerateSamplingParams:
-            return self.sampling_params or GenerateSamplingParams()
+        def sampling(self) -> Sampling:
+            return self.sampling_params or Sampling()
 
         def session_id(self) -> str | None:
             return None if self.session_params is None else self.session_params.id
@@ -139,30 +169,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
             params = self.session_params
             return {} if params is None else msgspec.structs.asdict(params)
 
-    class OpenSessionRequest(Struct):
-        """A new streaming session, its id chosen by the caller or by custody."""
-
-        session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
-        timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
-
-    class CloseSessionRequest(Struct):
-        session_id: str
-
-    class AbortRequest(Struct):
-        """One request by id, or every request."""
-
-        rid: str | None = None
-        abort_all: bool = False
-
-    completions, chat = openai_schemas(limits)
-    return RequestSchemas(
-        Annotated[GenerateRequest, Meta(extra_json_schema=ONE_INPUT)],
-        OpenSessionRequest,
-        CloseSessionRequest,
-        AbortRequest,
-        completions,
-        chat,
-    )
+    return GenerateRequest
 
 
 def decode_body(raw: bytes, schema: type[T]) -> T:

@@ -1,0 +1,62 @@
+"""Admission: what a waiting request takes when it starts running. A session turn whose
+session holds state takes that state over (with a rollback copy); any other request
+matches the prefix cache, borrows the matched KV pages and copies the matched Mamba state
+into a fresh working slot (a deferred copy whose source stays locked until it ran), or
+starts from a cleared slot."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
+from services.scheduler.engine.step import StepPlan
+from services.scheduler.engine.step_builder import StepBudget, pages_to_grow
+from services.scheduler.records.request import Request, TurnStart
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.core import EngineCore
+
+
+def admit_waiting(engine: EngineCore, req: Request, plan: StepPlan, state: StepBudget) -> int:
+    """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
+    fit. Every path out of here either keeps all it took or gives all back (lesson 7,
+    docs/ownership.md)."""
+    session = req.session
+    if session is not None and session.slots is not None:
+        n = min(req.length - session.cached_len, engine.config.chunk_size, state.tokens)
+        need = pages_to_grow(engine.pools.config.page_size, session.cached_len, n)
+        if not engine.make_room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
+            return 0
+        req.slots = engine.sessions.restore(req, plan.ops)
+        state.take(n, need)
+        return n
+    match = engine.cache.match(req.sequence, req.length - 1)
+    node = match.node if match.length else None
+    if node is not None:
+        engine.cache.lock(node)
+        engine.cache.lock_copy(node)  # the copy source survives any eviction below
+    n = min(req.length - match.length, engine.config.chunk_size, state.tokens)
+    need = pages_to_grow(engine.pools.config.page_size, match.length, n)  # match: page-aligned
+    if not engine.make_room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
+        if node is not None:
+            engine.cache.unlock_copy(node)
+            engine.cache.unlock(node)
+        return 0
+    req.slots = admit(engine.pools, req.rid)
+    engine.cache_queries += 1
+    engine.cache_hits += bool(match.length)
+    engine.cache_hit_tokens += match.length
+    working = req.slots.state.current.slot
+    if node is not None:
+        engine.pools.kv.borrow(req.slots.row.slot, match.pages)
+        req.slots.borrowed = match.length
+        plan.ops.copy(node.mamba, working, req.slots.owner.id)
+        plan.copy_sources.append(node)
+    else:
+        plan.ops.clear(working, req.slots.owner.id)
+    req.cache_node = node
+    req.computed = req.cached_tokens = match.length
+    if session is not None:
+        req.turn_start = TurnStart(0, None)
+    state.take(n, need)
+    return n
