@@ -42,8 +42,8 @@ RAW = "custody:raw"
 
 def _producer(url: str, batch: int, seconds: float, ready, out) -> None:
     from services.scheduler.allocators.pools import PoolConfig, Pools
-    from services.scheduler.runtime.event_shipper import EventShipper
     from services.scheduler.ownership.owners import OwnerKind
+    from services.scheduler.runtime.event_shipper import EventShipper
 
     client = redis.Redis.from_url(url)
     pools = Pools(PoolConfig(kv_pages=1024, mamba_slots=1024, max_running_requests=256))

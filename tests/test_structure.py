@@ -1,0 +1,202 @@
+"""The shape of the code, checked so it cannot drift back: packages (folders) import one
+another in one direction only, files and functions stay short enough to read, and the
+`custody` command parses its arguments and spawns services without loading torch.
+
+Each check comes with a self-check on a known case, so a walker that silently sees
+nothing cannot pass for clean code."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("services", "shared", "custody", "kernels")
+MAX_FILE_LINES = 350
+MAX_FUNCTION_LINES = 60
+DRIVERS = ("custody/bench/", "custody/soak/")  # benchmark and soak drivers: long by nature
+
+Edges = dict[tuple[str, str], list[str]]  # (from package, to package) -> "file:line"
+
+
+def product_files() -> Iterator[Path]:
+    for top in OURS:
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def module_file(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def package_of(path: Path) -> str:
+    """A module's package is its folder; an `__init__.py` belongs to its own folder."""
+    return ".".join(path.parent.relative_to(ROOT).parts)
+
+
+def imported_modules(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) for every absolute import of ours, at any level of the code:
+    `import a.b` imports a.b; `from a.b import c` imports a.b.c when that is a module,
+    else a.b (c is a name in it)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = {
+                f"{node.module}.{alias.name}"
+                if module_file(f"{node.module}.{alias.name}")
+                else node.module
+                for alias in node.names
+            }
+        else:
+            continue
+        for name in sorted(names):
+            if name.split(".")[0] in OURS and module_file(name):
+                yield node.lineno, name
+
+
+def package_edges(files: Iterator[Path]) -> Edges:
+    edges: Edges = {}
+    for path in files:
+        source = package_of(path)
+        for line, module in imported_modules(ast.parse(path.read_text())):
+            target = package_of(module_file(module))
+            if target != source:
+                where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+                edges.setdefault((source, target), []).append(where)
+    return edges
+
+
+def cycles(edges: Edges) -> list[list[str]]:
+    """One cycle per set of packages found on a cycle (depth-first back edges)."""
+    graph: dict[str, list[str]] = {}
+    for a, b in sorted(edges):
+        graph.setdefault(a, []).append(b)
+    found: dict[frozenset[str], list[str]] = {}
+    state: dict[str, str] = {}  # "open" while on the path, then "done"
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == "open":
+                cycle = path[path.index(nxt) :]
+                found.setdefault(frozenset(cycle), [*cycle, nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return list(found.values())
+
+
+def describe(cycle: list[str], edges: Edges) -> str:
+    steps = [f"  {a} -> {b}: {'; '.join(edges[a, b])}" for a, b in itertools.pairwise(cycle)]
+    return " -> ".join(cycle) + "\n" + "\n".join(steps)
+
+
+def test_packages_import_each_other_in_one_direction_only():
+    """A package that imports one importing it back cannot be read, tested or moved alone."""
+    edges = package_edges(product_files())
+    found = cycles(edges)
+    assert not found, "package import cycles:\n" + "\n".join(describe(c, edges) for c in found)
+
+
+def test_the_graph_sees_known_edges_and_the_finder_finds_a_cycle():
+    """The walk is not vacuous: it resolves `from a import module` and `from a.b import
+    name`, and a planted cycle is reported with its imports."""
+    edges = package_edges(product_files())
+    assert ("services.executor", "services.executor.model") in edges  # runner -> nemotron_h
+    assert ("custody.cli", "custody.soak") in edges  # `from custody import soak`
+    assert ("custody.cli", "custody") in edges  # `from custody import up`
+    assert ("custody.bench", "custody") in edges  # `from custody.up import Stack`
+    planted = {("a", "b"): ["x.py:1"], ("b", "c"): ["y.py:2"], ("c", "a"): ["z.py:3"]}
+    planted[("c", "d")] = ["w.py:4"]
+    assert cycles(planted) == [["a", "b", "c", "a"]]
+    assert "c -> a: z.py:3" in describe(cycles(planted)[0], planted)
+    del planted[("c", "a")]
+    assert cycles(planted) == []
+
+
+def line_counts() -> dict[str, int]:
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in product_files()}
+
+
+def test_every_product_file_is_short_enough_to_read():
+    counts = line_counts()
+    assert len(counts) > 100 and counts["services/executor/model/pools.py"] > 0
+    long = {path: n for path, n in counts.items() if n > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def long_functions(source: str, where: str) -> list[str]:
+    """`where:line name (n lines)` for each function, nested ones included, longer than
+    MAX_FUNCTION_LINES from its `def` to its last line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+@pytest.mark.xfail(
+    strict=False, reason="being split: services/scheduler/http/schemas.py request_schemas"
+)
+def test_no_function_is_longer_than_sixty_lines_outside_the_drivers():
+    found = []
+    for path in product_files():
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith(DRIVERS):
+            found += long_functions(path.read_text(), rel)
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
+def test_the_function_measure_flags_a_long_one():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    source = f"def fits():\n{body}\n\nasync def too_long():\n{body}    return 0\n"
+    assert long_functions(source, "m.py") == [f"m.py:{MAX_FUNCTION_LINES + 3} too_long (61 lines)"]
+
+
+PROBE = """
+import json, sys
+import custody.cli, custody.up
+from shared.config import Settings
+args = custody.cli.build_parser().parse_args(["up", "--port", "8321"])
+assert Settings.resolve(args, environ={}).port == 8321
+heavy = [m for m in sys.modules if m == "torch" or m.startswith(("torch.", "custody.bench."))]
+print(json.dumps(sorted(heavy)))
+"""
+
+
+def heavy_modules(extra_import: str = "") -> list[str]:
+    """What a fresh interpreter has loaded after parsing `custody up`'s arguments."""
+    code = f"import {extra_import}\n{PROBE}" if extra_import else PROBE
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_cli_and_the_supervisor_load_neither_torch_nor_a_benchmark():
+    assert heavy_modules() == []
+
+
+def test_the_probe_sees_torch_when_it_is_loaded():
+    assert "torch" in heavy_modules("services.executor.model.batch")
