@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.batch import Row
-from services.executor.pools import DevicePools, PoolSizes
+from services.executor.model.batch import Row
+from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import load_model
-from services.scheduler.engine.request import Request
 from services.scheduler.engine.setup import build_engine
+from services.scheduler.records.request import Request
 from shared.config import Settings
 from shared.tokenizer import load_tokenizer
+from shared.wire import result_body
 
 
 class InProcess:
@@ -40,11 +41,8 @@ class InProcess:
             return []
         result = self.runner.execute([Row.from_wire(r) for r in plan.wire_rows()], plan.ops)
         sampling = [r.rid for r in plan.rows if r.sample]
-        return self.engine.complete_step(
-            plan,
-            dict(zip(sampling, result.tokens, strict=True)),
-            dict(zip(sampling, result.logprobs, strict=True)),
-        )
+        reply = result_body(plan.step_id, "", "", sampling, result.tokens, result.logprobs)
+        return self.engine.complete(plan, reply)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
