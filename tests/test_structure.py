@@ -15,8 +15,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("services", "shared", "custody", "kernels")
 MAX_FILE_LINES = 350
@@ -155,9 +153,6 @@ def long_functions(source: str, where: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=False, reason="being split: services/scheduler/http/schemas.py request_schemas"
-)
 def test_no_function_is_longer_than_sixty_lines_outside_the_drivers():
     found = []
     for path in product_files():
