@@ -22,7 +22,6 @@ class OwnerKind(IntEnum):
     SESSION = 2
     CACHE = 3
     TRACK = 4
-    ADMISSION = 5  # a group reservation held by one admission round
 
 
 def owner_id(serial: int, kind: OwnerKind) -> int:

@@ -21,7 +21,7 @@ from services.session_store.owner_book import OwnerBook
 from shared.owners import KIND_MASK, OwnerKind
 from shared.wire import EventBatch, WireError, unpack_ints
 
-RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.ADMISSION)
+RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK)
 KINDS = (
     "double_free",
     "not_owner",

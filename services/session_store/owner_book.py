@@ -3,7 +3,7 @@
 Owner ids are never reused, so a store that remembered every owner it was told about
 would grow with every request ever served, in memory and in its checkpoint. A name is
 needed only to report about slots, so an owner is forgotten once it holds no slot:
-requests, tracks, cache nodes and admission rounds never take a slot again after giving
+requests, tracks and cache nodes never take a slot again after giving
 up their last one (a request holds its row, a track its two slots, from the transfer
 that declares them until they retire). A session may hold nothing between turns and
 still live, so it is forgotten when its closed record arrives (or, if it still held
