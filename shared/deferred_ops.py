@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 class DeferredOpsError(ValueError):
     pass
@@ -69,15 +67,3 @@ class DeferredOps:
         both = set(dsts) & self.sources()
         if both:
             raise DeferredOpsError(f"slots both source and destination: {sorted(both)}")
-
-
-def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
-    """Apply `ops` to arrays whose first axis is the slot (a CPU model of the executor's
-    pools, for tests that check the data effect, not just the lists)."""
-    for state in states:
-        ops.validate(state.shape[0])
-        if ops.clears:
-            state[np.asarray(ops.clears)] = 0
-        if ops.copies:
-            src, dst = np.asarray(ops.copies).T
-            state[dst] = state[src]

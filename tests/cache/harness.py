@@ -7,8 +7,8 @@ import numpy as np
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.ownership.invariants import assert_integrity
 from services.scheduler.ownership.owners import OwnerKind
+from tests.scheduler.helpers import assert_integrity
 
 
 class CacheHarness:

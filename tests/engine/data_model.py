@@ -19,7 +19,7 @@ import numpy as np
 
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.engine.step import StepPlan
-from shared.deferred_ops import apply_to_arrays
+from shared.deferred_ops import DeferredOps
 
 MOD = (1 << 61) - 1
 _WEIGHTS = np.random.default_rng(12345).integers(1, 1 << 20, size=1 << 16)
@@ -105,3 +105,15 @@ class DataModelExecutor:
                 )
         self.sampled = out
         return out
+
+
+def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
+    """Apply `ops` to arrays whose first axis is the slot (a CPU model of the executor's
+    pools, for tests that check the data effect, not just the lists)."""
+    for state in states:
+        ops.validate(state.shape[0])
+        if ops.clears:
+            state[np.asarray(ops.clears)] = 0
+        if ops.copies:
+            src, dst = np.asarray(ops.copies).T
+            state[dst] = state[src]

@@ -11,7 +11,7 @@ from services.scheduler.engine.core import EngineCore
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from shared.deferred_ops import apply_to_arrays
+from tests.engine.data_model import apply_to_arrays
 
 
 class Scripted:

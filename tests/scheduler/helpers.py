@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.ownership.invariants import Claim, IntegrityReport, assert_integrity
+from services.scheduler.ownership.errors import InvariantViolation
+from services.scheduler.ownership.invariants import Claim, IntegrityReport, check_integrity
+from services.scheduler.ownership.ledger import Ledger
 from services.scheduler.ownership.owners import Owner
 
 
@@ -31,3 +35,10 @@ def assert_page_aligned(tokens: np.ndarray, page_size: int) -> None:
     for i in range(1, len(tokens)):
         if offsets[i] != 0:
             assert pages[i] == pages[i - 1] and offsets[i] == offsets[i - 1] + 1
+
+
+def assert_integrity(ledger: Ledger, claims: Iterable[Claim], *, idle: bool) -> IntegrityReport:
+    report = check_integrity(ledger, claims, idle=idle)
+    if not report.ok:
+        raise InvariantViolation("\n".join(report.problems))
+    return report

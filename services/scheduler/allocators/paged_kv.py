@@ -32,14 +32,6 @@ class PagedKV:
         self.refs = np.zeros(pages.capacity + 1, dtype=np.int64)
         pages.set_free_guard(self._refuse_referenced)
 
-    @property
-    def free_tokens(self) -> int:
-        return self.pool.free_count * self.page_size
-
-    def pages_needed(self, rows: np.ndarray, new_lens: np.ndarray) -> int:
-        ps = self.page_size
-        return int((pages_for(new_lens, ps) - pages_for(self.table.lens[rows], ps)).sum())
-
     def extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
         """Grow each row to `new_lens`; all rows or none. Returns the token indices of the
         new positions, row after row."""

@@ -72,10 +72,6 @@ class Tenancy:
         self._keys = [(_digest(k), k in admin) for k in sorted(_split(api_keys) | admin)]
         self._rids: dict[tuple[str | None, str], str] = {}  # (tenant, shown) -> server id
 
-    @property
-    def keys_on(self) -> bool:
-        return bool(self._keys)
-
     def identify(self, request: web.Request) -> Caller:
         """The caller of `request`; 401 without a valid key, 403 on an operator route
         without an operator key."""

@@ -83,13 +83,6 @@ def check_integrity(ledger: Ledger, claims: Iterable[Claim], *, idle: bool) -> I
     return report
 
 
-def assert_integrity(ledger: Ledger, claims: Iterable[Claim], *, idle: bool) -> IntegrityReport:
-    report = check_integrity(ledger, claims, idle=idle)
-    if not report.ok:
-        raise InvariantViolation("\n".join(report.problems))
-    return report
-
-
 class InvariantGuard:
     """Runs the checks where they matter (the idle loop, after faults). Strict (tests,
     development) raises on the first violation; otherwise a violation is logged with its

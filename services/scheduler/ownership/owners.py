@@ -71,9 +71,6 @@ class OwnerRegistry:
     def forget(self, owner: Owner) -> None:
         self._live.pop(owner.id, None)
 
-    def is_live(self, owner_id: int) -> bool:
-        return owner_id == 0 or owner_id in self._live
-
     def live(self) -> list[Owner]:
         return list(self._live.values())
 
