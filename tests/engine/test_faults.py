@@ -130,17 +130,17 @@ def test_session_expiry_looks_only_at_due_deadlines():
         sessions.open(f"s{i}", timeout=100 + i)
     for _ in range(50):
         sessions.expire()
-    assert sessions.expiry_visits == 0
+    assert sessions.deadlines.visits == 0
     now[0] = 100.5
     assert sessions.expire() == ["s0"]
-    assert sessions.expiry_visits == 1
+    assert sessions.deadlines.visits == 1
     d.run_turn("s1", text(4, 1), max_new=2)  # used: its old deadline is stale
     now[0] = 101.5
-    assert sessions.expire() == [] and sessions.expiry_visits == 2
+    assert sessions.expire() == [] and sessions.deadlines.visits == 2
     now[0] = 250.0  # s2..s150 are due, and s1 at its new deadline (101.5 + 101)
     gone = sessions.expire()
     assert "s1" in gone and len(gone) == 150
-    assert sessions.expiry_visits == 2 + 150 + 1  # s1's turn pushed two (start and end)
+    assert sessions.deadlines.visits == 2 + 150 + 1  # s1's turn pushed two (start and end)
     close_all(d)
 
 

@@ -10,8 +10,6 @@ turn still prefills only its new tokens.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import re
 import secrets
@@ -32,6 +30,7 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Request, TurnStart
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
+from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.records import DurableRecords
 from shared.deferred_ops import DeferredOps
 
@@ -64,9 +63,7 @@ class SessionManager(DurableRecords):
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
         self.states_dropped = 0
-        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, order, sid), a heap
-        self._order = itertools.count()
-        self.expiry_visits = 0  # heap entries looked at by expire(): its cost, for tests
+        self.deadlines = Deadlines()
 
     # ---- client-facing ----
     def open(
@@ -156,14 +153,9 @@ class SessionManager(DurableRecords):
             self._close_now(session)
 
     def expire(self) -> list[str]:
-        """Close idle sessions past their timeout; returns their ids. O(log n) per
-        session looked at, and only due deadlines are looked at: the heap holds one entry
-        per time a session was used, and an entry that is no longer the session's
-        deadline (used since, busy, closed) is dropped when it comes due."""
-        now, gone = self.clock(), []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, sid = heapq.heappop(self._deadlines)
-            self.expiry_visits += 1
+        """Close idle sessions past their timeout (expiry.py); returns their ids."""
+        gone = []
+        for sid, deadline in self.deadlines.due(self.clock()):
             session = self.sessions.get(sid)
             if session is None or session.turn is not None or session.closing:
                 continue
@@ -290,7 +282,7 @@ class SessionManager(DurableRecords):
         """`session` was used at `now`: its expiry deadline moves."""
         session.last_used = now
         if session.timeout is not None:
-            heapq.heappush(self._deadlines, (now + session.timeout, next(self._order), session.sid))
+            self.deadlines.push(session.sid, now + session.timeout)
 
     def _end_turn(self, req: Request) -> None:
         session = req.session
