@@ -195,3 +195,31 @@ def test_the_cli_and_the_supervisor_load_neither_torch_nor_a_benchmark():
 
 def test_the_probe_sees_torch_when_it_is_loaded():
     assert "torch" in heavy_modules("services.executor.model.batch")
+
+
+# What the HTTP edge may import of the scheduler: its own package, the front door, the
+# records it reads, and the pure input rules. Never the engine core, sessions, cache,
+# allocators or ownership: handlers go through the front door.
+EDGE_MAY_IMPORT = (
+    "services.scheduler.http.",
+    "services.scheduler.runtime.front_door",
+    "services.scheduler.records.",
+    "services.scheduler.engine.validation",
+)
+
+
+def edge_imports_past_the_front_door(files: list[Path]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(ast.parse(path.read_text()))
+        if module.startswith("services.scheduler.") and not module.startswith(EDGE_MAY_IMPORT)
+    ]
+
+
+def test_http_handlers_reach_the_scheduler_only_through_its_front_door():
+    edge = sorted((ROOT / "services/scheduler/http").glob("*.py"))
+    assert len(edge) > 5
+    assert not edge_imports_past_the_front_door(edge)
+    # the check sees an import past the front door where there is one
+    assert edge_imports_past_the_front_door([ROOT / "services/scheduler/main.py"])

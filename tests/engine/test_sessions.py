@@ -6,7 +6,7 @@ import pytest
 from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Status
 from services.scheduler.records.sampling import InvalidRequest
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.records.session import SessionError
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 

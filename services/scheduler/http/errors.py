@@ -14,7 +14,7 @@ from aiohttp import web
 
 from services.scheduler.http.common import EVENT_STREAM, error_body
 from services.scheduler.records.sampling import InvalidRequest
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.records.session import SessionError
 
 log = logging.getLogger("custody.scheduler.http")
 

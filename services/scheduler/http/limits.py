@@ -11,8 +11,7 @@ from aiohttp import web
 
 from services.scheduler.http.app_keys import FRONT_DOOR
 from services.scheduler.http.tenancy import CALLER, Refused
-from services.scheduler.records.session import Session
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.records.session import Session, SessionError
 
 RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
 

@@ -24,7 +24,7 @@ from msgspec import Meta, Struct
 from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.sessions.manager import SESSION_ID
+from services.scheduler.records.session import SESSION_ID
 
 MAX_SESSION_TIMEOUT = 7 * 24 * 3600
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.scheduler.records.sampling import InvalidRequest
-from services.scheduler.records.session import Session
-from services.scheduler.sessions.manager import SessionError
+from services.scheduler.records.session import Session, SessionError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 OPERATOR_PATHS = frozenset({"/flush_cache"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,9 +11,21 @@ import numpy as np
 from services.scheduler.allocators.handover import SessionSlots
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.owners import Owner
+from services.scheduler.records.sampling import InvalidRequest
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
+
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class SessionError(InvalidRequest):
+    """A session-level refusal: unknown, closed, busy or a bad id."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
 
 
 @dataclass(eq=False)

@@ -11,7 +11,6 @@ turn still prefills only its new tokens.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import time
 from collections import OrderedDict
@@ -29,22 +28,13 @@ from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Request, TurnStart
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.records.session import Session
+from services.scheduler.records.session import SESSION_ID, Session, SessionError
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.records import DurableRecords
 from shared.deferred_ops import DeferredOps
 
 log = logging.getLogger("custody.sessions")
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
-
-
-class SessionError(InvalidRequest):
-    """A session-level refusal: unknown, closed, busy or a bad id."""
-
-    def __init__(self, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
 
 
 class SessionManager(DurableRecords):
