@@ -8,17 +8,25 @@ Three operations, each timed for both in the same run:
 SGLang receives what its scheduler would pass (CPU tensors, `last_loc` gathered from
 its `req_to_token`); its writes of the result into `req_to_token` are left out of its
 time, while custody's time includes writing its own page table.
+
+Beside them, the radix cache's eviction per node (allocators-eviction.*), with 1k and 100k
+nodes cached, against the scan it replaced: a heap or a sort over every node per call.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from custody.bench.harness import Row, side_by_side, table, write_results
 from custody.bench.sglang_reference import SGLANG_VERSION, load_allocators
 from services.scheduler.allocators.pools import PoolConfig, Pools
+from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.owners import OwnerKind
 
 PAGE = 16
@@ -161,6 +169,96 @@ def extend_reference(cls: type) -> float:
     return elapsed / EXTEND_CALLS
 
 
+# ---------------------------------------------------------------- cache eviction
+EVICT_SIZES = {"1k": 1_000, "100k": 100_000}
+EVICT_BATCH = 64  # one-page nodes taken per eviction call
+
+
+class FilledCache:
+    """`n` one-page leaves with states. The nodes each eviction call takes are inserted
+    again, untimed, as the newest: every call, ours or the scan's, starts from `n`."""
+
+    def __init__(self, n: int) -> None:
+        slots = n + EVICT_BATCH
+        self.pools = Pools(PoolConfig(kv_pages=slots, page_size=PAGE, mamba_slots=slots))
+        self.cache = RadixCache(self.pools)
+        self.giver = self.pools.ledger.new_owner(OwnerKind.REQUEST, "bench")
+        self.order = deque(range(1, n + 1))  # each node's token, least recent first
+        for token in self.order:
+            self._insert(token)
+
+    def _insert(self, token: int) -> None:
+        pages = self.pools.kv_pages.alloc(1, self.giver)
+        self.cache.insert(np.full(PAGE, token), pages, self.giver, self.pools.mamba.alloc_one)
+
+    def per_node(self, evict: Callable[[RadixCache, int], int]) -> float:
+        """Seconds per evicted node of one `evict` call taking EVICT_BATCH, then a refill."""
+        self.pools.ledger.events.drain_count()
+        start = time.perf_counter()
+        freed = evict(self.cache, EVICT_BATCH)
+        elapsed = time.perf_counter() - start
+        for _ in range(EVICT_BATCH):
+            self._insert(self.order[0])
+            self.order.rotate(-1)
+        restored = len(self.cache.root.children) == len(self.order)
+        assert freed == EVICT_BATCH and restored, "the oldest were not the ones taken"
+        return elapsed / EVICT_BATCH
+
+
+def scan_evict_kv(cache: RadixCache, pages: int) -> int:
+    """RadixCache.evict_kv before its index: a heap of the evictable leaves found by a
+    walk of the whole tree, per call. Removing (and refiling) is the cache's own."""
+    heap = [(n.kv_time, id(n), n) for n in cache.nodes() if cache._kv_evictable(n)]
+    heapq.heapify(heap)
+    freed = 0
+    while freed < pages and heap:
+        _, _, node = heapq.heappop(heap)
+        parent = node.parent
+        freed += cache._remove(node)
+        freed += cache._prune(parent)
+        if parent.parent is not None and parent.children == {} and cache._kv_evictable(parent):
+            heapq.heappush(heap, (parent.kv_time, id(parent), parent))
+    return freed
+
+
+def scan_evict_mamba(cache: RadixCache, states: int) -> int:
+    """RadixCache.evict_mamba before its index: every state, sorted by recency, per call."""
+    order = sorted((n for n in cache.nodes() if n.mamba), key=lambda n: n.mamba_time)
+    freed = 0
+    for node in order:
+        if freed >= states:
+            break
+        if node.copy_lock or (node.is_leaf and node.kv_lock):
+            continue
+        if node.is_leaf:
+            parent = node.parent
+            cache._remove(node)
+            cache._prune(parent)
+        else:
+            cache.pools.mamba.free_one(node.mamba, node.owner, "evict")
+            node.mamba = 0
+            cache._index(node)
+        freed += 1
+    return freed
+
+
+def eviction_rows(repeats: int) -> list[Row]:
+    """Ours and the scan in turn on one cache per size, built once."""
+    kinds = (
+        ("KV", RadixCache.evict_kv, scan_evict_kv),
+        ("Mamba", RadixCache.evict_mamba, scan_evict_mamba),
+    )
+    rows = []
+    for label, n in EVICT_SIZES.items():
+        per = FilledCache(n).per_node
+        for name, ours, scan in kinds:
+            key = f"ratio_evict_{name.lower()}_{label}"
+            what = f"{name} eviction per node, {label} nodes cached, {EVICT_BATCH} a call"
+            ours_s, ref_s = side_by_side(partial(per, ours), partial(per, scan), repeats, key)
+            rows.append(Row(key, what, "s/node", ours_s, ref_s, "scan per call (before)", 0))
+    return rows
+
+
 def run(repeats: int = 7) -> dict:
     mamba_cls, paged_cls = load_allocators()
     ref = f"SGLang {SGLANG_VERSION}"
@@ -192,5 +290,9 @@ def run(repeats: int = 7) -> dict:
         ours_s, ref_s = side_by_side(ours, reference, repeats, key)
         rows.append(Row(key, what, "s/op", ours_s, ref_s, ref, target))
     payload = write_results("allocators", rows, {"repeats": repeats, "ledger": "on"})
-    payload["table"] = table(rows)
+    evictions = eviction_rows(repeats)
+    ns = {r.key: {"custody": r.ours_s * 1e9, "scan": r.reference_s * 1e9} for r in evictions}
+    extra = {"repeats": repeats, "nodes_per_call": EVICT_BATCH, "median_ns_per_node": ns}
+    payload["eviction"] = write_results("allocators-eviction", evictions, extra)
+    payload["table"] = table(rows + evictions)
     return payload

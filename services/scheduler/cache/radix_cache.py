@@ -9,7 +9,7 @@ Mamba eviction takes the least recently used unlocked state anywhere, turning an
 node into a tombstone. No unlocked leaf is ever a tombstone.
 
 Both evictions take from indexes in recency order (lru.py), refiled wherever a node
-changes, so that evicting a node costs the same whatever the size of the tree.
+changes, so that choosing what to evict never walks the tree.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ class RadixCache:
             if n.kv_lock <= 0:
                 raise RuntimeError(f"unlock of unlocked {n}")
             n.kv_lock -= 1
+        self._index(node)
         self._prune(node)
 
     def lock_copy(self, node: CacheNode) -> None:
