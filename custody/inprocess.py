@@ -2,23 +2,22 @@
 and tests that need real tensors but not the services).
 
 A step goes the same way as between the services, minus the streams: the scheduler
-plans it (rows, KV indices, slots, deferred ops), its rows take their wire form, and the
-executor validates and runs them; the sampled tokens complete the step.
+plans it (rows, KV indices, slots, deferred ops) in the rows' wire form, the executor
+validates and runs those very rows, and its result completes the step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.executor.model.batch import Row
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import load_model
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.records.request import Request
 from shared.config import Settings
+from shared.messages.forward import StepResult
 from shared.tokenizer import load_tokenizer
-from shared.wire import result_body
 
 
 class InProcess:
@@ -39,9 +38,9 @@ class InProcess:
         plan = self.engine.plan_step()
         if plan is None:
             return []
-        result = self.runner.execute([Row.from_wire(r) for r in plan.wire_rows()], plan.ops)
+        result = self.runner.execute([r.wire for r in plan.rows], plan.ops)
         sampling = [r.rid for r in plan.rows if r.sample]
-        reply = result_body(plan.step_id, "", "", sampling, result.tokens, result.logprobs)
+        reply = StepResult.of("", plan.step_id, "", sampling, result.tokens, result.logprobs)
         return self.engine.complete(plan, reply)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:

@@ -14,8 +14,8 @@ import redis
 from custody.up import Stack
 from shared import streams
 from shared.config import Settings
+from shared.messages.forward import decode_step
 from shared.redis_server import free_port
-from shared.wire import WireRow, decode
 from tests.services_harness import POOLS, call, ledger_when_idle, one_shot
 
 
@@ -75,13 +75,13 @@ def test_the_next_step_is_on_the_stream_while_the_one_before_runs(stack):
     )
     assert out["output_ids"] == one_shot(prompt, 8)
     client = redis.Redis.from_url(stack.settings.redis_url)
-    steps = [decode(fields[b"m"]) for _, fields in client.xrevrange(streams.FORWARD, count=8)]
-    rows = [(s, WireRow.from_body(b)) for s in steps for b in s["rows"]]
+    steps = [decode_step(f[b"m"]) for _, f in client.xrevrange(streams.FORWARD, count=8)]
+    rows = [(s, r) for s in steps for r in s.rows]
     mine = [(s, r) for s, r in rows if r.rid == out["meta_info"]["id"]]
     future = [(s, r) for s, r in mine if r.future]
-    assert len(future) >= 6, [(s["step"], s["after"], r.future) for s, r in mine]
+    assert len(future) >= 6, [(s.step, s.after, r.future) for s, r in mine]
     for s, r in future:
-        assert s["after"] == s["step"] - 1 and r.tokens.tolist() == [-1]
+        assert s.after == s.step - 1 and r.tokens.tolist() == [-1]
         assert r.mamba_slot != r.mamba_out
 
 

@@ -27,11 +27,11 @@ import torch
 
 from custody.bench.harness import RESULTS_DIR, progress, table, write_results
 from custody.bench.harness import Row as ResultRow
-from services.executor.model.batch import Row
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model
 from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepRow
 
 PROMPT, DECODE_STEPS, PREFILL = 64, 32, 512
 
@@ -59,12 +59,12 @@ def _ours_decode(runner: ModelRunner, batch: int, out: list | None = None) -> fl
     prompts = _prompts(batch, PROMPT)
     span = PROMPT + DECODE_STEPS + 1
     kv = [torch.arange(1 + i * span, 1 + (i + 1) * span) for i in range(batch)]
-    rows = [Row(prompts[i], 0, kv[i][:PROMPT], i + 1) for i in range(batch)]
+    rows = [StepRow.of(prompts[i], 0, kv[i][:PROMPT], i + 1) for i in range(batch)]
     tokens = runner.execute(rows, DeferredOps(clears=list(range(1, batch + 1)))).tokens
     start = time.perf_counter()
     for step in range(DECODE_STEPS):
         pos = PROMPT + step
-        rows = [Row(torch.tensor([tokens[i]]), pos, kv[i][: pos + 1], i + 1) for i in range(batch)]
+        rows = [StepRow.of([tokens[i]], pos, kv[i][: pos + 1], i + 1) for i in range(batch)]
         tokens = runner.execute(rows, DeferredOps()).tokens
         if out is not None:
             out.append(tokens)
@@ -96,7 +96,8 @@ def _ours_prefill(runner: ModelRunner) -> float:
     runner.pools.reset()
     prompt = _prompts(1, PREFILL)[0]
     start = time.perf_counter()
-    runner.execute([Row(prompt, 0, torch.arange(1, PREFILL + 1), 1)], DeferredOps(clears=[1]))
+    row = StepRow.of(prompt, 0, torch.arange(1, PREFILL + 1), 1)
+    runner.execute([row], DeferredOps(clears=[1]))
     return time.perf_counter() - start
 
 
@@ -114,7 +115,7 @@ def _logit_diff(runner: ModelRunner, hf) -> float:
     runner.pools.reset()
     prompt = _prompts(1, 200)[0]
     ours = runner.execute(
-        [Row(prompt, 0, torch.arange(1, 201), 1)], DeferredOps(clears=[1]), keep_logits=True
+        [StepRow.of(prompt, 0, torch.arange(1, 201), 1)], DeferredOps(clears=[1]), keep_logits=True
     ).logits[0]
     with torch.inference_mode():
         theirs = hf(prompt[None], logits_to_keep=1).logits[0, -1].float()

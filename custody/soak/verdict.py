@@ -11,9 +11,10 @@ from collections.abc import Callable
 import torch
 
 from custody.soak.client import call
-from services.executor.model.batch import ForwardBatch, Row
+from services.executor.model.batch import ForwardBatch
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.weights import load_model
+from shared.messages.forward import StepRow
 
 
 def held_slots(view: dict) -> dict[str, dict[str, int]]:
@@ -81,7 +82,7 @@ def replay(finished: list[tuple[list[int], list[int]]], margin: float = 1e-3) ->
         tokens = torch.tensor(prompt + output[:-1])
         pools.reset()
         batch = ForwardBatch(
-            [Row(tokens, 0, torch.arange(1, len(tokens) + 1), 1)], torch.device("cpu")
+            [StepRow.of(tokens, 0, torch.arange(1, len(tokens) + 1), 1)], torch.device("cpu")
         )
         with torch.inference_mode():
             logits = model.lm_head(model(batch, pools)[len(prompt) - 1 :]).float()

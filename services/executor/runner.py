@@ -24,14 +24,16 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
-from services.executor.model.batch import ForwardBatch, Row, to_device
+from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
 from services.executor.sampling import sample
 from shared.deferred_ops import DeferredOps, DeferredOpsError
+from shared.messages.forward import StepRow
 
 
 class BatchRefused(ValueError):
@@ -48,7 +50,9 @@ class StepFailed(RuntimeError):
 
 
 @dataclass
-class StepResult:
+class Sampled:
+    """What a step's forward gave: its answer, before it is put on the wire."""
+
     tokens: list[int]  # one per sampling row, in row order
     logprobs: list[float]
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
@@ -61,7 +65,7 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last_ops_seconds = 0.0  # host time to queue the last step's state ops
 
-    def execute(self, rows: list[Row], ops: DeferredOps, keep_logits: bool = False) -> StepResult:
+    def execute(self, rows: list[StepRow], ops: DeferredOps, keep_logits: bool = False) -> Sampled:
         """BatchRefused before anything ran, StepFailed after (see the module's doc)."""
         self.validate(rows, ops)
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
@@ -77,12 +81,12 @@ class ModelRunner:
             except Exception as err:
                 raise StepFailed(err, ops_ran=True) from err
 
-    def _forward(self, rows: list[Row], keep_logits: bool) -> StepResult:
+    def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
         batch = ForwardBatch(rows, self.device)
         hidden = self.model(batch, self.pools)
         logits = self.model.lm_head(hidden[batch.last_positions])
         tokens, logprobs = sample(logits, [r for r in rows if r.sample])
-        return StepResult(
+        return Sampled(
             tokens.tolist(), logprobs.tolist(), logits.float().cpu() if keep_logits else None
         )
 
@@ -96,7 +100,7 @@ class ModelRunner:
             src, dst = zip(*ops.copies, strict=True)
             copy_slots(self.pools.state_tensors, to(src), to(dst))
 
-    def validate(self, rows: list[Row], ops: DeferredOps) -> None:
+    def validate(self, rows: list[StepRow], ops: DeferredOps) -> None:
         """Refuse, before anything runs, a step that would touch the wrong memory."""
         if not rows:
             raise BatchRefused("a step without rows")
@@ -119,22 +123,19 @@ class ModelRunner:
                 raise BatchRefused(
                     f"Mamba slot {r.mamba_slot} is read by one row, written by another"
                 )
-        for i, r in enumerate(rows):
-            if len(r.tokens) == 0 or r.start < 0 or len(r.kv_indices) != r.end:
-                raise BatchRefused(
-                    f"row {i}: {len(r.tokens)} tokens from position {r.start}, "
-                    f"{len(r.kv_indices)} KV indices (one per position from 0 is needed)"
-                )
+        for i, r in enumerate(rows):  # a row holds a KV index per position (StepRow)
+            if len(r.tokens) == 0 or r.start < 0:
+                raise BatchRefused(f"row {i}: {len(r.tokens)} tokens from position {r.start}")
             if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
                 raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
-        kv = torch.cat([r.kv_indices for r in rows])
+        kv = np.concatenate([r.kv_indices for r in rows])
         if int(kv.min()) < sizes.page_size or int(kv.max()) >= kv_rows:
             raise BatchRefused(
                 f"KV indices outside {sizes.page_size}..{kv_rows - 1} (page 0 is the padding sink)"
             )
-        tokens = torch.cat([r.tokens for r in rows])
+        tokens = np.concatenate([r.tokens for r in rows])
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             raise BatchRefused(f"token ids outside [0, {vocab})")
-        new = torch.cat([r.kv_indices[r.start :] for r in rows])
-        if len(torch.unique(new)) != len(new):
+        new = np.concatenate([r.kv_indices[r.start :] for r in rows])
+        if len(np.unique(new)) != len(new):
             raise BatchRefused("two positions of this step write the same KV index")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.model.batch import Row
+from shared.messages.forward import StepRow
 
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy
 
@@ -21,22 +21,21 @@ class SamplingError(ValueError):
     broken, and no token can be chosen."""
 
 
-def sample(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] for the sampling rows; returns (tokens [R], the model's log
     probability of each chosen token [R])."""
     logits = logits.float()
     _check_finite(logits)
     tokens = torch.argmax(logits, dim=-1)
     for j, row in enumerate(rows):
-        s = row.sampling
-        if not s.temperature >= GREEDY_BELOW:  # also a NaN temperature
+        if not row.temperature >= GREEDY_BELOW:  # also a NaN temperature
             continue
-        probs = _distribution(logits[j], s.temperature, s.top_k, s.top_p)
+        probs = _distribution(logits[j], row.temperature, row.top_k, row.top_p)
         generator = torch.Generator(device=probs.device)
-        if s.seed is None:
+        if row.seed is None:
             generator.seed()
         else:  # the same seed and position give the same draw; any int hashes into range
-            generator.manual_seed(hash((s.seed, row.end)) & (2**63 - 1))
+            generator.manual_seed(hash((row.seed, row.end)) & (2**63 - 1))
         tokens[j] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logits.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen - torch.logsumexp(logits, dim=-1)

@@ -6,6 +6,8 @@ state died with it) is acknowledged and dropped, never run against empty pools. 
 in stream order, each only right after the step it was planned on (step_chain.py), and
 only from the live scheduler (fence.py). A step that fails is answered with its cause and
 the process serves on: one bad step must not take every session's device state with it.
+A message that is not a step of the wire format is refused the same way, counted in
+`custody_malformed_messages_total` (by stream), and acknowledged.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ import torch
 from prometheus_client import Counter, Histogram, start_http_server
 
 from services.executor.fence import SchedulerFence
-from services.executor.model.batch import Row
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
 from services.executor.weights import load_model
 from shared import streams
 from shared.config import Settings
-from shared.deferred_ops import DeferredOps
-from shared.wire import WireError, WireRow, decode, encode, result_body, unpack_ints
+from shared.messages.envelope import WireError, encode
+from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
 
 log = logging.getLogger("custody.executor")
 STEPS = Counter(
@@ -40,6 +41,9 @@ STEPS = Counter(
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
 OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
+MALFORMED = Counter(
+    "custody_malformed_messages", "messages refused as not of the wire format", ["stream"]
+)
 
 
 class ExecutorService:
@@ -115,65 +119,75 @@ class ExecutorService:
 
     def run_step(self, raw: bytes) -> bytes | None:
         """The result to publish for one step message, or None when nobody waits for one
-        (undecodable, planned for an earlier life, or from a fenced scheduler). No step
-        ends the process: whatever it raises refuses it, named in its result."""
+        (planned for an earlier life, from a fenced scheduler, or too malformed to say
+        whose it is). No step ends the process: whatever it raises refuses it, named in
+        its result."""
         try:
-            msg = decode(raw)
-            scheduler, step, planned_for = msg["epoch"], msg["step"], msg["executor_epoch"]
-            if not isinstance(step, int) or not isinstance(scheduler, str):
-                raise WireError(f"step {step!r} of scheduler {scheduler!r}")
-        except Exception as err:
-            STEPS.labels("refused").inc()
-            log.error("refused an undecodable step: %s", err)
-            return None  # not a step of the chain: a step planned on it is refused anyway
-        if planned_for != self.epoch:
-            STEPS.labels("stale").inc()
-            return None  # planned for a previous life of the executor
-        if not self.fence.admits(scheduler):
-            STEPS.labels("fenced").inc()
-            log.warning("step %s of scheduler %s fenced: it was replaced", step, scheduler)
-            return None  # nobody waits for it: that scheduler is gone
-        sampling: list[str] = []
+            step = decode_step(raw)
+        except WireError as err:
+            return self._malformed(raw, err)
+        if not self._for_me(step.epoch, step.step, step.executor_epoch):
+            return None
+        sampling = [r.rid for r in step.rows if r.sample]
         try:
-            rows, ops = _step_of(msg)
-            sampling = [r.rid for r in rows if r.sample]
-            self.chain.resolve(scheduler, msg.get("after"), rows)
+            self.chain.resolve(step.epoch, step.after, step.rows)
+            ops = step.ops()
             with FORWARD.time():
-                result = self.runner.execute([Row.from_wire(r) for r in rows], ops)
+                result = self.runner.execute(step.rows, ops)
         except Exception as err:
-            return self._refused(step, scheduler, sampling, err)
-        self.chain.ran(scheduler, step, sampling, result.tokens)
+            return self._refused(step, sampling, err)
+        self.chain.ran(step.epoch, step.step, sampling, result.tokens)
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
         return encode(
-            "result",
-            self.epoch,
-            step,
-            result_body(step, scheduler, self.epoch, sampling, result.tokens, result.logprobs),
+            StepResult.of(
+                self.epoch, step.step, step.epoch, sampling, result.tokens, result.logprobs
+            )
         )
 
-    def _refused(self, step: int, scheduler: str, rids: list[str], err: Exception) -> bytes:
-        """Count and log a refused or failed step, break the chain, name the cause."""
-        if isinstance(err, BatchRefused):
+    def _for_me(self, scheduler: str, step: int, planned_for: str) -> bool:
+        """A step is run (or answered) only if planned for this life, by the live
+        scheduler; the others are counted and dropped."""
+        if planned_for != self.epoch:
+            STEPS.labels("stale").inc()
+            return False  # planned for a previous life of the executor
+        if not self.fence.admits(scheduler):
+            STEPS.labels("fenced").inc()
+            log.warning("step %s of scheduler %s fenced: it was replaced", step, scheduler)
+            return False  # nobody waits for it: that scheduler is gone
+        return True
+
+    def _malformed(self, raw: bytes, err: WireError) -> bytes | None:
+        """Count and log a step that does not decode; answer it (breaking the chain) when
+        its head still says whose it is, so its scheduler does not wait for it."""
+        MALFORMED.labels(streams.FORWARD).inc()
+        log.error("refused a malformed step: %s", err)
+        try:
+            head = decode_step_head(raw)
+        except WireError:
             STEPS.labels("refused").inc()
-            log.error("step %s refused: %s", step, err)
+            return None  # not a step of the chain: a step planned on it is refused anyway
+        if not self._for_me(head.epoch, head.step, head.executor_epoch):
+            return None
+        return self._refused(head, [], err)
+
+    def _refused(self, step: StepHead, rids: list[str], err: Exception) -> bytes:
+        """Count and log a refused or failed step, break the chain, name the cause."""
+        if isinstance(err, BatchRefused | WireError):
+            STEPS.labels("refused").inc()
+            log.error("step %s refused: %s", step.step, err)
             cause = str(err)
         else:
             STEPS.labels("error").inc()
-            log.exception("step %s failed", step)
+            log.exception("step %s failed", step.step)
             cause = str(err) if isinstance(err, StepFailed) else f"{type(err).__name__}: {err}"
         self.chain.broken()
         ops_ran = isinstance(err, StepFailed) and err.ops_ran
-        body = result_body(step, scheduler, self.epoch, rids, [], [], cause, ops_ran=ops_ran)
-        return encode("result", self.epoch, step, body)
-
-
-def _step_of(msg: dict) -> tuple[list[WireRow], DeferredOps]:
-    rows = [WireRow.from_body(b) for b in msg["rows"]]
-    copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2).tolist()
-    clears = unpack_ints(msg["clears"], "<i4").tolist()
-    return rows, DeferredOps(clears, [tuple(c) for c in copies])
+        result = StepResult.of(
+            self.epoch, step.step, step.epoch, rids, error=cause, ops_ran=ops_ran
+        )
+        return encode(result)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,10 +9,8 @@ refused too, and never runs against state that step did not write.
 
 from __future__ import annotations
 
-import numpy as np
-
 from services.executor.runner import BatchRefused
-from shared.wire import WireRow
+from shared.messages.forward import StepRow
 
 
 class StepChain:
@@ -20,7 +18,7 @@ class StepChain:
         self.last: tuple[str, int] | None = None  # (scheduler epoch, step) last run
         self.sampled: dict[str, int] = {}  # rid -> token, by that step
 
-    def resolve(self, scheduler: str, after: int | None, rows: list[WireRow]) -> None:
+    def resolve(self, scheduler: str, after: int | None, rows: list[StepRow]) -> None:
         """Check that the step follows the one it was planned on and fill in its future
         tokens; BatchRefused otherwise."""
         if after is not None and self.last != (scheduler, after):
@@ -31,7 +29,7 @@ class StepChain:
                 token = self.sampled.get(row.rid)
                 if token is None:
                     raise BatchRefused(f"row {row.rid}: step {after} sampled no token for it")
-                row.tokens = np.concatenate([[token], row.tokens[1:]]).astype(np.int64)
+                row.fill_future(token)
 
     def ran(self, scheduler: str, step: int, rids: list[str], tokens: list[int]) -> None:
         self.last = (scheduler, step)

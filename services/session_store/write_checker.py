@@ -44,8 +44,9 @@ import redis
 
 from services.session_store.ledger_replay import IndependentLedger, Violation
 from shared import streams
+from shared.messages.envelope import WireError
+from shared.messages.forward import StepRow, decode_step
 from shared.owners import OwnerKind, kind_of, label
-from shared.wire import WireError, WireRow, decode, unpack_ints
 
 GROUP = "write-checker"
 MAX_QUEUED = 4096  # steps waiting for their ledger point; beyond it the oldest go unchecked
@@ -73,24 +74,22 @@ class PlannedStep:
     @classmethod
     def parse(cls, raw: bytes) -> PlannedStep | None:
         """The writes of a step message; None for a step naming no ledger point."""
-        msg = decode(raw)
-        if msg.get("ledger_seq") is None:
+        step = decode_step(raw)
+        if step.ledger_seq is None:
             return None
-        planned = cls(msg["epoch"], msg["step"], msg["ledger_seq"])
-        page_size = max(1, int(msg["page_size"]))
-        for body in msg["rows"]:
-            planned._row(WireRow.from_body(body), page_size)
-        clears = unpack_ints(msg["clears"], "<i4").tolist()
-        copies = unpack_ints(msg["copies"], "<i4").reshape(-1, 2)[:, 1].tolist()
+        planned = cls(step.epoch, step.step, step.ledger_seq)
+        page_size = max(1, step.page_size)
+        for row in step.rows:
+            planned._row(row, page_size)
         for dsts, owners, what in (
-            (clears, msg["clear_owners"], "a clear"),
-            (copies, msg["copy_owners"], "a copy"),
+            (step.clears, step.clear_owners, "a clear"),
+            (step.copies[:, 1], step.copy_owners, "a copy"),
         ):
-            for dst, owner in zip(dsts, unpack_ints(owners).tolist(), strict=True):
+            for dst, owner in zip(dsts.tolist(), owners.tolist(), strict=True):
                 planned.writes.append(Write("mamba", (dst,), owner, what))
         return planned
 
-    def _row(self, row: WireRow, page_size: int) -> None:
+    def _row(self, row: StepRow, page_size: int) -> None:
         for owner, kind in (
             (row.owner, OwnerKind.REQUEST),
             (row.track_owner, OwnerKind.TRACK),
@@ -208,7 +207,7 @@ class WriteChecker:
     def _queue(self, entry: bytes, raw: bytes) -> None:
         try:
             planned = PlannedStep.parse(raw)
-        except (WireError, KeyError, TypeError, ValueError, IndexError):
+        except WireError:
             planned = None
         if planned is None:
             self.unchecked += 1

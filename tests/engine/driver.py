@@ -15,7 +15,7 @@ from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from shared.wire import result_body
+from shared.messages.forward import StepResult
 from tests.engine.data_model import DataModelExecutor
 
 VOCAB = 256
@@ -89,7 +89,7 @@ class Driver:
         oldest = engine.in_flight[0]
         sampled = self.model.run(oldest)
         tokens = list(sampled.values())
-        reply = result_body(oldest.step_id, "", "", list(sampled), tokens, [0.0] * len(tokens))
+        reply = StepResult.of("", oldest.step_id, "", list(sampled), tokens, [0.0] * len(tokens))
         ended = engine.complete(oldest, reply)
         for req in ended:
             self.ended[req.rid] = req

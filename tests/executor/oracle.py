@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from services.executor.model.batch import ForwardBatch, Row
+from services.executor.model.batch import ForwardBatch
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.weights import load_model
+from shared.messages.forward import StepRow
 
 LAYERS = [
     "linear_attention",
@@ -68,7 +69,7 @@ def pools_for(model: NemotronH, page_size: int, slots: int = 8) -> DevicePools:
     )
 
 
-def all_logits(model: NemotronH, pools: DevicePools, rows: list[Row]) -> list[torch.Tensor]:
+def all_logits(model: NemotronH, pools: DevicePools, rows: list[StepRow]) -> list[torch.Tensor]:
     """Logits at every position of every row (the runner returns only the last)."""
     batch = ForwardBatch(rows, torch.device("cpu"))
     hidden = model(batch, pools)
@@ -77,8 +78,8 @@ def all_logits(model: NemotronH, pools: DevicePools, rows: list[Row]) -> list[to
     return [logits[batch.span(i)] for i in range(len(rows))]
 
 
-def row(tokens: list[int], start: int, kv: torch.Tensor, slot: int, **kw) -> Row:
-    return Row(torch.tensor(tokens, dtype=torch.long), start, kv[: start + len(tokens)], slot, **kw)
+def row(tokens: list[int], start: int, kv: torch.Tensor, slot: int, **kw) -> StepRow:
+    return StepRow.of(tokens, start, kv[: start + len(tokens)], slot, **kw)
 
 
 def scattered_kv(lengths: list[int], page_size: int, seed: int) -> list[torch.Tensor]:

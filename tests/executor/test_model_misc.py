@@ -4,11 +4,11 @@ import json
 
 import torch
 
-from services.executor.model.batch import Row
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model, load_model
 from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepRow
 from shared.model_config import ModelConfig, UnsupportedModel, builtin_config
 from shared.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
 
@@ -27,11 +27,13 @@ def test_builtin_model_is_seeded_and_serves_a_context_beyond_8192():
     runner = ModelRunner(model, pools)
     tokens = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0))
     kv = torch.arange(16, 16 + n)
-    one_shot = runner.execute([Row(tokens, 0, kv, 1)], DeferredOps(clears=[1]), keep_logits=True)
+    one_shot = runner.execute(
+        [StepRow.of(tokens, 0, kv, 1)], DeferredOps(clears=[1]), keep_logits=True
+    )
     pools.reset()
     for lo, hi in ((0, 4000), (4000, 8199)):
-        runner.execute([Row(tokens[lo:hi], lo, kv[:hi], 1)], DeferredOps())
-    last = runner.execute([Row(tokens[8199:], 8199, kv, 1)], DeferredOps(), keep_logits=True)
+        runner.execute([StepRow.of(tokens[lo:hi], lo, kv[:hi], 1)], DeferredOps())
+    last = runner.execute([StepRow.of(tokens[8199:], 8199, kv, 1)], DeferredOps(), keep_logits=True)
     assert (one_shot.logits - last.logits).abs().max() <= 1e-4
     assert builtin_config().max_position_embeddings >= 8192
 

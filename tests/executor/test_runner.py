@@ -4,9 +4,9 @@ whether a failing step's ops ran."""
 import pytest
 import torch
 
-from services.executor.model.batch import Row
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepRow
 from tests.executor.oracle import (
     all_logits,
     build_reference,
@@ -85,27 +85,27 @@ def test_a_copied_slot_continues_exactly_like_its_source(models):
     assert torch.equal(from_source, from_copy)
 
 
-def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[Row], DeferredOps]]:
+def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[StepRow], DeferredOps]]:
     """Steps refused by their rows carry valid ops that would change the pools if run."""
-    ok = lambda **kw: Row(torch.tensor([1, 2]), 0, kv[:2], **({"mamba_slot": 1} | kw))  # noqa: E731
+    ok = lambda **kw: StepRow.of(torch.tensor([1, 2]), 0, kv[:2], **({"mamba_slot": 1} | kw))  # noqa: E731
     fine = lambda: DeferredOps(clears=[5], copies=[(6, 7)])  # noqa: E731
     twice = DeferredOps(clears=[2], copies=[(3, 2)])
     return {
         "no rows": ([], fine()),
         "slot 0": ([ok(mamba_slot=0)], fine()),
         "slot out of range": ([ok(mamba_slot=99)], fine()),
-        "same slot, two rows": ([ok(), Row(torch.tensor([3]), 0, kv[2:3], 1)], fine()),
+        "same slot, two rows": ([ok(), StepRow.of(torch.tensor([3]), 0, kv[2:3], 1)], fine()),
         "destination twice": ([ok()], twice),
         "op on the sink": ([ok()], DeferredOps(clears=[5, 0])),
         "op out of range": ([ok()], DeferredOps(clears=[5], copies=[(6, 9)])),
         "source and destination": ([ok()], DeferredOps(clears=[5], copies=[(6, 7), (7, 8)])),
-        "kv in the sink page": ([Row(torch.tensor([1]), 0, torch.tensor([0]), 1)], fine()),
-        "kv out of range": ([Row(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], fine()),
-        "negative start": ([Row(torch.tensor([1, 2]), -1, kv[:1], 1)], fine()),
-        "token out of vocab": ([Row(torch.tensor([500]), 0, kv[:1], 1)], fine()),
+        "kv in the sink page": ([StepRow.of(torch.tensor([1]), 0, torch.tensor([0]), 1)], fine()),
+        "kv out of range": ([StepRow.of(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], fine()),
+        "negative start": ([StepRow.of(torch.tensor([1, 2]), -1, kv[:1], 1)], fine()),
+        "token out of vocab": ([StepRow.of(torch.tensor([500]), 0, kv[:1], 1)], fine()),
         "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], fine()),
         "read a slot another row writes": (
-            [ok(mamba_out=2), Row(torch.tensor([3]), 0, kv[2:3], 2, mamba_out=3)],
+            [ok(mamba_out=2), StepRow.of(torch.tensor([3]), 0, kv[2:3], 2, mamba_out=3)],
             fine(),
         ),
     }

@@ -4,15 +4,15 @@ parameter or logit that makes the distribution NaN or empty."""
 import pytest
 import torch
 
-from services.executor.model.batch import Row, Sampling
 from services.executor.sampling import SamplingError, sample
+from shared.messages.forward import StepRow
 
 g = torch.Generator().manual_seed(0)
 LOGITS = torch.randn(1, 50, generator=g)
 
 
-def draw(sampling: Sampling, end: int = 10) -> int:
-    row = Row(torch.tensor([1]), end - 1, torch.arange(1, end + 1), 1, sampling=sampling)
+def draw(sampling: dict, end: int = 10) -> int:
+    row = StepRow.of([1], end - 1, torch.arange(1, end + 1), 1, **sampling)
     tokens, logprobs = sample(LOGITS.clone(), [row])
     assert torch.allclose(logprobs, torch.log_softmax(LOGITS, -1).gather(1, tokens[:, None])[:, 0])
     return int(tokens[0])
@@ -20,27 +20,27 @@ def draw(sampling: Sampling, end: int = 10) -> int:
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():
     best = int(LOGITS.argmax())
-    assert draw(Sampling()) == best
-    assert draw(Sampling(temperature=1.0, top_k=1, seed=3)) == best
-    assert draw(Sampling(temperature=1.0, top_p=1e-6, seed=3)) == best
+    assert draw(dict()) == best
+    assert draw(dict(temperature=1.0, top_k=1, seed=3)) == best
+    assert draw(dict(temperature=1.0, top_p=1e-6, seed=3)) == best
 
 
 def test_seeded_draws_repeat_and_differ_across_seeds():
-    draws_a = [draw(Sampling(temperature=2.0, seed=1), end) for end in range(5, 45)]
-    assert draws_a == [draw(Sampling(temperature=2.0, seed=1), end) for end in range(5, 45)]
-    draws_b = [draw(Sampling(temperature=2.0, seed=2), end) for end in range(5, 45)]
+    draws_a = [draw(dict(temperature=2.0, seed=1), end) for end in range(5, 45)]
+    assert draws_a == [draw(dict(temperature=2.0, seed=1), end) for end in range(5, 45)]
+    draws_b = [draw(dict(temperature=2.0, seed=2), end) for end in range(5, 45)]
     assert draws_a != draws_b
     assert len(set(draws_a)) > 5  # a temperature of 2 spreads over the vocabulary
 
 
 def test_top_k_never_draws_outside_the_k_best():
     top = set(torch.topk(LOGITS[0], 3).indices.tolist())
-    assert {draw(Sampling(temperature=5.0, top_k=3, seed=s)) for s in range(40)} <= top
+    assert {draw(dict(temperature=5.0, top_k=3, seed=s)) for s in range(40)} <= top
 
 
-def pick(logits: torch.Tensor, sampling: Sampling, end: int = 10) -> tuple[int, float]:
+def pick(logits: torch.Tensor, sampling: dict, end: int = 10) -> tuple[int, float]:
     """One row's token and logprob, checked to be a valid token with a finite logprob."""
-    row = Row(torch.tensor([1]), end - 1, torch.arange(1, end + 1), 1, sampling=sampling)
+    row = StepRow.of([1], end - 1, torch.arange(1, end + 1), 1, **sampling)
     tokens, logprobs = sample(logits[None, :].clone(), [row])
     assert 0 <= int(tokens[0]) < logits.numel() and torch.isfinite(logprobs).all()
     return int(tokens[0]), float(logprobs[0])
@@ -48,46 +48,44 @@ def pick(logits: torch.Tensor, sampling: Sampling, end: int = 10) -> tuple[int, 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-6, 1e-5, 1e-300, float("nan"), float("inf")])
 def test_no_temperature_breaks_the_distribution(temperature):
-    token, _ = pick(LOGITS[0], Sampling(temperature=temperature, seed=7))
+    token, _ = pick(LOGITS[0], dict(temperature=temperature, seed=7))
     if not temperature > 1e-5:  # greedy below 1e-5 (and for NaN); 1e-5 is one-hot anyway
         assert token == int(LOGITS.argmax())
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 0.0, -1.0, float("nan")])
 def test_any_top_p_keeps_at_least_the_argmax(top_p):
-    token, _ = pick(LOGITS[0], Sampling(temperature=1.0, top_p=top_p, seed=1))
+    token, _ = pick(LOGITS[0], dict(temperature=1.0, top_p=top_p, seed=1))
     if top_p == top_p:  # not NaN: nothing but the argmax survives
         assert token == int(LOGITS.argmax())
 
 
 def test_top_k_one_and_huge_top_k():
     best = int(LOGITS.argmax())
-    assert {pick(LOGITS[0], Sampling(temperature=3.0, top_k=1, seed=s))[0] for s in range(9)} == {
-        best
-    }
-    pick(LOGITS[0], Sampling(temperature=3.0, top_k=2**62, seed=1))
+    assert {pick(LOGITS[0], dict(temperature=3.0, top_k=1, seed=s))[0] for s in range(9)} == {best}
+    pick(LOGITS[0], dict(temperature=3.0, top_k=2**62, seed=1))
 
 
 def test_one_finite_logit_among_minus_infinities_is_always_drawn():
     logits = torch.full((50,), float("-inf"))
     logits[17] = -3.0
-    for sampling in (Sampling(), Sampling(temperature=1.0, top_k=5, top_p=0.5, seed=2)):
+    for sampling in (dict(), dict(temperature=1.0, top_k=5, top_p=0.5, seed=2)):
         assert pick(logits, sampling) == (17, 0.0)
-    assert pick(logits, Sampling(temperature=float("inf"), seed=2))[0] == 17
+    assert pick(logits, dict(temperature=float("inf"), seed=2))[0] == 17
 
 
 def test_huge_logits_sample_without_overflow():
     logits = LOGITS[0] * 1e30
     best = int(logits.argmax())
-    assert pick(logits, Sampling())[0] == best
-    assert pick(logits, Sampling(temperature=1e-5, seed=1))[0] == best
-    assert pick(logits, Sampling(temperature=1.0, top_p=0.9, seed=1))[0] == best
-    pick(torch.tensor([3e38, -3e38, 0.0]), Sampling(temperature=2.0, seed=4))
+    assert pick(logits, dict())[0] == best
+    assert pick(logits, dict(temperature=1e-5, seed=1))[0] == best
+    assert pick(logits, dict(temperature=1.0, top_p=0.9, seed=1))[0] == best
+    pick(torch.tensor([3e38, -3e38, 0.0]), dict(temperature=2.0, seed=4))
 
 
 @pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1])
 def test_every_64_bit_seed_is_accepted_and_reproducible(seed):
-    sampling = Sampling(temperature=2.0, seed=seed)
+    sampling = dict(temperature=2.0, seed=seed)
     assert pick(LOGITS[0], sampling) == pick(LOGITS[0], sampling)
 
 
@@ -95,7 +93,7 @@ def test_every_64_bit_seed_is_accepted_and_reproducible(seed):
 def test_broken_logits_raise_a_sampling_error_naming_the_row(bad):
     logits = LOGITS.repeat(2, 1)
     logits[1, 4] = bad
-    rows = [Row(torch.tensor([1]), 3, torch.arange(1, 5), 1) for _ in range(2)]
+    rows = [StepRow.of([1], 3, torch.arange(1, 5), 1) for _ in range(2)]
     with pytest.raises(SamplingError, match=r"rows \[1\]"):
         sample(logits, rows)
     with pytest.raises(SamplingError, match=r"rows \[0\]"):

@@ -6,12 +6,12 @@ import pytest
 
 from services.executor.runner import BatchRefused
 from services.executor.step_chain import StepChain
-from shared.wire import WireRow
+from shared.messages.forward import StepRow
 
 
-def wire_row(rid: str, tokens: list[int], future: bool = False) -> WireRow:
+def wire_row(rid: str, tokens: list[int], future: bool = False) -> StepRow:
     n = len(tokens)
-    return WireRow(rid, np.array(tokens), 4, np.arange(16, 20 + n), 1, 2, 0, 0, True, future=future)
+    return StepRow.of(tokens, 4, np.arange(16, 20 + n), 1, rid=rid, mamba_out=2, future=future)
 
 
 def test_future_tokens_are_the_previous_steps_samples():

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import msgpack
+import msgspec
 import numpy as np
 
 from services.scheduler.engine.misroute import ENV, MisrouteWrite
@@ -18,7 +19,8 @@ from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from services.session_store.write_checker import WriteChecker
 from shared import streams
-from shared.wire import WireRow, encode, pack_ints
+from shared.messages.envelope import encode, pack
+from shared.messages.forward import I4, I8
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
 from tests.services_harness import stack_settings, start_stack
@@ -52,9 +54,9 @@ class Publisher:
         engine = self.d.engine
         plan = engine.plan_step()
         if plan is not None:
-            body = plan.wire_body("x1", self.d.pools, self.misroute)
+            step = plan.message(self.shipper.epoch, "x1", self.d.pools, self.misroute)
             self.ship()
-            self._xadd(streams.FORWARD, encode("step", self.shipper.epoch, plan.step_id, body))
+            self._xadd(streams.FORWARD, encode(step))
             self.published += 1
         if engine.in_flight and (plan is None or len(engine.in_flight) > self.d.depth):
             self.complete_oldest()
@@ -161,8 +163,8 @@ def test_a_restarted_store_still_checks_the_steps_it_had_queued(redis_client):
     pub = Publisher(d, redis_client)
     d.generate(text(10, 1), max_new=3)
     plan = d.engine.plan_step()
-    body = plan.wire_body("x1", d.pools, MisrouteWrite(d.pools.mamba, armed=True))
-    pub._xadd(streams.FORWARD, encode("step", pub.shipper.epoch, plan.step_id, body))
+    step = plan.message(pub.shipper.epoch, "x1", d.pools, MisrouteWrite(d.pools.mamba, armed=True))
+    pub._xadd(streams.FORWARD, encode(step))
     pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([], "x1"))  # nothing moved yet
     drain(OwnershipConsumer(redis_client, "store-1"))
     again = OwnershipConsumer(redis_client, "store-1")
@@ -184,17 +186,19 @@ def test_an_op_for_an_owner_outside_the_step_and_a_foreign_kv_page_are_named(red
     pub.step()
     other = d.generate(text(9, 3), max_new=2)
     plan = d.engine.plan_step()  # admits `other`: a clear for its fresh working slot
-    body = plan.wire_body("x1", d.pools)
+    step = plan.message(pub.shipper.epoch, "x1", d.pools)
     (dst,) = plan.ops.clears
     idle = d.engine.sessions.sessions["idle"].owner.id
-    body["clear_owners"] = pack_ints([idle])  # the clear claims to be for a bystander
-    rows = [WireRow.from_body(b) for b in body["rows"]]
-    row = next(r for r in rows if r.rid == other.rid)
+    rows = list(step.rows)
+    i = next(i for i, r in enumerate(rows) if r.rid == other.rid)
     foreign = int(d.pools.rows.pages[bystander.slots.row.slot, 0])  # the bystander's KV
-    row.kv_indices[row.start] = foreign * 4
-    body["rows"] = [r.body() for r in rows]
+    kv = rows[i].kv_indices.copy()
+    kv[rows[i].start] = foreign * 4
+    rows[i] = msgspec.structs.replace(rows[i], packed_kv=pack(kv, I4))
+    # and the clear claims to be for a bystander
+    step = msgspec.structs.replace(step, rows=rows, packed_clear_owners=pack([idle], I8))
     pub.ship()
-    pub._xadd(streams.FORWARD, encode("step", pub.shipper.epoch, plan.step_id, body))
+    pub._xadd(streams.FORWARD, encode(step))
     pub.complete_oldest()
     d.engine.abort(other.rid)
     d.engine.abort(bystander.rid)

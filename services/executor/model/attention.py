@@ -39,7 +39,7 @@ class Attention(nn.Module):
             out[batch.decode_positions] = self._decode(q, batch, k_cache, v_cache)
         for i in batch.prefill:
             row, span = batch.rows[i], batch.span(i)
-            idx = to_device(row.kv_indices, h.device)
+            idx = to_device(batch.kv[i], h.device)
             positions = torch.arange(row.start, row.end, device=h.device)
             mask = torch.arange(row.end, device=h.device)[None, :] <= positions[:, None]
             out[span] = self._attend(

@@ -1,63 +1,25 @@
-"""One forward step's rows, as the executor runs them.
+"""One forward step's rows, as the executor runs them: the `StepRow`s it decoded.
 
 Each row brings its own tokens, where they start, the KV token indices of its whole
 context, the Mamba slot its state is read from and the one the new state is written to
 (the same slot for an update in place) and, optionally, a snapshot slot and the length
 at which to snapshot. Rows of one token (decode) are run together; longer rows (prefill chunks)
-one at a time, since their lengths differ.
+one at a time, since their lengths differ. The batch makes the rows' tensors, once.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from shared.wire import WireRow
+from shared.messages.forward import StepRow
 
 
-@dataclass
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-
-
-@dataclass
-class Row:
-    tokens: torch.Tensor  # int64 [n]
-    start: int
-    kv_indices: torch.Tensor  # int64 [start + n]
-    mamba_slot: int
-    snapshot_slot: int = 0
-    snapshot_len: int = 0
-    sample: bool = True
-    sampling: Sampling = field(default_factory=Sampling)
-    mamba_out: int = 0  # 0: write back to mamba_slot
-
-    def __post_init__(self) -> None:
-        self.mamba_out = self.mamba_out or self.mamba_slot
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    @classmethod
-    def from_wire(cls, r: WireRow) -> Row:
-        return cls(
-            torch.from_numpy(np.ascontiguousarray(r.tokens)),
-            r.start,
-            torch.from_numpy(np.ascontiguousarray(r.kv_indices)),
-            r.mamba_slot,
-            r.snapshot_slot,
-            r.snapshot_len,
-            r.sample,
-            Sampling(r.temperature, r.top_p, r.top_k, r.seed),
-            r.mamba_out,
-        )
+def host_tensor(ints: np.ndarray) -> torch.Tensor:
+    """int64 on the host, as the model indexes with (a copy: the wire's arrays are
+    read-only)."""
+    return torch.from_numpy(ints.astype(np.int64))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -69,14 +31,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class ForwardBatch:
-    def __init__(self, rows: list[Row], device: torch.device) -> None:
+    def __init__(self, rows: list[StepRow], device: torch.device) -> None:
         self.rows = rows
         self.device = device
+        self.kv = [host_tensor(r.kv_indices) for r in rows]  # per row, on the host
         lengths = [len(r.tokens) for r in rows]
         self.offsets = [0]
         for n in lengths:
             self.offsets.append(self.offsets[-1] + n)
-        self.token_ids = to_device(torch.cat([r.tokens for r in rows]), device)
+        tokens = host_tensor(np.concatenate([r.tokens for r in rows]))
+        self.token_ids = to_device(tokens, device)
         self.decode = [i for i, n in enumerate(lengths) if n == 1]
         self.prefill = [i for i, n in enumerate(lengths) if n > 1]
         to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), device)  # noqa: E731
@@ -88,7 +52,8 @@ class ForwardBatch:
         self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
         self.decode_out_slots = to([rows[i].mamba_out for i in self.decode])
         # KV rows written this step, in token order
-        self.new_kv = to_device(torch.cat([r.kv_indices[r.start :] for r in rows]), device)
+        new_kv = [kv[r.start :] for kv, r in zip(self.kv, rows, strict=True)]
+        self.new_kv = to_device(torch.cat(new_kv), device)
         self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
         self._decode_context: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -97,7 +62,7 @@ class ForwardBatch:
         """KV indices of the decode rows' contexts, padded to the longest with the sink
         index 0, and the mask of real positions: built once, used by every attention layer."""
         if self._decode_context is None:
-            kv = [self.rows[i].kv_indices for i in self.decode]
+            kv = [self.kv[i] for i in self.decode]
             idx = to_device(pad_sequence(kv, batch_first=True), self.device)
             ends = to_device(torch.tensor([len(k) for k in kv]), self.device)
             mask = torch.arange(idx.shape[1], device=self.device)[None, :] < ends[:, None]

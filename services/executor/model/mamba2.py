@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.model.batch import ForwardBatch, Row
+from services.executor.model.batch import ForwardBatch
 from services.executor.model.layers import GatedRMSNorm
 from services.executor.model.pools import DevicePools
 from services.executor.model.ssd import chunked_scan, recurrent_step
+from shared.messages.forward import StepRow
 from shared.model_config import ModelConfig
 
 
@@ -100,7 +101,7 @@ class Mamba2Mixer(nn.Module):
                 pools.ssm[layer, row.snapshot_slot] = state[j]
 
     def _prefill(
-        self, xbc, dt, A, y, row: Row, span: slice, pools: DevicePools, layer: int
+        self, xbc, dt, A, y, row: StepRow, span: slice, pools: DevicePools, layer: int
     ) -> None:
         keep = self.cfg.conv_kernel - 1
         full = torch.cat([pools.conv[layer, row.mamba_slot], xbc[span].T], dim=-1)

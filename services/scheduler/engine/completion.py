@@ -8,21 +8,19 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
-from shared.wire import unpack_ints
+from shared.messages.forward import StepResult
 
 if TYPE_CHECKING:
     from services.scheduler.engine.core import EngineCore
 
 
-def complete(engine: EngineCore, plan: StepPlan, result: dict) -> list[Request]:
-    """`result`: the executor's result message for `plan` (shared/wire.py `result_body`).
-    Returns the requests that ended."""
-    if result.get("error"):
-        return engine.step_refused(plan, result["error"], bool(result.get("ops_ran")))
-    tokens = unpack_ints(result["tokens"], "<i4").tolist()
-    logprobs = unpack_ints(result["logprobs"], "<f4").tolist()
+def complete(engine: EngineCore, plan: StepPlan, result: StepResult) -> list[Request]:
+    """`result`: the executor's result for `plan`. Returns the requests that ended."""
+    if result.error is not None:
+        return engine.step_refused(plan, result.error, result.ops_ran)
+    rids = result.rids
     return engine.complete_step(
         plan,
-        dict(zip(result["rids"], tokens, strict=True)),
-        dict(zip(result["rids"], logprobs, strict=True)),
+        dict(zip(rids, result.tokens.tolist(), strict=True)),
+        dict(zip(rids, result.logprobs.tolist(), strict=True)),
     )

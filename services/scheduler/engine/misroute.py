@@ -14,10 +14,11 @@ import logging
 import os
 from collections.abc import Mapping
 
+import msgspec
 import numpy as np
 
 from services.scheduler.ownership.slot_pool import SlotPool
-from shared.wire import WireRow
+from shared.messages.forward import Step
 
 log = logging.getLogger("custody.scheduler")
 ENV = "CUSTODY_FAULT_MISROUTE_WRITE"
@@ -35,11 +36,13 @@ class MisrouteWrite:
             log.warning("%s=1: the first step will misroute a write (a test-only fault)", ENV)
         return cls(mamba, armed)
 
-    def apply(self, rows: list[WireRow]) -> None:
-        """Point the first row's state write at a free slot, once."""
+    def apply(self, step: Step) -> Step:
+        """`step`, its first row's state write pointed at a free slot, once; a copy of the
+        message: the plan and its rows are left as they are."""
         free = np.flatnonzero(self.mamba.owner_view == 0)
-        if not self.armed or not rows or not len(free):
-            return
+        if not self.armed or not step.rows or not len(free):
+            return step
         self.armed = False
-        rows[0].mamba_out = int(free[-1])
-        log.warning("test-only fault: %s writes slot %d it does not own", rows[0].rid, free[-1])
+        first = msgspec.structs.replace(step.rows[0], mamba_out=int(free[-1]))
+        log.warning("test-only fault: %s writes slot %d it does not own", first.rid, free[-1])
+        return msgspec.structs.replace(step, rows=[first, *step.rows[1:]])

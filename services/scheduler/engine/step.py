@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.records.row_plan import RowPlan
 from shared.deferred_ops import DeferredOps
-from shared.wire import WireRow, step_body
+from shared.messages.forward import Step
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
@@ -29,49 +29,21 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(r.tokens) for r in self.rows)
 
-    def wire_rows(self) -> list[WireRow]:
-        """The rows as the executor receives them."""
-        return [
-            WireRow(
-                r.rid,
-                r.tokens,
-                r.start,
-                r.kv_indices,
-                r.mamba_slot,
-                r.mamba_out,
-                r.snapshot_slot,
-                r.snapshot_len,
-                r.sample,
-                r.params.temperature,
-                r.params.top_p,
-                r.params.top_k,
-                r.params.seed,
-                r.future,
-                r.owner,
-                r.track_owner,
-                r.session_owner,
-            )
-            for r in self.rows
-        ]
-
-    def wire_body(
-        self, executor_epoch: str, pools: Pools, misroute: MisrouteWrite | None = None
-    ) -> dict:
-        """The step message's body. Call it right after planning, with no await in
-        between: the ledger's event count is then the point the plan was made at, which
-        the session store checks every write of the step against. `misroute` is the
-        test-only fault hook (misroute.py)."""
-        rows = self.wire_rows()
-        if misroute is not None:
-            misroute.apply(rows)
-        return step_body(
+    def message(
+        self, epoch: str, executor_epoch: str, pools: Pools, misroute: MisrouteWrite | None = None
+    ) -> Step:
+        """The step message, for scheduler life `epoch`: its rows are the plan's own. Call
+        it right after planning, with no await in between: the ledger's event count is
+        then the point the plan was made at, which the session store checks every write
+        of the step against. `misroute` is the test-only fault hook (misroute.py)."""
+        step = Step.of(
+            epoch,
             self.step_id,
-            self.after,
             executor_epoch,
-            rows,
-            self.ops.clears,
-            self.ops.copies,
+            [r.wire for r in self.rows],
+            self.ops,
+            after=self.after,
             ledger_seq=pools.ledger.events.next_seq,
             page_size=pools.config.page_size,
-            op_owners=self.ops.owners,
         )
+        return step if misroute is None else misroute.apply(step)

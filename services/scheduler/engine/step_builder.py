@@ -13,6 +13,7 @@ from services.scheduler.allocators.paged_kv import pages_for
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.records.request import Request
 from services.scheduler.records.row_plan import RowPlan
+from shared.messages.forward import StepRow
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
 
@@ -50,23 +51,27 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     if snap_len > max(start, req.slots.track.latest_len):
         slot = req.slots.track.begin_snapshot() or 0
     read, write = req.slots.state.advance()
-    row = RowPlan(
-        req.rid,
-        np.array([FUTURE_TOKEN]) if future else req.sequence[start:end].copy(),
+    params = req.params
+    wire = StepRow.of(
+        np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,
         pools.rows.token_indices(req.slots.row.slot, 0, end),
         read,
-        write,
-        slot,
-        snap_len if slot else 0,
+        rid=req.rid,
+        mamba_out=write,
+        snapshot_slot=slot,
+        snapshot_len=snap_len if slot else 0,
         sample=end == req.length + future,
-        prefill=n > 1 or start < len(req.prompt),
-        params=req.params,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
         future=future,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,
     )
+    row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt))
     req.inflight.append(row)
     return row
 

@@ -1,36 +1,25 @@
-"""One row of a planned forward step: what the step computes for one request, and the
-per-step facts completion must use (which snapshot goes where, at what length, which
-working slot holds the result). A request keeps the rows of its steps in flight."""
+"""One row of a planned forward step: the row as the step message carries it (what the
+step computes for one request, and the per-step facts completion must use: which
+snapshot goes where, at what length, which working slot holds the result), plus what
+only the scheduler needs. A request keeps the rows of its steps in flight."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from services.scheduler.records.sampling import SamplingParams
+from shared.messages.forward import StepRow
 
 
 @dataclass
 class RowPlan:
-    rid: str
-    tokens: np.ndarray  # fed this step, at positions start .. start + len - 1
-    start: int
-    kv_indices: np.ndarray  # KV token indices of positions [0, start + len(tokens))
-    mamba_slot: int  # the working slot the state is read from
-    mamba_out: int  # the working slot the state after this step is written to
-    snapshot_slot: int  # 0: no snapshot this step
-    snapshot_len: int  # the state after this many positions goes to snapshot_slot
-    sample: bool  # this row produces a token
+    wire: StepRow  # sent as it is: the step message holds this very row
     prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
-    params: SamplingParams
-    future: bool = False  # tokens[0] is the one the step before samples for this request
-    # Ledger owner ids the row writes for, named on the wire for the session store's check.
-    owner: int = 0  # the request: mamba_out and the KV of start..end are its
-    track_owner: int = 0  # snapshot_slot is its track's
-    session_owner: int = 0  # the session whose turn this is (its rollback copy), or 0
     dropped: bool = False  # its request ended or was re-queued while the step was in flight
 
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
+    def __getattr__(self, name: str) -> Any:
+        """The wire row's facts (rid, tokens, start, kv_indices, slots, sample, future,
+        owners, end) read as the plan's own, so the row has one shape: no copies."""
+        if name == "wire" or name.startswith("__"):
+            raise AttributeError(name)  # not set yet (copying, unpickling): no recursion
+        return getattr(self.wire, name)

@@ -1,6 +1,8 @@
 """The scheduler's view of the executor: which executor life (epoch) is up, reading the
 result of a step from the results stream, and noticing that the executor is gone (its
-alive key expired or names a new epoch), which means its device state is gone too."""
+alive key expired or names a new epoch), which means its device state is gone too. A
+result entry that is not of the wire format is logged, counted (`malformed`, in the live
+metrics) and passed over."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import redis.asyncio as aioredis
 
 from services.scheduler.engine.step import StepPlan
 from shared import streams
-from shared.wire import WireError, decode
+from shared.messages.envelope import WireError
+from shared.messages.forward import StepResult, decode_result
 
 log = logging.getLogger("custody.scheduler")
 
@@ -30,6 +33,7 @@ class ExecutorLink:
         self.timeout_seconds = timeout_seconds
         self.epoch: str | None = None  # the executor life steps are published for
         self.losses = 0
+        self.malformed = 0  # result entries refused as not of the wire format
         self.results: aioredis.Redis | None = None  # its own connection: it blocks
         self._results_from = "0-0"
 
@@ -44,7 +48,7 @@ class ExecutorLink:
         alive = await redis.get(streams.EXECUTOR_ALIVE)
         return alive.decode() if alive else None
 
-    async def await_result(self, redis: aioredis.Redis, plan: StepPlan) -> dict:
+    async def await_result(self, redis: aioredis.Redis, plan: StepPlan) -> StepResult:
         """The step's result; raises `ExecutorLost` once the executor that was to run it
         is gone."""
         deadline = time.monotonic() + self.timeout_seconds
@@ -55,9 +59,9 @@ class ExecutorLink:
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     self._results_from = entry_id
-                    msg = self._result_of(fields, plan.step_id)
-                    if msg is not None:
-                        return msg
+                    result = self._result_of(fields, plan.step_id)
+                    if result is not None:
+                        return result
             if reply and time.monotonic() < deadline:
                 continue  # results are flowing: ask after the executor only when they stop
             alive = await self.alive_epoch(redis)
@@ -67,14 +71,16 @@ class ExecutorLink:
                 log.error("executor %s lost during step %s", self.epoch, plan.step_id)
                 raise ExecutorLost(alive)
 
-    def _result_of(self, fields: dict, step_id: int) -> dict | None:
+    def _result_of(self, fields: dict, step_id: int) -> StepResult | None:
         try:
-            msg = decode(fields[b"m"])
-        except (WireError, KeyError):
+            result = decode_result(fields.get(b"m", b""))
+        except WireError as err:
+            self.malformed += 1
+            log.error("a malformed result was passed over: %s", err)
             return None
         mine = (
-            msg.get("step") == step_id
-            and msg.get("scheduler_epoch") == self.scheduler_epoch
-            and msg.get("executor_epoch") == self.epoch
+            result.step == step_id
+            and result.scheduler_epoch == self.scheduler_epoch
+            and result.executor_epoch == self.epoch
         )
-        return msg if mine else None
+        return result if mine else None

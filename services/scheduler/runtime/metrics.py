@@ -85,12 +85,22 @@ class LiveState(Collector):
             "faults of the scheduler loop itself, survived by the device-lost path",
             self.loop_faults(),
         )
+        yield from self._per_stream()
+
+    def _per_stream(self) -> Iterator:
         lag = GaugeMetricFamily(
             "custody_stream_lag_entries", "entries not yet read by a group", labels=["stream"]
         )
         for stream, entries in self.stream_lag.items():
             lag.add_metric([stream], entries)
         yield lag
+        malformed = CounterMetricFamily(
+            "custody_malformed_messages",
+            "messages refused as not of the wire format",
+            labels=["stream"],
+        )
+        malformed.add_metric([streams.RESULTS], self.link.malformed)  # the stream it reads
+        yield malformed
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

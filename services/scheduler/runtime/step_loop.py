@@ -27,7 +27,7 @@ from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
 from shared.config import Settings
-from shared.wire import encode
+from shared.messages.envelope import encode
 
 log = logging.getLogger("custody.scheduler")
 
@@ -98,10 +98,12 @@ class StepLoop:
         plan = self.engine.plan_step()
         if plan is None:
             return None
-        try:  # right after planning, before any await: see StepPlan.wire_body
-            body = plan.wire_body(self.link.epoch, self.engine.pools, self.misroute)
-            message = encode("step", self.outbox.shipper.epoch, plan.step_id, body)
-        except (ValueError, TypeError, OverflowError) as err:  # what msgpack raises
+        try:  # right after planning, before any await: see StepPlan.message
+            step = plan.message(
+                self.outbox.shipper.epoch, self.link.epoch, self.engine.pools, self.misroute
+            )
+            message = encode(step)
+        except (ValueError, TypeError, OverflowError) as err:  # what the encoder raises
             log.error("step %s could not be encoded: %s", plan.step_id, err)
             self.intake.ended(self.engine.step_unsent(plan, str(err)))
             return None

@@ -1,0 +1,258 @@
+"""The forward path: a `Step` (scheduler -> executor, stream "forward", read by the
+session store's write checker too) and its `StepResult` (executor -> scheduler, stream
+"results").
+
+One shape per row on both sides: the scheduler plans a `StepRow` and sends it as it is;
+the executor runs the rows it decodes. Integer arrays travel packed (`<i4`, owner ids
+`<i8`, log probabilities `<f4`); each type packs them in its `of` and unpacks them in a
+property. Decoding checks what the types cannot: every packed length, and the arrays
+that must agree (a KV index per position, an owner per op, a token per sampling row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from shared.deferred_ops import DeferredOps
+from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+
+I4, I8, F4 = "<i4", "<i8", "<f4"
+Ints = np.ndarray | Sequence[int]  # or a host torch tensor: anything np.asarray takes
+
+
+class StepRow(msgspec.Struct, kw_only=True):
+    """One row of a step: the positions it computes for one request, the Mamba slots it
+    reads and writes, how it samples, and whom its writes are for."""
+
+    rid: str
+    packed_tokens: bytes = msgspec.field(name="tokens")  # fed at positions start..end-1
+    start: int
+    packed_kv: bytes = msgspec.field(name="kv")  # the KV token index of positions 0..end-1
+    mamba_slot: int  # the state is read from here
+    mamba_out: int  # and written here after the row's tokens (may be mamba_slot)
+    snapshot_slot: int = 0  # 0: no snapshot this step
+    snapshot_len: int = 0  # the state after this many positions is copied to snapshot_slot
+    sample: bool = True  # the row produces a token, from its last position
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    future: bool = False  # tokens[0] stands for the token the step before samples
+    # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
+    # the session store checks each write against its own ledger.
+    owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
+    track_owner: int = 0  # the request's track: owns snapshot_slot
+    session_owner: int = 0  # the session whose turn this is: may own op destinations
+
+    def __post_init__(self) -> None:
+        """A row whose arrays are cut or disagree is refused as it is decoded."""
+        n, kv = len(self.tokens), len(self.kv_indices)
+        if kv != self.start + n:
+            raise WireError(f"row {self.rid}: {kv} KV indices for {n} tokens from {self.start}")
+
+    @classmethod
+    def of(
+        cls,
+        tokens: Ints,
+        start: int,
+        kv_indices: Ints,
+        mamba_slot: int,
+        *,
+        rid: str = "",
+        mamba_out: int = 0,
+        **facts: Any,
+    ) -> StepRow:
+        """A row from its arrays; `mamba_out` 0 updates the state in place. `facts`:
+        any of the other fields."""
+        return cls(
+            rid=rid,
+            packed_tokens=pack(tokens, I4),
+            start=start,
+            packed_kv=pack(kv_indices, I4),
+            mamba_slot=mamba_slot,
+            mamba_out=mamba_out or mamba_slot,
+            **facts,
+        )
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return unpack(self.packed_tokens, I4)
+
+    @property
+    def kv_indices(self) -> np.ndarray:
+        return unpack(self.packed_kv, I4)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.packed_tokens) // np.dtype(I4).itemsize
+
+    def fill_future(self, token: int) -> None:
+        """The executor's part: tokens[0] becomes what the step before sampled."""
+        tokens = self.tokens.copy()
+        tokens[:1] = token
+        self.packed_tokens = pack(tokens, I4)
+
+
+class StepHead(Message, tag="step", kw_only=True):
+    """What the executor reads of a step even when the rest is malformed, so that it can
+    answer: the scheduler life that sent it (`epoch`), its number in that life (`seq`),
+    and the executor life it was planned for (a step for an earlier one is dropped)."""
+
+    executor_epoch: str
+
+    @property
+    def step(self) -> int:
+        return self.seq
+
+
+class Step(StepHead, tag="step", kw_only=True):
+    """A forward step. `after`: the step it was planned on top of (its rows read the
+    state that step writes, and its future tokens are that step's samples), or None when
+    it builds on nothing in flight; the executor refuses it unless `after` is the step
+    it ran last. Its deferred ops run first: `clears`, then the `(source, destination)`
+    pairs of `copies`.
+
+    For the session store's check of its writes: `ledger_seq`, the number of ownership
+    events the scheduler's ledger held when it was planned (every slot it writes must be
+    its writer's at exactly that point; None: not checked); `page_size`, to turn KV
+    indices into the pages the ledger counts; `clear_owners` and `copy_owners`, the
+    owner each op's destination is written for, one per clear and per copy."""
+
+    after: int | None
+    rows: list[StepRow]
+    packed_clears: bytes = msgspec.field(name="clears")
+    packed_copies: bytes = msgspec.field(name="copies")
+    packed_clear_owners: bytes = msgspec.field(name="clear_owners")
+    packed_copy_owners: bytes = msgspec.field(name="copy_owners")
+    ledger_seq: int | None = None
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        copied = len(unpack(self.packed_copies, I4))
+        if copied % 2:
+            raise WireError(f"copies: {copied} slots, not (source, destination) pairs")
+        if len(self.clear_owners) != len(self.clears):
+            raise WireError(f"{len(self.clear_owners)} owners for {len(self.clears)} clears")
+        if len(self.copy_owners) != copied // 2:
+            raise WireError(f"{len(self.copy_owners)} owners for {copied // 2} copies")
+
+    @classmethod
+    def of(
+        cls,
+        epoch: str,
+        step: int,
+        executor_epoch: str,
+        rows: list[StepRow],
+        ops: DeferredOps,
+        *,
+        after: int | None = None,
+        ledger_seq: int | None = None,
+        page_size: int = 0,
+    ) -> Step:
+        """The step numbered `step` in scheduler life `epoch`; each op destination's
+        owner is taken from `ops.owners` (0 where it names none)."""
+        return cls(
+            epoch=epoch,
+            seq=step,
+            executor_epoch=executor_epoch,
+            after=after,
+            rows=rows,
+            packed_clears=pack(ops.clears, I4),
+            packed_copies=pack(ops.copies, I4),
+            packed_clear_owners=pack([ops.owners.get(s, 0) for s in ops.clears], I8),
+            packed_copy_owners=pack([ops.owners.get(d, 0) for _, d in ops.copies], I8),
+            ledger_seq=ledger_seq,
+            page_size=page_size,
+        )
+
+    @property
+    def clears(self) -> np.ndarray:
+        return unpack(self.packed_clears, I4)
+
+    @property
+    def copies(self) -> np.ndarray:
+        """[n, 2]: source, destination."""
+        return unpack(self.packed_copies, I4).reshape(-1, 2)
+
+    @property
+    def clear_owners(self) -> np.ndarray:
+        return unpack(self.packed_clear_owners, I8)
+
+    @property
+    def copy_owners(self) -> np.ndarray:
+        return unpack(self.packed_copy_owners, I8)
+
+    def ops(self) -> DeferredOps:
+        """The deferred ops, as the executor runs them."""
+        pairs = [(src, dst) for src, dst in self.copies.tolist()]
+        return DeferredOps(self.clears.tolist(), pairs)
+
+
+class StepResult(Message, tag="result", kw_only=True):
+    """The executor's answer to a step: `epoch` is the executor's life, `seq` the step's
+    number. Per sampling row (`rids`, in row order) the token sampled and the model's log
+    probability of it; or `error`, why the step was refused or failed. `ops_ran` (with an
+    error): every deferred op had been applied when it failed, so a rollback copy they
+    made holds the state it copied; False: the forward did not run, the sources of its
+    copies hold what they held, and its destinations may not."""
+
+    scheduler_epoch: str  # step numbers restart with each scheduler life
+    rids: list[str]
+    packed_tokens: bytes = msgspec.field(name="tokens")
+    packed_logprobs: bytes = msgspec.field(name="logprobs")
+    error: str | None = None
+    ops_ran: bool = False
+
+    def __post_init__(self) -> None:
+        n, lp = len(self.tokens), len(self.logprobs)
+        if self.error is None and not n == lp == len(self.rids):
+            raise WireError(f"{n} tokens and {lp} log probabilities for {len(self.rids)} rows")
+
+    @classmethod
+    def of(
+        cls,
+        executor_epoch: str,
+        step: int,
+        scheduler_epoch: str,
+        rids: list[str],
+        tokens: Sequence[int] = (),
+        logprobs: Sequence[float] = (),
+        *,
+        error: str | None = None,
+        ops_ran: bool = False,
+    ) -> StepResult:
+        return cls(
+            epoch=executor_epoch,
+            seq=step,
+            scheduler_epoch=scheduler_epoch,
+            rids=rids,
+            packed_tokens=pack(tokens, I4),
+            packed_logprobs=pack(logprobs, F4),
+            error=error,
+            ops_ran=ops_ran,
+        )
+
+    @property
+    def step(self) -> int:
+        return self.seq
+
+    @property
+    def executor_epoch(self) -> str:
+        return self.epoch
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return unpack(self.packed_tokens, I4)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return unpack(self.packed_logprobs, F4)
+
+
+decode_step = Decoder(Step).decode
+decode_step_head = Decoder(StepHead).decode
+decode_result = Decoder(StepResult).decode

@@ -1,0 +1,155 @@
+"""The forward path's typed wire: a step and a result survive the round trip; every
+malformed message is refused with its reason; the scheduler sends its plan's own rows
+(the misroute fault only on the wire); and the scheduler, as the results' consumer,
+counts a malformed result, passes over it and completes the step with the next."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+
+from services.scheduler.engine.misroute import MisrouteWrite
+from shared import streams
+from shared.deferred_ops import DeferredOps
+from shared.messages.envelope import WireError, encode
+from shared.messages.forward import (
+    Step,
+    StepResult,
+    StepRow,
+    decode_result,
+    decode_step,
+    decode_step_head,
+)
+from tests.engine.driver import Driver
+from tests.test_scheduler_loop import plain, started
+
+
+def a_step() -> Step:
+    ops = DeferredOps()
+    ops.clear(3, owner=7)
+    ops.copy(1, 4, owner=9)
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 2**64 - 1}
+    owners = {"owner": 11, "track_owner": 12, "session_owner": 13}
+    rows = [
+        StepRow.of([5, 6], 2, [8, 9, 10, 11], 1, rid="a", mamba_out=2, **sampling, **owners),
+        StepRow.of([-1], 3, [16, 17, 18, 19], 6, rid="b", future=True, sample=False),
+    ]
+    rows[0].snapshot_slot, rows[0].snapshot_len = 5, 4
+    return Step.of("sched", 4, "exec", rows, ops, after=3, ledger_seq=21, page_size=4)
+
+
+def test_a_step_and_a_result_survive_the_round_trip():
+    step = a_step()
+    back = decode_step(encode(step))
+    assert back == step and back.step == 4 and back.after == 3
+    assert back.rows[0].tokens.tolist() == [5, 6] and back.rows[0].end == 4
+    assert back.rows[0].kv_indices.tolist() == [8, 9, 10, 11] and back.rows[1].future
+    assert back.clears.tolist() == [3] and back.copies.tolist() == [[1, 4]]
+    assert (back.clear_owners.tolist(), back.copy_owners.tolist()) == ([7], [9])
+    assert back.ops() == DeferredOps([3], [(1, 4)])
+    assert decode_step_head(encode(step)).executor_epoch == "exec"
+    result = StepResult.of("exec", 4, "sched", ["a"], [17], [-0.25])
+    back = decode_result(encode(result))
+    assert back == result and (back.step, back.executor_epoch) == (4, "exec")
+    assert back.tokens.tolist() == [17] and back.logprobs.tolist() == [-0.25]
+    refused = StepResult.of("exec", 5, "sched", ["a"], error="refused", ops_ran=True)
+    assert decode_result(encode(refused)) == refused
+
+
+def raw_of(message: msgspec.Struct) -> dict:
+    return msgspec.msgpack.decode(encode(message))
+
+
+def broken_steps() -> dict[str, tuple[dict, str]]:
+    """Each a step with one fault, and what its refusal names."""
+    cases: dict[str, tuple[dict, str]] = {}
+
+    def case(name: str, reason: str, path: tuple, value: object) -> None:
+        raw = raw_of(a_step())
+        *inner, last = path
+        target = raw
+        for key in inner:
+            target = target[key]
+        target[last] = value
+        cases[name] = (raw, reason)
+
+    case("wrong version", "$.v", ("v",), 1)
+    case("unknown kind", "$.kind", ("kind",), "bogus")
+    case("a result's kind", "$.kind", ("kind",), "result")
+    case("wrong type", "Expected `int`, got `str`", ("seq",), "4")
+    case("rows not a list", "Expected `array`", ("rows",), {"a": 1})
+    case("a row not a row", "$.rows[0]", ("rows", 0), "not a row")
+    case("truncated tokens", "packed <i4 array of 7 bytes", ("rows", 0, "tokens"), b"\0" * 7)
+    case("truncated owners", "packed <i8 array of 4 bytes", ("clear_owners",), b"\0" * 4)
+    case("kv against tokens", "3 KV indices for 2 tokens from 2", ("rows", 0, "kv"), b"\0" * 12)
+    case("odd copies", "copies: 3 slots", ("copies",), b"\0" * 12)
+    case("owners against clears", "2 owners for 1 clears", ("clear_owners",), b"\0" * 16)
+    case("owners against copies", "0 owners for 1 copies", ("copy_owners",), b"")
+    return cases
+
+
+@pytest.mark.parametrize("name", list(broken_steps()))
+def test_a_malformed_step_is_refused_with_its_reason(name):
+    raw, reason = broken_steps()[name]
+    with pytest.raises(WireError, match="malformed message") as refused:
+        decode_step(msgspec.msgpack.encode(raw))
+    assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("tokens", b"\0" * 8, "2 tokens and 1 log probabilities for 1 rows"),
+        ("logprobs", b"\0" * 3, "packed <f4 array of 3 bytes"),
+        ("rids", "a", "Expected `array`, got `str`"),
+        ("v", 3, "$.v"),
+    ],
+)
+def test_a_malformed_result_is_refused_with_its_reason(field, value, reason):
+    raw = raw_of(StepResult.of("exec", 4, "sched", ["a"], [17], [-0.25]))
+    raw[field] = value
+    with pytest.raises(WireError, match="malformed message") as refused:
+        decode_result(msgspec.msgpack.encode(raw))
+    assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", b"not msgpack at all", encode(a_step())[:-3]])
+def test_bytes_that_are_no_message_are_refused(raw):
+    for decode in (decode_step, decode_step_head, decode_result):
+        with pytest.raises(WireError, match="malformed message"):
+            decode(raw)
+
+
+def test_the_step_carries_the_plans_own_rows_and_misroutes_only_the_wire():
+    d = Driver(page_size=4)
+    d.generate(list(range(1, 10)), max_new=3)
+    plan = d.engine.plan_step()
+    (row,) = plan.rows
+    step = plan.message("sched", "exec", d.pools)
+    assert step.rows[0] is row.wire and step.ledger_seq == d.pools.ledger.events.next_seq
+    misrouted = plan.message("sched", "exec", d.pools, MisrouteWrite(d.pools.mamba, armed=True))
+    free = int(np.flatnonzero(d.pools.mamba.owner_view == 0)[-1])
+    assert misrouted.rows[0].mamba_out == free != row.mamba_out
+    assert plan.rows[0].wire is row.wire and decode_step(encode(misrouted)) == misrouted
+
+
+def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url, redis_client):
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    req = plain("r1")
+    service.engine.submit(req)
+    plan = loop.run_until_complete(service.loop.publish_next())
+    link = service.link
+    mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
+    no_row = raw_of(mine) | {"rids": []}  # a token for no row
+    for message in (b"garbage", encode(a_step()), msgspec.msgpack.encode(no_row), encode(mine)):
+        redis_client.xadd(streams.RESULTS, {"m": message})
+    loop.run_until_complete(service.loop.complete_oldest())
+    assert req.output == [5] and service.link.malformed == 3
+    exposition = loop.run_until_complete(service.loop.metrics.render(service.redis)).decode()
+    assert f'custody_malformed_messages_total{{stream="{streams.RESULTS}"}} 3.0' in exposition
+    loop.close()
