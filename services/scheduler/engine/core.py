@@ -36,6 +36,7 @@ from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepResult
 
 
 class EngineCore:
@@ -169,7 +170,7 @@ class EngineCore:
                 self._cache_prefix(req)
         return ended
 
-    def complete(self, plan: StepPlan, result: dict) -> list[Request]:
+    def complete(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply the executor's reply to `plan` (completion.py); returns the requests
         that ended."""
         return complete(self, plan, result)
