@@ -13,15 +13,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.scheduler.main import Scheduler
 from services.scheduler.ownership.owners import OwnerKind
 from shared import streams
+from shared.messages.ownership import MESSAGES
 from shared.redis_server import PrivateRedis
-from shared.wire import decode
 from tests.services_harness import stack_settings
 
 
 def sequence_numbers(url: str) -> list[int]:
     client = redis.Redis.from_url(url)
     try:
-        return [decode(f[b"m"])["seq"] for _, f in client.xrange(streams.OWNERSHIP)]
+        return [MESSAGES.decode(f[b"m"]).seq for _, f in client.xrange(streams.OWNERSHIP)]
     finally:
         client.close()
 

@@ -14,12 +14,12 @@ from services.scheduler.main import Scheduler
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import SamplingParams
 from shared import streams
-from shared.wire import decode
+from shared.messages.ownership import MESSAGES, OwnershipMessage, SessionRecords
 from tests.services_harness import stack_settings
 
 
-def ownership_messages(client: redis.Redis) -> list[dict]:
-    return [decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
+def ownership_messages(client: redis.Redis) -> list[OwnershipMessage]:
+    return [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
 
 
 def started(url: str) -> Scheduler:
@@ -48,10 +48,9 @@ def test_a_released_sessions_record_is_on_the_stream_before_the_step_that_reuses
     service.engine.submit(plain("r1"))
     plan = loop.run_until_complete(service.loop.publish_next())
     assert plan is not None and redis_client.xlen(streams.FORWARD) == 1
-    records = [
-        r for m in ownership_messages(redis_client) if m["kind"] == "sessions" for r in m["records"]
-    ]
-    assert {"sid": "gone", "closed": True}.items() <= records[-1].items()
+    shipped = ownership_messages(redis_client)
+    records = [r for m in shipped if isinstance(m, SessionRecords) for r in m.records]
+    assert (records[-1].sid, records[-1].closed) == ("gone", True)
     loop.close()
 
 

@@ -13,8 +13,8 @@ from custody.bench.e2e import _one_run as e2e_run
 from custody.up import Stack
 from shared import streams
 from shared.config import Settings
+from shared.messages.ownership import MESSAGES, Events
 from shared.redis_server import free_port
-from shared.wire import EventBatch, decode
 
 E2E_RUNS = 2
 
@@ -32,9 +32,9 @@ def scheduler_batches(runs: int = E2E_RUNS) -> dict:
         client = redis.Redis.from_url(stack.settings.redis_url)
         events, sizes = [], []
         for _, fields in client.xrange(streams.OWNERSHIP):
-            msg = decode(fields[b"m"])
-            if msg["kind"] == "events":
-                events.append(EventBatch.from_body(msg).num_events)
+            msg = MESSAGES.decode(fields[b"m"])
+            if isinstance(msg, Events):
+                events.append(msg.num_events)
                 sizes.append(len(fields[b"m"]))
         steps = [int(i.split(b"-")[0]) for i, _ in client.xrange(streams.FORWARD)]
         client.close()

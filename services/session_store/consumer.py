@@ -7,6 +7,11 @@ reported and a snapshot requested. After applying, the ledger's checkpoint and t
 acknowledgements are written in one transaction, so a restart resumes from the
 checkpoint and the still-pending entries, never applying anything twice.
 
+A message that does not decode as one of shared/messages/ownership.py's kinds (or
+names slots the ledger lacks) is refused whole: counted in `refused`, its reason kept in
+`last_refused` (both on `/ledger` and `/metrics`), acknowledged, and treated as a gap,
+since what it carried is lost: a snapshot is requested.
+
 Before applying what it read, it reads the forward stream to its end, so the write
 checker (write_checker.py) has every step it must check within those messages; the
 steps it has read are acknowledged in the same transaction as the checkpoint.
@@ -17,13 +22,24 @@ from __future__ import annotations
 from collections import Counter
 
 import msgpack
+import msgspec
 import redis
 
 from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLedger, Violation
 from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
 from shared import streams
-from shared.wire import EventBatch, WireError, decode, pack_ints, unpack_ints
+from shared.messages.envelope import WireError, pack, unpack
+from shared.messages.ownership import (
+    MESSAGES,
+    OWNER,
+    Events,
+    Idle,
+    SessionRecord,
+    SessionRecords,
+    Snapshot,
+    encode_record,
+)
 
 
 class OwnershipConsumer:
@@ -41,8 +57,9 @@ class OwnershipConsumer:
         self.epoch: str | None = None
         self.seq = 0
         self.duplicates = 0
-        self.refused = 0
-        self._writes: list[dict] = []  # session records to persist with the next checkpoint
+        self.refused = 0  # messages refused as malformed
+        self.last_refused: str | None = None  # why the latest was
+        self._writes: list[SessionRecord] = []  # to persist with the next checkpoint
         streams.ensure_group(client, stream, group)
         self._load_checkpoint()
 
@@ -82,14 +99,12 @@ class OwnershipConsumer:
                 self._apply(fields.get(b"m", b""))
         pipe = self.client.pipeline(transaction=True)
         for rec in self._writes:
-            if rec.get("closed"):
-                pipe.delete(streams.session_key(rec["sid"]))
-                pipe.srem(streams.SESSIONS, rec["sid"])
+            if rec.closed:
+                pipe.delete(streams.session_key(rec.sid))
+                pipe.srem(streams.SESSIONS, rec.sid)
             else:
-                pipe.hset(
-                    streams.session_key(rec["sid"]), "record", msgpack.packb(rec, use_bin_type=True)
-                )
-                pipe.sadd(streams.SESSIONS, rec["sid"])
+                pipe.hset(streams.session_key(rec.sid), "record", encode_record(rec))
+                pipe.sadd(streams.SESSIONS, rec.sid)
         self._writes.clear()
         pipe.hset(streams.CHECKPOINT, mapping=self._checkpoint())
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
@@ -99,39 +114,41 @@ class OwnershipConsumer:
 
     def _apply(self, raw: bytes) -> list[Violation]:
         try:
-            msg = decode(raw)
-            kind, epoch, seq = msg["kind"], msg["epoch"], msg["seq"]
-            if kind == "snapshot":
+            msg = MESSAGES.decode(raw)
+            if isinstance(msg, Snapshot):
                 self.ledger.reset(msg)
-                self.epoch, self.seq = epoch, seq
+                self.epoch, self.seq = msg.epoch, msg.seq
                 self.client.delete(streams.SNAPSHOT_WANTED)
-                self.checker.reset(epoch)
+                self.checker.reset(msg.epoch)
                 return self._steps_due()
-            if epoch != self.epoch or seq <= self.seq:
-                self.duplicates += epoch == self.epoch
+            if msg.epoch != self.epoch or msg.seq <= self.seq:
+                self.duplicates += msg.epoch == self.epoch
                 return []  # a duplicate, or an old epoch's tail after a snapshot
-            if seq != self.seq + 1:
-                return self._gap(f"message {seq} after {self.seq} in epoch {epoch}")
-            self.seq = seq
-            if kind == "events":
-                return self._replay(EventBatch.from_body(msg))
-            if kind == "idle":
-                return self.ledger.check_idle(msg["counts"], seq)
-            if kind == "sessions":
-                self._writes += [r | {"executor": msg["executor"]} for r in msg["records"]]
-                return self.ledger.report(check_records(self.ledger, msg["records"]))
-            raise WireError(f"unknown message kind {kind!r}")
-        except (WireError, KeyError, TypeError) as err:
+            if msg.seq != self.seq + 1:
+                return self._gap(f"message {msg.seq} after {self.seq} in epoch {msg.epoch}")
+            self.seq = msg.seq
+            return self._apply_next(msg)
+        except WireError as err:
             self.refused += 1
+            self.last_refused = str(err)
             return self._gap(f"refused message: {err}")
 
-    def _replay(self, batch: EventBatch) -> list[Violation]:
+    def _apply_next(self, msg: Events | SessionRecords | Idle) -> list[Violation]:
+        """The next message of the epoch."""
+        if isinstance(msg, Events):
+            return self._replay(msg)
+        if isinstance(msg, Idle):
+            return self.ledger.check_idle(msg.counts, msg.seq)
+        self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]
+        return self.ledger.report(check_records(self.ledger, msg.records))
+
+    def _replay(self, batch: Events) -> list[Violation]:
         """Apply a batch, checking each queued step when the ledger stands at its point."""
         led, epoch = self.ledger, self.epoch
-        if batch.first_event != led.next_event:
+        if batch.first != led.next_event:
             return led.apply(batch)  # a gap of events: reported there, nothing checked
         found = self._steps_due()
-        stops = self.checker.stops(epoch, batch.first_event, led.next_event + batch.num_events)
+        stops = self.checker.stops(epoch, batch.first, led.next_event + batch.num_events)
         found += led.apply(batch, stops, lambda seq: self.checker.at(epoch, seq, led))
         return found + self._steps_due()
 
@@ -155,7 +172,7 @@ class OwnershipConsumer:
             "next_event": led.next_event,
             "names": led.names,
             "owners": led.owners.names,
-            "tables": [pack_ints(t) for t in led.tables],
+            "tables": [pack(t, OWNER) for t in led.tables],
             "violations": [v.as_dict() for v in led.violations[-KEEP_VIOLATIONS:]],
             "found": dict(led.found),
             "double_frees": led.double_frees,
@@ -172,7 +189,7 @@ class OwnershipConsumer:
         led = self.ledger
         self.epoch, self.seq = state["epoch"], state["seq"]
         led.names, led.next_event = state["names"], state["next_event"]
-        led.tables = [unpack_ints(t).tolist() for t in state["tables"]]
+        led.tables = [unpack(t, OWNER).tolist() for t in state["tables"]]
         led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
         led.found = Counter(state.get("found") or [v.kind for v in led.violations])

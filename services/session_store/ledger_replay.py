@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from services.session_store.owner_book import OwnerBook
+from shared.messages.envelope import WireError
+from shared.messages.ownership import Events, Snapshot, Transfers
 from shared.owners import KIND_MASK, OwnerKind
-from shared.wire import EventBatch, WireError, unpack_ints
 
 RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK)
 KINDS = (
@@ -64,16 +65,12 @@ class IndependentLedger:
     def ready(self) -> bool:
         return bool(self.tables)
 
-    def reset(self, snapshot: dict) -> None:
-        self.tables, self.names = [], []
-        for p in sorted(snapshot["pools"], key=lambda p: p["id"]):
-            owners = unpack_ints(p["owners"])
-            if len(owners) != p["capacity"] + 1:
-                raise WireError(f"snapshot of pool {p['name']}: {len(owners)} owners")
-            self.tables.append(owners.tolist())
-            self.names.append(p["name"])
-        self.owners.reset({int(k): v for k, v in snapshot.get("owners", {}).items()}, self.tables)
-        self.next_event = snapshot["next_event"]
+    def reset(self, snapshot: Snapshot) -> None:
+        """Start over from a snapshot (its tables checked as it was decoded)."""
+        self.tables = [p.table().tolist() for p in snapshot.pools]
+        self.names = [p.name for p in snapshot.pools]
+        self.owners.reset(snapshot.owners, self.tables)
+        self.next_event = snapshot.next_event
 
     def owner_at(self, pool: str, slot: int) -> int | None:
         """The owner of `slot` of `pool`; None for the sink or a slot out of range."""
@@ -93,38 +90,30 @@ class IndependentLedger:
 
     def apply(
         self,
-        batch: EventBatch,
+        batch: Events,
         stops: Sequence[int] = (),
         on_stop: Callable[[int], list[Violation]] | None = None,
     ) -> list[Violation]:
         """Replay a batch in order; returns the violations it revealed. `on_stop(seq)`
         runs at each event number in `stops` (ascending, inside the batch) with the
-        tables exactly as they were before event `seq`."""
-        if batch.first_event != self.next_event:
+        tables exactly as they were before event `seq`. A batch naming a pool or slot
+        the tables do not have is refused (a WireError) before anything is applied."""
+        if batch.first != self.next_event:
             found = Violation(
-                "gap",
-                "*",
-                [],
-                f"expected event {self.next_event}, got {batch.first_event}",
-                batch.first_event,
+                "gap", "*", [], f"expected event {self.next_event}, got {batch.first}", batch.first
             )
-            self.next_event = batch.first_event
+            self.next_event = batch.first
             return self.report([found])
+        records = batch.records()
+        self._check_bounds(records)
         self.owners.declare(batch.owners)
         found = []
         tables = self.tables
         before = []  # each slot's owner before its move: the giver, unless a misfit
-        pending = [seq - batch.first_event for seq in stops]
-        for e, p, s, g, r in zip(
-            batch.event.tolist(),
-            batch.pool.tolist(),
-            batch.slot.tolist(),
-            batch.giver.tolist(),
-            batch.receiver.tolist(),
-            strict=True,
-        ):
+        pending = [seq - batch.first for seq in stops]
+        for e, p, s, g, r in zip(*(a.tolist() for a in records), strict=True):
             while pending and e >= pending[0]:
-                found += on_stop(batch.first_event + pending.pop(0))
+                found += on_stop(batch.first + pending.pop(0))
             own = tables[p]
             current = own[s]
             if current != g:
@@ -132,16 +121,28 @@ class IndependentLedger:
             before.append(current)
             own[s] = r
         for rel in pending:
-            found += on_stop(batch.first_event + rel)
-        self.owners.moved(np.asarray(before, dtype=np.int64), batch.receiver, batch.owners)
+            found += on_stop(batch.first + rel)
+        self.owners.moved(np.asarray(before, dtype=np.int64), records.receiver, batch.owners)
         self.events_applied += batch.num_events
         self.next_event += batch.num_events
         return self.report(found)
 
+    def _check_bounds(self, records: Transfers) -> None:
+        """A record naming a pool or slot the tables lack would corrupt them (a negative
+        slot indexes from the end): the batch is refused whole."""
+        sizes = np.array([len(t) for t in self.tables])
+        try:
+            outside = records.slot.view("<u4") >= sizes[records.pool]  # negatives: huge
+        except IndexError:
+            raise WireError(f"events name a pool past the {len(sizes)} there are") from None
+        if outside.any():
+            bad = records.slot[outside].tolist()
+            raise WireError(f"events name slots {bad} outside their pools")
+
     def _misfit(
-        self, batch: EventBatch, e: int, p: int, s: int, g: int, r: int, current: int
+        self, batch: Events, e: int, p: int, s: int, g: int, r: int, current: int
     ) -> Violation:
-        seq = batch.first_event + e
+        seq = batch.first + e
         double = r == 0 and current == 0
         self.double_frees += double
         return Violation(

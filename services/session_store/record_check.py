@@ -10,26 +10,26 @@ events before them, with no await between, and ships them in that order.
 from __future__ import annotations
 
 from services.session_store.ledger_replay import IndependentLedger, Violation
+from shared.messages.ownership import SessionRecord
 from shared.owners import OwnerKind, label
-from shared.wire import unpack_ints
 
 
-def check_records(ledger: IndependentLedger, records: list[dict]) -> list[Violation]:
+def check_records(ledger: IndependentLedger, records: list[SessionRecord]) -> list[Violation]:
     """The violations the records reveal, for the caller to report; a closed session's
     owner is forgotten once it holds nothing."""
     found = []
     for rec in records:
-        sid = rec["sid"]
-        if rec.get("closed"):
+        sid = rec.sid
+        if rec.closed:
             ledger.owners.closed(sid)
             continue
-        if rec.get("row") is None:
+        if rec.row is None:
             continue  # history only: lent to a turn, borrowing cache pages, or dropped
         owner = ledger.owners.session(sid)
         claimed = (
-            ("req", [rec["row"]]),
-            ("mamba", [rec["working"]]),
-            ("kv", unpack_ints(rec["pages"]).tolist()),
+            ("req", [rec.row]),
+            ("mamba", [rec.working]),
+            ("kv", rec.kv_pages().tolist()),
         )
         for pool, slots in claimed:
             wrong: dict[int | None, list[int]] = {}

@@ -11,8 +11,6 @@ import faulthandler
 import logging
 import signal
 
-import msgpack
-import numpy as np
 import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -22,6 +20,8 @@ from services.session_store.consumer import OwnershipConsumer
 from services.session_store.ledger_replay import KINDS
 from shared import streams
 from shared.config import Settings
+from shared.messages.envelope import WireError
+from shared.messages.ownership import RECORDS
 
 log = logging.getLogger("custody.session_store")
 
@@ -47,6 +47,11 @@ class StoreService:
         )
         self.applied = Gauge(
             "custody_ledger_events_applied", "ownership events replayed", registry=self.registry
+        )
+        self.refused = Gauge(
+            "custody_ownership_messages_refused",
+            "ownership stream entries refused as malformed (acknowledged, snapshot asked)",
+            registry=self.registry,
         )
         self.steps = Gauge(
             "custody_ledger_steps_checked",
@@ -87,6 +92,7 @@ class StoreService:
             "violations_total": dict(led.found),
             "owners_known": len(led.owners.names),
             "consumer_faults": self.faults,
+            "refused": {"total": self.consumer.refused, "last": self.consumer.last_refused},
             "steps": {
                 "checked": self.consumer.checker.checked,
                 "unchecked": self.consumer.checker.unchecked,
@@ -101,6 +107,7 @@ class StoreService:
         for pool in led.names:
             self.leaked.labels(pool).set(len(led.leaked().get(pool, [])))
         self.applied.set(led.events_applied)
+        self.refused.set(self.consumer.refused)
         self.steps.labels("checked").set(self.consumer.checker.checked)
         self.steps.labels("unchecked").set(self.consumer.checker.unchecked)
         return generate_latest(self.registry)
@@ -121,20 +128,23 @@ def build_app(store: StoreService, admin_api_keys: str = "") -> web.Application:
             return web.json_response(
                 {"error": {"message": "no such open session", "type": "not_found"}}, status=404
             )
-        rec = msgpack.unpackb(raw, raw=False)
-        history = np.frombuffer(rec["history"], dtype=np.int32)
+        try:
+            rec = RECORDS.decode(raw)
+        except WireError as err:
+            return web.json_response(
+                {"error": {"message": str(err), "type": "malformed_record"}}, status=500
+            )
+        history = rec.tokens()
         return web.json_response(
             {
-                "session_id": rec["sid"],
+                "session_id": rec.sid,
                 "history_tokens": len(history),
                 "history": history.tolist(),
-                "cached_len": rec["cached_len"],
-                "row": rec["row"],
-                "working_slot": rec.get("working"),
-                "kv_pages": np.frombuffer(rec["pages"], dtype=np.int64).tolist()
-                if rec["row"]
-                else [],
-                "executor": rec["executor"],
+                "cached_len": rec.cached_len,
+                "row": rec.row,
+                "working_slot": rec.working,
+                "kv_pages": rec.kv_pages().tolist(),
+                "executor": rec.executor,
             }
         )
 

@@ -209,7 +209,7 @@ class EngineMachine(RuleBasedStateMachine):
         """The session store's view: every record the scheduler ships (it ships them
         before any step that reuses the slots they release)."""
         for rec in self.d.engine.sessions.take_records():
-            self.records[rec["sid"]] = rec
+            self.records[rec.sid] = rec
 
     @invariant()
     def sessions_hold_their_historys_state(self):

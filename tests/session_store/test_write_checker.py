@@ -224,7 +224,8 @@ def test_a_session_record_naming_slots_it_does_not_hold_is_reported(redis_client
     d.engine.sessions.dirty.add("chat")
     (record,) = d.engine.sessions.take_records()
     free = int(np.flatnonzero(d.pools.mamba.owner_view == 0)[0])
-    pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([record | {"working": free}], "x1"))
+    misnamed = msgspec.structs.replace(record, working=free)
+    pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([misnamed], "x1"))
     drain(consumer)
     (v,) = consumer.ledger.violations
     assert (v.kind, v.pool, v.slots) == ("record_not_owned", "mamba", [free])

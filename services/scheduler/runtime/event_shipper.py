@@ -14,7 +14,17 @@ import numpy as np
 
 from services.scheduler.ownership.events import RawEvent
 from services.scheduler.ownership.ledger import Ledger
-from shared.wire import EventBatch, encode, pack_ints
+from shared.messages.envelope import encode, pack
+from shared.messages.ownership import (
+    OWNER,
+    Events,
+    Idle,
+    PoolTable,
+    SessionRecord,
+    SessionRecords,
+    Snapshot,
+    Transfers,
+)
 
 
 class EventShipper:
@@ -31,39 +41,46 @@ class EventShipper:
         """Every pool's owner table; events up to now are folded into it."""
         self.ledger.events.drain_count()
         self.ledger.owners.take_declared()
-        owners = {o.id: str(o) for o in self.ledger.owners.live()}
         pools = [
-            {
-                "id": p.pool_id,
-                "name": p.name,
-                "capacity": p.capacity,
-                "owners": pack_ints(p.owner_view),
-            }
+            PoolTable(
+                id=p.pool_id, name=p.name, capacity=p.capacity, owners=pack(p.owner_view, OWNER)
+            )
             for p in self.ledger.by_id
         ]
-        body = {"pools": pools, "owners": owners, "next_event": self.ledger.events.next_seq}
-        return encode("snapshot", self.epoch, self._next(), body)
+        return encode(
+            Snapshot(
+                epoch=self.epoch,
+                seq=self._next(),
+                pools=pools,
+                owners={o.id: str(o) for o in self.ledger.owners.live()},
+                next_event=self.ledger.events.next_seq,
+            )
+        )
 
     def batch(self) -> tuple[bytes, int] | None:
         """The events since the last call as one message, and how many; None if none."""
         first, raw = self.ledger.events.drain_raw()
         if not raw:
             return None
-        batch = flatten(first, raw)
-        batch.owners = {o.id: str(o) for o in self.ledger.owners.take_declared()}
-        return encode("events", self.epoch, self._next(), batch.body()), len(raw)
+        reasons, records = flatten(raw)
+        owners = {o.id: str(o) for o in self.ledger.owners.take_declared()}
+        message = Events.of(self.epoch, self._next(), first, reasons, records, owners)
+        return encode(message), len(raw)
 
-    def sessions(self, records: list[dict], executor_epoch: str | None) -> bytes:
+    def sessions(self, records: list[SessionRecord], executor_epoch: str | None) -> bytes:
         """Durable session records; their slots are valid only on `executor_epoch`."""
         return encode(
-            "sessions", self.epoch, self._next(), {"records": records, "executor": executor_epoch}
+            SessionRecords(
+                epoch=self.epoch, seq=self._next(), records=records, executor=executor_epoch
+            )
         )
 
     def idle(self, counts: dict[str, dict[str, int]]) -> bytes:
-        return encode("idle", self.epoch, self._next(), {"counts": counts})
+        return encode(Idle(epoch=self.epoch, seq=self._next(), counts=counts))
 
 
-def flatten(first: int, raw: list[RawEvent]) -> EventBatch:
+def flatten(raw: list[RawEvent]) -> tuple[list[str], Transfers]:
+    """Per event its reason, and the transfers as one record per moved slot."""
     reasons: list[str] = []
     chunks: list[tuple[np.ndarray, ...]] = []
     ev: list[int] = []
@@ -103,6 +120,5 @@ def flatten(first: int, raw: list[RawEvent]) -> EventBatch:
     flush()
     if not chunks:
         empty = np.zeros(0, dtype=np.int64)
-        return EventBatch(first, reasons, empty, empty, empty, empty, empty)
-    columns = [np.concatenate([c[k] for c in chunks]) for k in range(5)]
-    return EventBatch(first, reasons, *columns)
+        return reasons, Transfers(empty, empty, empty, empty, empty)
+    return reasons, Transfers(*(np.concatenate([c[k] for c in chunks]) for k in range(5)))

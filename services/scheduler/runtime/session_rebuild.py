@@ -1,7 +1,8 @@
 """How a restarted scheduler takes its sessions back from the session store's records:
 the history always, the slots too when the store has applied everything on the ownership
 stream and the executor alive now is the one the records' slots belong to; otherwise
-history only (their next turn re-prefills)."""
+history only (their next turn re-prefills). A record the store holds that does not decode
+is skipped with a warning: one bad record must not keep the scheduler from starting."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import asyncio
 import logging
 import time
 
-import msgpack
 import redis.asyncio as aioredis
 
 from services.scheduler.sessions.manager import SessionManager
 from shared import streams
+from shared.messages.envelope import WireError
+from shared.messages.ownership import RECORDS, SessionRecord
 
 log = logging.getLogger("custody.scheduler")
 
@@ -23,16 +25,20 @@ async def rebuild_sessions(client: aioredis.Redis, sessions: SessionManager) -> 
     records (their slots are valid on it), else None."""
     caught_up = await store_caught_up(client)
     keys = await client.smembers(streams.SESSIONS)
-    records = []
+    records: list[SessionRecord] = []
     for sid in sorted(k.decode() for k in keys):
         raw = await client.hget(streams.session_key(sid), "record")
-        if raw is not None:
-            records.append(msgpack.unpackb(raw, raw=False))
+        if raw is None:
+            continue
+        try:
+            records.append(RECORDS.decode(raw))
+        except WireError as err:
+            log.warning("session %s not rebuilt: its stored record is refused (%s)", sid, err)
     alive = await client.get(streams.EXECUTOR_ALIVE)
     epoch = alive.decode() if alive else None
-    for group in {r.get("executor") for r in records}:
+    for group in {r.executor for r in records}:
         valid = caught_up and epoch is not None and group == epoch
-        sessions.rebuild([r for r in records if r.get("executor") == group], valid)
+        sessions.rebuild([r for r in records if r.executor == group], valid)
     if not records:
         return None
     log.info("rebuilt %d sessions from the session store", len(records))

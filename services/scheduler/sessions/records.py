@@ -1,5 +1,6 @@
-"""A session's durable record: what the session store persists for it, and how a
-restarted scheduler takes its sessions back from those records.
+"""A session's durable record (`SessionRecord`, shared/messages/ownership.py): what
+the session store persists for it, and how a restarted scheduler takes its sessions back
+from those records.
 
 A record carries the history always, the owner (a hash of the API key, never the key)
 and, only while the session itself holds them (not lent to a turn, not borrowing cache
@@ -16,6 +17,8 @@ import numpy as np
 
 from services.scheduler.allocators import handover
 from services.scheduler.ownership.lease import new_lease
+from shared.messages.envelope import pack
+from shared.messages.ownership import PAGE, TOKEN, SessionRecord
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
@@ -30,7 +33,7 @@ class DurableRecords:
     dirty: set[str]  # sessions whose record changed since the last `take_records`
     open: Callable[..., Session]
 
-    def take_records(self) -> list[dict]:
+    def take_records(self) -> list[SessionRecord]:
         """What changed since the last call, as records the session store persists: the
         history always; the slots only while the session itself holds them (not lent to
         a turn, not borrowing cache pages), since only then can a restarted scheduler
@@ -39,48 +42,43 @@ class DurableRecords:
         for sid in sorted(self.dirty):
             s = self.sessions.get(sid)
             if s is None or s.closing:
-                out.append({"sid": sid, "closed": True})
+                out.append(SessionRecord(sid=sid, closed=True))
                 continue
-            rec = {
-                "sid": sid,
-                "closed": False,
-                "timeout": s.timeout,
-                "tenant": s.tenant,  # its owner survives a restart (a hash, never a key)
-                "history": s.history.astype(np.int32).tobytes(),
-                "cached_len": s.cached_len,
-                "row": None,
-            }
+            rec = SessionRecord(
+                sid=sid,
+                timeout=s.timeout,
+                tenant=s.tenant,  # its owner survives a restart (a hash, never a key)
+                history=pack(s.history, TOKEN),
+                cached_len=s.cached_len,
+            )
             if s.slots is not None and s.slots.borrowed == 0:
-                row = s.slots.row.slot
-                rec |= {
-                    "row": row,
-                    "working": s.slots.working.slot,
-                    "pages": self.pools.rows.row_pages(row, 0, s.cached_len).tobytes(),
-                }
+                rec.row = s.slots.row.slot
+                rec.working = s.slots.working.slot
+                rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
             out.append(rec)
         self.dirty.clear()
         return out
 
-    def rebuild(self, records: list[dict], state_valid: bool) -> None:
+    def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back: the history always, the slots
         too when the executor that holds their contents is the same one."""
         for rec in records:
-            if rec.get("closed"):
+            if rec.closed:
                 continue
-            session = self.open(rec["sid"], rec.get("timeout"), rec.get("tenant"), limited=False)
-            session.history = np.frombuffer(rec["history"], dtype=np.int32).astype(np.int64)
-            if not state_valid or rec.get("row") is None:
+            session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
+            session.history = rec.tokens().astype(np.int64)
+            if not state_valid or rec.row is None or rec.working is None:
                 continue
             owner, pools = session.owner, self.pools
-            row, working = np.array([rec["row"]]), np.array([rec["working"]])
-            pages = np.frombuffer(rec["pages"], dtype=np.int64).copy()
+            row, working = np.array([rec.row]), np.array([rec.working])
+            pages = rec.kv_pages().copy()
             pools.req.take(row, owner, "rebuild")
             pools.mamba.take(working, owner, "rebuild")
             pools.kv_pages.take(pages, owner, "rebuild")
-            pools.kv.restore_row(int(row[0]), pages, rec["cached_len"])
+            pools.kv.restore_row(rec.row, pages, rec.cached_len)
             session.slots = handover.SessionSlots(
                 owner,
-                new_lease(pools.req, owner, int(row[0])),
-                new_lease(pools.mamba, owner, int(working[0])),
+                new_lease(pools.req, owner, rec.row),
+                new_lease(pools.mamba, owner, rec.working),
             )
-            session.cached_len = rec["cached_len"]
+            session.cached_len = rec.cached_len

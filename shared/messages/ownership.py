@@ -1,0 +1,202 @@
+"""What the scheduler tells the session store on the ownership stream, one Struct per
+kind, and the session record both services persist and read back:
+
+- `Snapshot`: every pool's owner table; a consumer resets to it (start of an epoch, or
+  after a gap).
+- `Events`: a batch of transfers, one record per moved slot (event number, pool, slot,
+  giver, receiver), per event its reason, and the names of the owners declared since the
+  last batch, so reports can name them.
+- `SessionRecords`: the session records that changed, and the executor epoch their slots
+  are valid on.
+- `Idle`: the scheduler has nothing running; its own counts by owner kind per pool, to be
+  compared with the consumer's.
+
+Each checks itself as it is decoded (packed arrays of whole items and of equal lengths,
+events numbered inside the batch, a snapshot's tables as long as their pools), so a
+consumer never meets a message it would half-apply.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+
+OWNER = "<i8"  # owner ids (shared/owners.py), in owner tables and transfers
+TOKEN = "<i4"  # a session's history
+PAGE = "<i8"  # a session's KV pages
+
+
+class PoolTable(msgspec.Struct, kw_only=True):
+    """One pool of a snapshot: its owner per slot, slot 0 (the sink) included."""
+
+    id: int
+    name: str
+    capacity: int
+    owners: bytes  # packed OWNER, capacity + 1 of them
+
+    def __post_init__(self) -> None:
+        if len(self.table()) != self.capacity + 1:
+            raise WireError(f"snapshot of pool {self.name}: {len(self.table())} owners")
+
+    def table(self) -> np.ndarray:
+        return unpack(self.owners, OWNER)
+
+
+class Snapshot(Message, tag="snapshot"):
+    """Every pool's owner table, events up to `next_event` folded in."""
+
+    pools: list[PoolTable]  # in pool id order: events name pools by id
+    owners: dict[int, str]  # names of the live owners
+    next_event: int
+
+    def __post_init__(self) -> None:
+        if [p.id for p in self.pools] != list(range(len(self.pools))):
+            raise WireError(f"snapshot pools numbered {[p.id for p in self.pools]}")
+
+
+class Transfers(NamedTuple):
+    """An `Events` batch's records, one per moved slot, as arrays."""
+
+    event: np.ndarray  # index of its event within the batch
+    pool: np.ndarray
+    slot: np.ndarray
+    giver: np.ndarray
+    receiver: np.ndarray
+
+
+DTYPES = Transfers(*(np.dtype(d) for d in ("<i4", "<u1", "<i4", OWNER, OWNER)))
+
+
+class Events(Message, tag="events"):
+    """Transfers in ledger order, flattened to one record per moved slot, so a consumer
+    replays them in a tight loop."""
+
+    first: int  # ledger number of the batch's first event
+    reasons: list[str]  # per event
+    event: bytes  # per record, packed as DTYPES says
+    pool: bytes
+    slot: bytes
+    giver: bytes
+    receiver: bytes
+    owners: dict[int, str] = msgspec.field(default_factory=dict)  # declared since the last
+
+    @classmethod
+    def of(
+        cls,
+        epoch: str,
+        seq: int,
+        first: int,
+        reasons: list[str],
+        records: Transfers,
+        owners: dict[int, str],
+    ) -> Events:
+        event, pool, slot, giver, receiver = (
+            pack(a, dtype) for a, dtype in zip(records, DTYPES, strict=True)
+        )
+        return cls(
+            epoch=epoch,
+            seq=seq,
+            first=first,
+            reasons=reasons,
+            event=event,
+            pool=pool,
+            slot=slot,
+            giver=giver,
+            receiver=receiver,
+            owners=owners,
+        )
+
+    def __post_init__(self) -> None:
+        """Checked in plain Python where it can be: it runs for every batch shipped and
+        every batch decoded, most of them a few records long."""
+        lengths = []
+        for name, raw, dtype in zip(Transfers._fields, self._packed(), DTYPES, strict=True):
+            n, rest = divmod(len(raw), dtype.itemsize)
+            if rest:
+                raise WireError(f"events: {name} is a packed {dtype.str} array of {len(raw)} bytes")
+            lengths.append(n)
+        if len(set(lengths)) > 1:
+            raise WireError(f"events: record arrays of lengths {lengths}")
+        ev = np.frombuffer(self.event, DTYPES.event)
+        if len(ev) and (
+            ev[0] < 0 or ev[-1] >= len(self.reasons) or (len(ev) > 1 and (ev[1:] < ev[:-1]).any())
+        ):
+            raise WireError(f"events: records numbered outside 0..{len(self.reasons) - 1}")
+
+    def _packed(self) -> tuple[bytes, ...]:
+        return (self.event, self.pool, self.slot, self.giver, self.receiver)
+
+    def records(self) -> Transfers:
+        """The records as arrays (their lengths were checked on decode)."""
+        packed = zip(self._packed(), DTYPES, strict=True)
+        return Transfers(*(np.frombuffer(raw, dtype) for raw, dtype in packed))
+
+    @property
+    def num_events(self) -> int:
+        return len(self.reasons)
+
+
+class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A session's durable record: the history always, and its row, working Mamba slot
+    and KV pages only while the session itself holds them (then a restarted scheduler
+    can take them over). A closed session's record carries only its sid. The store
+    persists it as sent, with the executor epoch of its message, which is what a
+    restarted scheduler decodes."""
+
+    sid: str
+    closed: bool = False
+    timeout: float | None = None  # seconds idle before it is closed; None: never
+    tenant: str | None = None  # a hash of the opening API key, never the key
+    history: bytes | None = None  # packed TOKEN
+    cached_len: int = 0  # positions of the history the slots hold
+    row: int | None = None
+    working: int | None = None
+    pages: bytes | None = None  # packed PAGE
+    executor: str | None = None  # as persisted: the executor epoch the slots belong to
+
+    def __post_init__(self) -> None:
+        slots = (self.row, self.working, self.pages)
+        if self.closed:
+            rest = (self.timeout, self.tenant, self.history, *slots)
+            if self.cached_len or any(x is not None for x in rest):
+                raise WireError(f"the record of closed session {self.sid} carries more")
+            return
+        if self.history is None:
+            raise WireError(f"the record of session {self.sid} has no history")
+        if any(x is None for x in slots) != all(x is None for x in slots):
+            raise WireError(f"the record of session {self.sid} names some of its slots")
+        self.tokens()
+        self.kv_pages()
+
+    def tokens(self) -> np.ndarray:
+        return unpack(self.history or b"", TOKEN)
+
+    def kv_pages(self) -> np.ndarray:
+        return unpack(self.pages or b"", PAGE)
+
+
+class SessionRecords(Message, tag="sessions"):
+    """Session records that changed; their slots are valid only on `executor`."""
+
+    records: list[SessionRecord]
+    executor: str | None  # the executor epoch when they were taken
+
+
+class Idle(Message, tag="idle"):
+    """The scheduler runs nothing: its counts by owner kind, per pool name."""
+
+    counts: dict[str, dict[str, int]]
+
+
+OwnershipMessage = Snapshot | Events | SessionRecords | Idle
+MESSAGES = Decoder(OwnershipMessage)  # what the session store reads off the stream
+RECORDS = Decoder(SessionRecord)  # what a restarted scheduler reads back from the store
+
+
+def encode_record(record: SessionRecord) -> bytes:
+    """A record as the session store persists it (decoded with `RECORDS`)."""
+    return msgspec.msgpack.encode(record)
