@@ -232,14 +232,7 @@ def scan_evict_mamba(cache: RadixCache, states: int) -> int:
             break
         if node.copy_lock or (node.is_leaf and node.kv_lock):
             continue
-        if node.is_leaf:
-            parent = node.parent
-            cache._remove(node)
-            cache._prune(parent)
-        else:
-            cache.pools.mamba.free_one(node.mamba, node.owner, "evict")
-            node.mamba = 0
-            cache._index(node)
+        cache.evict_state(node)
         freed += 1
     return freed
 

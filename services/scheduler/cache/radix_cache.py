@@ -180,16 +180,20 @@ class RadixCache:
         """Free `states` Mamba states, LRU first; a leaf goes whole. Returns freed."""
         freed = 0
         while freed < states and (node := self._mamba_lru.oldest()) is not None:
-            if node.is_leaf:
-                parent = node.parent
-                self._remove(node)
-                self._prune(parent)
-            else:
-                self.pools.mamba.free_one(node.mamba, node.owner, "evict")
-                node.mamba = 0
-                self._index(node)
+            self.evict_state(node)
             freed += 1
         return freed
+
+    def evict_state(self, node: CacheNode) -> None:
+        """Free `node`'s Mamba state: a leaf goes whole, an inner node keeps its KV."""
+        if node.is_leaf:
+            parent = node.parent
+            self._remove(node)
+            self._prune(parent)
+        else:
+            self.pools.mamba.free_one(node.mamba, node.owner, "evict")
+            node.mamba = 0
+            self._index(node)
 
     def _kv_evictable(self, node: CacheNode) -> bool:
         """An unlocked leaf still in the tree (the root has no parent either)."""

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -32,26 +33,20 @@ from shared.messages.envelope import encode
 log = logging.getLogger("custody.scheduler")
 
 
+@dataclass(eq=False)
 class StepLoop:
-    def __init__(
-        self,
-        settings: Settings,
-        engine: EngineCore,
-        link: ExecutorLink,
-        outbox: OwnershipOutbox,
-        intake: Intake,
-        metrics: SchedulerMetrics,
-        redis: aioredis.Redis,
-    ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.link = link
-        self.outbox = outbox
-        self.intake = intake
-        self.metrics = metrics
-        self.misroute = MisrouteWrite.from_env(engine.pools.mamba)  # a test-only fault hook
-        self.redis = redis
-        self.faults = 0  # faults of the loop itself, survived (device-lost path)
+    settings: Settings
+    engine: EngineCore
+    link: ExecutorLink
+    outbox: OwnershipOutbox
+    intake: Intake
+    metrics: SchedulerMetrics
+    redis: aioredis.Redis
+    faults: int = 0  # faults of the loop itself, survived (device-lost path)
+    misroute: MisrouteWrite = field(init=False)  # a test-only fault hook
+
+    def __post_init__(self) -> None:
+        self.misroute = MisrouteWrite.from_env(self.engine.pools.mamba)
 
     async def run(self) -> None:
         while True:
