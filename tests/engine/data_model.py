@@ -20,6 +20,7 @@ import numpy as np
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.engine.step import StepPlan
 from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepResult
 
 MOD = (1 << 61) - 1
 _WEIGHTS = np.random.default_rng(12345).integers(1, 1 << 20, size=1 << 16)
@@ -117,3 +118,10 @@ def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
         if ops.copies:
             src, dst = np.asarray(ops.copies).T
             state[dst] = state[src]
+
+
+def result_of(plan: StepPlan, sampled: dict[str, int]) -> StepResult:
+    """The executor's reply to `plan` that sampled `sampled`, as the step driver
+    (`EngineCore.complete`) takes it from the wire."""
+    tokens = list(sampled.values())
+    return StepResult.of("", plan.step_id, "", list(sampled), tokens, [0.0] * len(tokens))

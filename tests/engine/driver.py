@@ -15,8 +15,7 @@ from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from shared.messages.forward import StepResult
-from tests.engine.data_model import DataModelExecutor
+from tests.engine.data_model import DataModelExecutor, result_of
 
 VOCAB = 256
 
@@ -87,10 +86,7 @@ class Driver:
     def _complete_oldest(self) -> list[Request]:
         engine = self.engine
         oldest = engine.in_flight[0]
-        sampled = self.model.run(oldest)
-        tokens = list(sampled.values())
-        reply = StepResult.of("", oldest.step_id, "", list(sampled), tokens, [0.0] * len(tokens))
-        ended = engine.complete(oldest, reply)
+        ended = engine.complete(oldest, result_of(oldest, self.model.run(oldest)))
         for req in ended:
             self.ended[req.rid] = req
         report = self.engine.check()

@@ -11,7 +11,7 @@ from services.scheduler.engine.core import EngineCore
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from tests.engine.data_model import apply_to_arrays
+from tests.engine.data_model import apply_to_arrays, result_of
 
 
 class Scripted:
@@ -69,7 +69,7 @@ class Scripted:
     def step(self) -> StepPlan | None:
         plan = self.engine.plan_step()
         if plan is not None:
-            self.engine.complete_step(plan, self.run_plan(plan))
+            self.engine.complete(plan, result_of(plan, self.run_plan(plan)))
             report = self.engine.check()
             assert report.ok, report.problems
         return plan

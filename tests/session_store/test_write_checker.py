@@ -21,6 +21,7 @@ from services.session_store.write_checker import WriteChecker
 from shared import streams
 from shared.messages.envelope import encode, pack
 from shared.messages.forward import I4, I8
+from tests.engine.data_model import result_of
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
 from tests.services_harness import stack_settings, start_stack
@@ -64,7 +65,7 @@ class Publisher:
 
     def complete_oldest(self) -> None:
         oldest = self.d.engine.in_flight[0]
-        self.d.engine.complete_step(oldest, self.d.model.run(oldest))
+        self.d.engine.complete(oldest, result_of(oldest, self.d.model.run(oldest)))
 
     def run(self) -> None:
         while not self.d.engine.idle:
