@@ -4,34 +4,14 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-OURS = ("services", "shared", "custody", "kernels")
-
-
-def module_file(module: str) -> Path | None:
-    base = ROOT.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.exists():
-            return candidate
-    return None
+from tests.test_structure import ROOT, imported_modules, module_file
 
 
 def imports_of(module: str) -> set[str]:
     """Every module of this repository `module` imports, at any level of its code."""
-    path = module_file(module)
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from a.b import c`: c may be a module (a.b.c) or a name in a.b
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {n for n in names if n.split(".")[0] in OURS and module_file(n)}
-    return found
+    source = module_file(module).read_text()
+    return {name for _, name in imported_modules(ast.parse(source))}
 
 
 def import_graph(roots: list[str]) -> set[str]:
