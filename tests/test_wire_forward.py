@@ -1,7 +1,9 @@
 """The forward path's typed wire: a step and a result survive the round trip; every
 malformed message is refused with its reason; the scheduler sends its plan's own rows
 (the misroute fault only on the wire); and the scheduler, as the results' consumer,
-counts a malformed result, passes over it and completes the step with the next."""
+counts a malformed result, passes over it and completes the step with the next, unless
+what can be read of it says it answers the step in flight: then that step's outcome is
+unknown and the device state is treated as lost, never waited for."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from services.scheduler.engine.misroute import MisrouteWrite
+from services.scheduler.records.request import Status
 from shared import streams
 from shared.deferred_ops import DeferredOps
 from shared.messages.envelope import WireError, encode
@@ -145,11 +148,33 @@ def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url
     plan = loop.run_until_complete(service.loop.publish_next())
     link = service.link
     mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
-    no_row = raw_of(mine) | {"rids": []}  # a token for no row
+    other = StepResult.of(link.epoch, plan.step_id + 7, link.scheduler_epoch, ["r1"], [5], [0.0])
+    no_row = raw_of(other) | {"rids": []}  # a token for no row, answering another step
     for message in (b"garbage", encode(a_step()), msgspec.msgpack.encode(no_row), encode(mine)):
         redis_client.xadd(streams.RESULTS, {"m": message})
     loop.run_until_complete(service.loop.complete_oldest())
     assert req.output == [5] and service.link.malformed == 3
     exposition = loop.run_until_complete(service.loop.metrics.render(service.redis)).decode()
     assert f'custody_malformed_messages_total{{stream="{streams.RESULTS}"}} 3.0' in exposition
+    loop.close()
+
+
+def test_a_malformed_answer_to_the_step_in_flight_takes_the_device_lost_path(
+    redis_url, redis_client
+):
+    """The executor answered the step, but not readably: whether it ran is unknown, so its
+    requests are re-queued (as suspects) and their slots returned, at once."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    req = plain("r1")
+    service.engine.submit(req)
+    plan = loop.run_until_complete(service.loop.publish_next())
+    link = service.link
+    mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
+    redis_client.xadd(streams.RESULTS, {"m": msgspec.msgpack.encode(raw_of(mine) | {"rids": []})})
+    loop.run_until_complete(service.loop.complete_oldest())
+    assert link.malformed == 1 and link.losses == 1 and link.epoch == "executor-under-test"
+    assert req.status is Status.WAITING and req.output == [] and not service.engine.in_flight
+    assert service.engine.check().ok
     loop.close()

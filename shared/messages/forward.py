@@ -192,6 +192,14 @@ class Step(StepHead, tag="step", kw_only=True):
         return DeferredOps(self.clears.tolist(), pairs)
 
 
+class ResultHead(Message, tag="result", kw_only=True):
+    """What the scheduler reads of a result even when the rest is malformed: the executor
+    life (`epoch`), the step (`seq`) and the scheduler life it answers, so that an answer
+    to the step in flight is never passed over as if it had not come."""
+
+    scheduler_epoch: str
+
+
 class StepResult(Message, tag="result", kw_only=True):
     """The executor's answer to a step: `epoch` is the executor's life, `seq` the step's
     number. Per sampling row (`rids`, in row order) the token sampled and the model's log
@@ -256,3 +264,4 @@ class StepResult(Message, tag="result", kw_only=True):
 decode_step = Decoder(Step).decode
 decode_step_head = Decoder(StepHead).decode
 decode_result = Decoder(StepResult).decode
+decode_result_head = Decoder(ResultHead).decode

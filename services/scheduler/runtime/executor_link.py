@@ -1,8 +1,10 @@
 """The scheduler's view of the executor: which executor life (epoch) is up, reading the
 result of a step from the results stream, and noticing that the executor is gone (its
 alive key expired or names a new epoch), which means its device state is gone too. A
-result entry that is not of the wire format is logged, counted (`malformed`, in the live
-metrics) and passed over."""
+result entry that is not of the wire format is logged and counted (`malformed`, in the
+live metrics); if what can still be read of it says it answers the step in flight, that
+step's outcome is unknown, and the executor's device state is treated as lost (the
+requests of the step are suspects, engine/faults.py), else the entry is passed over."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import redis.asyncio as aioredis
 from services.scheduler.engine.step import StepPlan
 from shared import streams
 from shared.messages.envelope import WireError
-from shared.messages.forward import StepResult, decode_result
+from shared.messages.forward import ResultHead, StepResult, decode_result, decode_result_head
 
 log = logging.getLogger("custody.scheduler")
 
@@ -72,15 +74,34 @@ class ExecutorLink:
                 raise ExecutorLost(alive)
 
     def _result_of(self, fields: dict, step_id: int) -> StepResult | None:
+        raw = fields.get(b"m", b"")
         try:
-            result = decode_result(fields.get(b"m", b""))
+            result = decode_result(raw)
         except WireError as err:
             self.malformed += 1
+            if self._answers(_head_of(raw), step_id):
+                log.error(
+                    "the result of step %s is malformed (%s); device state lost", step_id, err
+                )
+                raise ExecutorLost(self.epoch) from None
             log.error("a malformed result was passed over: %s", err)
             return None
-        mine = (
-            result.step == step_id
-            and result.scheduler_epoch == self.scheduler_epoch
-            and result.executor_epoch == self.epoch
+        return result if self._answers(result, step_id) else None
+
+    def _answers(self, head: ResultHead | StepResult | None, step_id: int) -> bool:
+        """Whether `head` answers `step_id` of this scheduler life, from the executor life
+        the step was published for."""
+        return (
+            head is not None
+            and head.seq == step_id
+            and head.scheduler_epoch == self.scheduler_epoch
+            and head.epoch == self.epoch
         )
-        return result if mine else None
+
+
+def _head_of(raw: bytes) -> ResultHead | None:
+    """What can still be read of a malformed result, if anything."""
+    try:
+        return decode_result_head(raw)
+    except WireError:
+        return None
