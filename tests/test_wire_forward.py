@@ -139,13 +139,19 @@ def test_the_step_carries_the_plans_own_rows_and_misroutes_only_the_wire():
     assert plan.rows[0].wire is row.wire and decode_step(encode(misrouted)) == misrouted
 
 
-def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url, redis_client):
+def one_step_in_flight(redis_url: str) -> tuple:
+    """A scheduler on real Redis with request "r1" published in one step, awaiting its
+    result: (event loop, scheduler, request, plan)."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     service = started(redis_url)
     req = plain("r1")
     service.engine.submit(req)
-    plan = loop.run_until_complete(service.loop.publish_next())
+    return loop, service, req, loop.run_until_complete(service.loop.publish_next())
+
+
+def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url, redis_client):
+    loop, service, req, plan = one_step_in_flight(redis_url)
     link = service.link
     mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
     other = StepResult.of(link.epoch, plan.step_id + 7, link.scheduler_epoch, ["r1"], [5], [0.0])
@@ -164,12 +170,7 @@ def test_a_malformed_answer_to_the_step_in_flight_takes_the_device_lost_path(
 ):
     """The executor answered the step, but not readably: whether it ran is unknown, so its
     requests are re-queued (as suspects) and their slots returned, at once."""
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    service = started(redis_url)
-    req = plain("r1")
-    service.engine.submit(req)
-    plan = loop.run_until_complete(service.loop.publish_next())
+    loop, service, req, plan = one_step_in_flight(redis_url)
     link = service.link
     mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
     redis_client.xadd(streams.RESULTS, {"m": msgspec.msgpack.encode(raw_of(mine) | {"rids": []})})
