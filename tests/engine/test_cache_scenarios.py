@@ -8,13 +8,14 @@ from tests.engine.scripted import Scripted
 
 def test_p1_a_match_takes_a_fresh_slot_and_a_deferred_copy():
     s = Scripted(chunk=8, track_interval=64)
-    s.marks[("a", 7)] = 77
+    s.marks[("a", 6)] = 77  # a prompt ending on a page snapshots a page before its end
     s.submit("a", [1, 2, 3, 4, 5, 6, 7], [9])
     s.run()
     node = s.engine.cache.match(np.arange(1, 8), 7).node
-    assert s.states[node.mamba] == 77
+    assert node.end == 6 and s.states[node.mamba] == 77
     b = s.submit("b", [1, 2, 3, 4, 5, 6, 7, 50], [1])
     plan = s.engine.plan_step()
+    assert b.cached_tokens == 6
     working = b.slots.state.current.slot
     assert working != node.mamba
     assert plan.ops.copies == [(node.mamba, working)]
@@ -81,11 +82,12 @@ def test_p6_every_chunk_state_is_reachable():
 
 def test_p8_a_copy_source_is_never_evicted_before_its_copy_runs():
     s = Scripted(chunk=8, track_interval=64)
-    s.marks[("a", 4)] = 4242
+    s.marks[("a", 3)] = 4242  # a prompt ending on a page snapshots a page before its end
     s.submit("a", [1, 2, 3, 4], [9])
     s.run()
     b = s.submit("b", [1, 2, 3, 4, 6], [1])
     plan = s.engine.plan_step()
+    assert b.cached_tokens == 3
     ((source, _),) = plan.ops.copies
     s.engine.cache.evict_mamba(100)
     s.engine.cache.evict_kv(10_000)

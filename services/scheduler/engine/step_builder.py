@@ -38,13 +38,18 @@ def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
 
 def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan:
     """The row of `req` computing `n` positions after those already planned. A chunk
-    snapshots at the last page boundary it reaches; a decode step every `track_interval`
-    positions."""
+    snapshots at the last page boundary it reaches, except the last chunk of a sequence
+    that ends on a page boundary: it snapshots one page earlier (if that is still in the
+    chunk), since a match must leave a token to compute and a snapshot at the very end
+    would serve no repeat of the same sequence. A decode step snapshots every
+    `track_interval` positions."""
     ps, start = pools.config.page_size, req.planned
     end = start + n
     future = req.awaits_token  # then this row is that one token, at position req.length
     if n > 1:
         snap_len = end - end % ps
+        if snap_len == end == req.length and end - ps > start:
+            snap_len = end - ps
     else:
         snap_len = end if end % track_interval == 0 else 0
     slot = 0
