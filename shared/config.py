@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from shared.model_config import ModelConfig
+from shared.tiers import TierSizes
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -37,6 +40,12 @@ class Settings:
     max_queued_requests: int = 1024  # waiting requests; beyond it a 503 (0: no limit)
     read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
     keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
+    host_state_bytes: int = 1 << 30  # the host tier of session state; 0: none
+    state_dir: Path | None = None  # the disk tier's blobs (0700); None: no disk tier
+    disk_state_bytes: int = 8 << 30  # the disk tier's bound (with a state_dir)
+    # fault drills only: each tier move sleeps this long half-way (a spill between its
+    # write and its rename), so a drill's kill lands during one
+    tier_move_delay_seconds: float = 0.0
 
     def check(self) -> None:
         for name in (
@@ -57,16 +66,30 @@ class Settings:
         for name in ("max_sessions", "max_sessions_per_key", "max_queued_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.host_state_bytes < 0 or self.disk_state_bytes < 0:
+            raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
         if self.pipeline_depth not in (0, 1):
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
 
-    @property
-    def session_limit(self) -> int:
-        """Open sessions at once: each keeps one Mamba slot between turns, and slot 0 is
-        reserved, so more sessions than slots could only hold history."""
-        return self.max_sessions or max(1, self.mamba_slots - 1)
+    def tier_sizes(self, model: ModelConfig) -> TierSizes:
+        """The host and disk tiers' pools (shared/tiers.py), the same on every service."""
+        return TierSizes.of(
+            model,
+            self.page_size,
+            self.kv_pages,
+            self.mamba_slots,
+            self.host_state_bytes,
+            self.disk_state_bytes if self.state_dir is not None else 0,
+            self.context_len,
+        )
+
+    def session_limit(self, tiers: TierSizes) -> int:
+        """Open sessions at once: as many as can keep a state somewhere between turns
+        (one device Mamba slot, slot 0 reserved; one host slot; one blob)."""
+        room = self.mamba_slots - 1 + tiers.host_mamba_slots + tiers.disk_slots
+        return self.max_sessions or max(1, room)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ class OwnerKind(IntEnum):
     SESSION = 2
     CACHE = 3
     TRACK = 4
+    TRANSIT = 5  # host or disk slots a tier move of a step in flight still reads
 
 
 def owner_id(serial: int, kind: OwnerKind) -> int:

@@ -23,14 +23,17 @@ def check_records(ledger: IndependentLedger, records: list[SessionRecord]) -> li
         if rec.closed:
             ledger.owners.closed(sid)
             continue
-        if rec.row is None:
-            continue  # history only: lent to a turn, borrowing cache pages, or dropped
+        if rec.disk is not None:
+            claimed: tuple = (("disk", [rec.disk]),)
+        elif rec.row is not None:
+            claimed = (
+                ("req", [rec.row]),
+                ("mamba", [rec.working]),
+                ("kv", rec.kv_pages().tolist()),
+            )
+        else:
+            continue  # history only: lent to a turn, on the host, or dropped
         owner = ledger.owners.session(sid)
-        claimed = (
-            ("req", [rec.row]),
-            ("mamba", [rec.working]),
-            ("kv", rec.kv_pages().tolist()),
-        )
         for pool, slots in claimed:
             wrong: dict[int | None, list[int]] = {}
             for slot in slots:

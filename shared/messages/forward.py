@@ -19,6 +19,7 @@ import numpy as np
 
 from shared.deferred_ops import DeferredOps
 from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+from shared.messages.tiers import TierMove
 
 I4, I8, F4 = "<i4", "<i8", "<f4"
 Ints = np.ndarray | Sequence[int]  # or a host torch tensor: anything np.asarray takes
@@ -120,7 +121,11 @@ class Step(StepHead, tag="step", kw_only=True):
     events the scheduler's ledger held when it was planned (every slot it writes must be
     its writer's at exactly that point; None: not checked); `page_size`, to turn KV
     indices into the pages the ledger counts; `clear_owners` and `copy_owners`, the
-    owner each op's destination is written for, one per clear and per copy."""
+    owner each op's destination is written for, one per clear and per copy.
+
+    `moves` carry sessions' state between tiers and `discards` name disk blobs to delete
+    (shared/messages/tiers.py): both run before the deferred ops. A step may have no
+    rows when it only moves state."""
 
     after: int | None
     rows: list[StepRow]
@@ -130,6 +135,8 @@ class Step(StepHead, tag="step", kw_only=True):
     packed_copy_owners: bytes = msgspec.field(name="copy_owners")
     ledger_seq: int | None = None
     page_size: int = 0
+    moves: list[TierMove] = msgspec.field(default_factory=list)
+    discards: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         copied = len(unpack(self.packed_copies, I4))
@@ -152,6 +159,8 @@ class Step(StepHead, tag="step", kw_only=True):
         after: int | None = None,
         ledger_seq: int | None = None,
         page_size: int = 0,
+        moves: list[TierMove] | None = None,
+        discards: list[int] | None = None,
     ) -> Step:
         """The step numbered `step` in scheduler life `epoch`; each op destination's
         owner is taken from `ops.owners` (0 where it names none)."""
@@ -167,6 +176,8 @@ class Step(StepHead, tag="step", kw_only=True):
             packed_copy_owners=pack([ops.owners.get(d, 0) for _, d in ops.copies], I8),
             ledger_seq=ledger_seq,
             page_size=page_size,
+            moves=moves or [],
+            discards=discards or [],
         )
 
     @property
@@ -206,7 +217,10 @@ class StepResult(Message, tag="result", kw_only=True):
     probability of it; or `error`, why the step was refused or failed. `ops_ran` (with an
     error): every deferred op had been applied when it failed, so a rollback copy they
     made holds the state it copied; False: the forward did not run, the sources of its
-    copies hold what they held, and its destinations may not."""
+    copies hold what they held, and its destinations may not. `failed_moves`: the
+    indices (in `Step.moves`) of tier moves that did not happen while the step ran on (a
+    blob that failed its checksum, a disk that refused a write); their destinations hold
+    nothing."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
@@ -214,6 +228,7 @@ class StepResult(Message, tag="result", kw_only=True):
     packed_logprobs: bytes = msgspec.field(name="logprobs")
     error: str | None = None
     ops_ran: bool = False
+    failed_moves: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         n, lp = len(self.tokens), len(self.logprobs)
@@ -232,6 +247,7 @@ class StepResult(Message, tag="result", kw_only=True):
         *,
         error: str | None = None,
         ops_ran: bool = False,
+        failed_moves: list[int] | None = None,
     ) -> StepResult:
         return cls(
             epoch=executor_epoch,
@@ -242,6 +258,7 @@ class StepResult(Message, tag="result", kw_only=True):
             packed_logprobs=pack(logprobs, F4),
             error=error,
             ops_ran=ops_ran,
+            failed_moves=failed_moves or [],
         )
 
     @property

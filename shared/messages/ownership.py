@@ -143,9 +143,9 @@ class Events(Message, tag="events"):
 class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A session's durable record: the history always, and its row, working Mamba slot
     and KV pages only while the session itself holds them (then a restarted scheduler
-    can take them over). A closed session's record carries only its sid. The store
-    persists it as sent, with the executor epoch of its message, which is what a
-    restarted scheduler decodes."""
+    can take them over), or the disk slot of its blob once the blob is valid. A closed
+    session's record carries only its sid. The store persists it as sent, with the
+    executor epoch of its message, which is what a restarted scheduler decodes."""
 
     sid: str
     closed: bool = False
@@ -157,11 +157,12 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     working: int | None = None
     pages: bytes | None = None  # packed PAGE
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
+    disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)
         if self.closed:
-            rest = (self.timeout, self.tenant, self.history, *slots)
+            rest = (self.timeout, self.tenant, self.history, self.disk, *slots)
             if self.cached_len or any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")
             return
@@ -169,6 +170,8 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise WireError(f"the record of session {self.sid} has no history")
         if any(x is None for x in slots) != all(x is None for x in slots):
             raise WireError(f"the record of session {self.sid} names some of its slots")
+        if self.disk is not None and (self.row is not None or self.disk < 1):
+            raise WireError(f"the record of session {self.sid} names a blob {self.disk}")
         self.tokens()
         self.kv_pages()
 

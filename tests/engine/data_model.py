@@ -9,6 +9,10 @@ executor runs them: their writes must land where they harm nobody. The
 "model" then samples from what it read: the state hash and every KV cell of the row's
 context. A wrong slot, a stale copy or a KV index pointing at another row's data changes
 the token, so equality with a one-shot reference proves the bookkeeping, not just lists.
+
+Tier moves run first, in the executor's order (shared/messages/tiers.py), over a host
+tier shaped like the device (KV cells and state slots) and a disk of blobs keyed by disk
+slot; a blob named in `corrupt` fails its check at a load, as a damaged file would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.engine.step import StepPlan
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
+from shared.messages.tiers import MOVE_ORDER, TierMove
 
 MOD = (1 << 61) - 1
 _WEIGHTS = np.random.default_rng(12345).integers(1, 1 << 20, size=1 << 16)
@@ -70,6 +75,14 @@ class DataModelExecutor:
         self.kv_tokens = np.full(cells, -1, dtype=np.int64)
         self.kv_positions = np.full(cells, -1, dtype=np.int64)
         self.state = np.zeros(cfg.mamba_slots + 1, dtype=np.int64)
+        host_cells = (cfg.host_kv_pages + 1) * cfg.page_size
+        self.host_tokens = np.full(host_cells, -1, dtype=np.int64)
+        self.host_positions = np.full(host_cells, -1, dtype=np.int64)
+        self.host_state = np.zeros(cfg.host_mamba_slots + 1, dtype=np.int64)
+        self.blobs: dict[int, tuple] = {}  # disk slot -> (sid, tokens, KV tokens, positions, state)
+        self.corrupt: set[int] = set()  # disk slots whose blob fails its check
+        self.failed: list[int] = []  # tier moves of the last step that did not happen
+        self.page_size = cfg.page_size
         self.vocab = vocab
         self.sequence_of = sequence_of  # when given, each row's starting state is checked
         self.rows_checked = 0
@@ -79,6 +92,7 @@ class DataModelExecutor:
         apply_to_arrays(plan.ops, self.state)
 
     def run(self, plan: StepPlan) -> dict[str, int]:
+        self.move(plan.moves, plan.discards)
         self.apply_ops(plan)
         out = {}
         for row in plan.rows:
@@ -108,6 +122,49 @@ class DataModelExecutor:
         return out
 
 
+    def move(self, moves: list[TierMove], discards: list[int]) -> None:
+        """Delete `discards`, then run the moves kind by kind, in the executor's order."""
+        for slot in discards:
+            self.blobs.pop(slot, None)
+            self.corrupt.discard(slot)
+        self.failed = []
+        order = sorted(range(len(moves)), key=lambda i: MOVE_ORDER.index(moves[i].kind))
+        for i in order:
+            m = moves[i]
+            if m.kind == "spill":
+                cells = self._cells(m.src_pages, m.tokens)
+                self.blobs[m.dst_slot] = (
+                    m.sid,
+                    m.tokens,
+                    self.host_tokens[cells].copy(),
+                    self.host_positions[cells].copy(),
+                    int(self.host_state[m.src_slot]),
+                )
+                continue
+            if m.kind == "load":
+                blob = self.blobs.get(m.src_slot)
+                if m.src_slot in self.corrupt or blob is None or blob[:2] != (m.sid, m.tokens):
+                    self.failed.append(i)
+                    continue
+                cells = self._cells(m.dst_pages, m.tokens)
+                self.host_tokens[cells], self.host_positions[cells] = blob[2], blob[3]
+                self.host_state[m.dst_slot] = blob[4]
+                continue
+            to_host = m.kind == "hibernate"
+            src = (self.kv_tokens, self.kv_positions, self.state)
+            dst = (self.host_tokens, self.host_positions, self.host_state)
+            if not to_host:
+                src, dst = dst, src
+            a, b = self._cells(m.src_pages, m.tokens), self._cells(m.dst_pages, m.tokens)
+            dst[0][b], dst[1][b] = src[0][a], src[1][a]
+            dst[2][m.dst_slot] = src[2][m.src_slot]
+
+    def _cells(self, pages: np.ndarray, tokens: int) -> np.ndarray:
+        """The KV cells of positions 0..tokens-1 on `pages`."""
+        ps = self.page_size
+        return (pages[:, None] * ps + np.arange(ps)).ravel()[:tokens]
+
+
 def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
     """Apply `ops` to arrays whose first axis is the slot (a CPU model of the executor's
     pools, for tests that check the data effect, not just the lists)."""
@@ -120,8 +177,12 @@ def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
             state[dst] = state[src]
 
 
-def result_of(plan: StepPlan, sampled: dict[str, int]) -> StepResult:
+def result_of(
+    plan: StepPlan, sampled: dict[str, int], failed: list[int] | None = None
+) -> StepResult:
     """The executor's reply to `plan` that sampled `sampled`, as the step driver
     (`EngineCore.complete`) takes it from the wire."""
     tokens = list(sampled.values())
-    return StepResult.of("", plan.step_id, "", list(sampled), tokens, [0.0] * len(tokens))
+    return StepResult.of(
+        "", plan.step_id, "", list(sampled), tokens, [0.0] * len(tokens), failed_moves=failed
+    )

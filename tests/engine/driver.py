@@ -33,6 +33,9 @@ class Driver:
         track_interval: int | None = None,
         eos: int | None = None,
         depth: int = 1,
+        host_pages: int = 0,
+        host_slots: int = 0,
+        disk_slots: int = 0,
     ) -> None:
         self.pools = Pools(
             PoolConfig(
@@ -41,6 +44,9 @@ class Driver:
                 mamba_slots=mamba_slots,
                 max_running_requests=rows,
                 max_context=context,
+                host_kv_pages=host_pages,
+                host_mamba_slots=host_slots,
+                disk_slots=disk_slots,
             )
         )
         self.engine = EngineCore(
@@ -86,7 +92,8 @@ class Driver:
     def _complete_oldest(self) -> list[Request]:
         engine = self.engine
         oldest = engine.in_flight[0]
-        ended = engine.complete(oldest, result_of(oldest, self.model.run(oldest)))
+        sampled = self.model.run(oldest)
+        ended = engine.complete(oldest, result_of(oldest, sampled, self.model.failed))
         for req in ended:
             self.ended[req.rid] = req
         report = self.engine.check()

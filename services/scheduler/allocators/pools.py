@@ -1,5 +1,7 @@
-"""The scheduler's pools, built in one place: one ledger, three slot pools (KV pages,
-Mamba slots, request rows), the row table and the paged KV allocator over them."""
+"""The scheduler's pools, built in one place: one ledger; the device's slot pools (KV
+pages, Mamba slots, request rows) with the row table and the paged KV allocator over
+them; and the state tiers below the device (shared/tiers.py): host KV pages and Mamba
+slots, and disk blobs, one per session."""
 
 from __future__ import annotations
 
@@ -17,11 +19,17 @@ class PoolConfig:
     mamba_slots: int = 192
     max_running_requests: int = 32
     max_context: int = 8192
+    host_kv_pages: int = 0
+    host_mamba_slots: int = 0
+    disk_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_pages", "page_size", "mamba_slots", "max_running_requests", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("host_kv_pages", "host_mamba_slots", "disk_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class Pools:
@@ -33,3 +41,6 @@ class Pools:
         self.req = self.ledger.add_pool("req", config.max_running_requests)
         self.rows = RowTable(self.req, config.page_size, config.max_context)
         self.kv = PagedKV(self.kv_pages, self.rows)
+        self.host_kv = self.ledger.add_pool("host_kv", config.host_kv_pages)
+        self.host_mamba = self.ledger.add_pool("host_mamba", config.host_mamba_slots)
+        self.disk = self.ledger.add_pool("disk", config.disk_slots)

@@ -1,5 +1,6 @@
 """Admission: what a waiting request takes when it starts running. A session turn whose
-session holds state takes that state over (with a rollback copy); any other request
+session holds state takes that state over (with a rollback copy), first brought back to
+the device if it was hibernated; any other request
 matches the prefix cache, borrows the matched KV pages and copies the matched Mamba state
 into a fresh working slot (a deferred copy whose source stays locked until it ran), or
 starts from a cleared slot."""
@@ -22,6 +23,9 @@ def admit_waiting(engine: EngineCore, req: Request, plan: StepPlan, state: StepB
     fit. Every path out of here either keeps all it took or gives all back (lesson 7,
     docs/ownership.md)."""
     session = req.session
+    below = session is not None and session.state_tier in ("host", "disk")
+    if below and not _state_to_device(engine, req, state):
+        return 0
     if session is not None and session.slots is not None:
         n = min(req.length - session.cached_len, engine.config.chunk_size, state.tokens)
         need = pages_to_grow(engine.pools.config.page_size, session.cached_len, n)
@@ -60,3 +64,15 @@ def admit_waiting(engine: EngineCore, req: Request, plan: StepPlan, state: StepB
         req.turn_start = TurnStart(0, None)
     state.take(n, need)
     return n
+
+
+def _state_to_device(engine: EngineCore, req: Request, state: StepBudget) -> bool:
+    """A turn's session state is below the device: on a ready host state, start its
+    restore (room for it and the turn's first chunk, made first); else it waits (a load
+    or hibernate in flight)."""
+    session = req.session
+    n = min(req.length - session.cached_len, engine.config.chunk_size, state.tokens)
+    need = pages_to_grow(engine.pools.config.page_size, session.cached_len, n)
+    return engine.sessions.tiers.bring_to_device(
+        session, engine.make_room, need + state.pages, MAMBA_SLOTS_PER_REQUEST
+    )

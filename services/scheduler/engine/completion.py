@@ -23,4 +23,5 @@ def complete(engine: EngineCore, plan: StepPlan, result: StepResult) -> list[Req
         plan,
         dict(zip(rids, result.tokens.tolist(), strict=True)),
         dict(zip(rids, result.logprobs.tolist(), strict=True)),
+        set(result.failed_moves),
     )

@@ -114,6 +114,8 @@ class EngineCore:
         self.in_flight.check_room()
         self.sessions.expire()
         plan = StepPlan(next(self._step_ids), [], DeferredOps(), self.in_flight.last_step)
+        self.sessions.tiers.advance_placements(self.make_room)
+        self.sessions.tiers.prefetch(self.waiting)
         chosen: list[tuple[Request, int]] = []
         state = StepBudget(self.config.max_step_tokens)
         for req in list(self.running):
@@ -129,7 +131,8 @@ class EngineCore:
             req.status = Status.RUNNING
             self.running.append(req)
             chosen.append((req, n))
-        if not chosen:
+        plan.tier = self.sessions.moves.take()
+        if not chosen and not plan.tier:
             return None
         grow_kv(self.pools, chosen)
         plan.rows = [row_plan(self.pools, self.config.track_interval, req, n) for req, n in chosen]
@@ -137,10 +140,16 @@ class EngineCore:
         return plan
 
     def complete_step(
-        self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, float] | None = None
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        logprobs: dict[str, float] | None = None,
+        failed_moves: set[int] | None = None,
     ) -> list[Request]:
-        """Apply the executor's result of `plan`; returns the requests that ended."""
+        """Apply the executor's result of `plan` (`failed_moves`: indices of its tier moves
+        that did not happen); returns the requests that ended."""
         self.in_flight.pop_oldest(plan)
+        self.sessions.moves.landed(plan.tier, failed_moves or set())
         ended = []
         for row in plan.rows:
             if row.dropped:
@@ -192,7 +201,7 @@ class EngineCore:
     # ---- views ----
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.in_flight
+        return not (self.waiting or self.running or self.in_flight or self.sessions.tier_work)
 
     def audit(self) -> IntegrityReport:
         """The check the idle loop runs: raises when strict, else logs and counts."""
@@ -202,6 +211,7 @@ class EngineCore:
         """Every holder's claims against the ledger, plus the cache and row-table checks."""
         claims = [c for r in self.running for c in r.slots.claims(self.pools)]
         claims += self.sessions.claims() + self.cache.claims()
+        claims += [c for plan in self.in_flight for c in plan.tier.claims()]
         report = check_integrity(
             self.pools.ledger, claims, idle=self.idle if idle is None else idle
         )

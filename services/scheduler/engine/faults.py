@@ -38,7 +38,8 @@ def refuse_step(core: EngineCore, plan: StepPlan, error: str, ops_ran: bool) -> 
     plans = core.in_flight.since(plan)
     unwritten = {dst for p in (plans[1:] if ops_ran else plans) for _, dst in p.ops.copies}
     live = [{row.rid for row in p.rows if not row.dropped} for p in plans]
-    core.in_flight.abandon(core.requests, plan)
+    for abandoned in core.in_flight.abandon(core.requests, plan):
+        core.sessions.moves.abandon(abandoned.tier)
     refused, later = live[0], set().union(*live[1:])
     ended = []
     for rid in refused:
@@ -52,12 +53,14 @@ def refuse_step(core: EngineCore, plan: StepPlan, error: str, ops_ran: bool) -> 
 def lose_device(core: EngineCore, suspect: bool = True) -> list[Request]:
     """The executor restarted with empty pools: every slot's contents are gone. Running
     requests are re-queued (they re-prefill what they had, tokens already produced
-    included), sessions keep their history but not their state, and the prefix cache is
-    emptied. With `suspect`, the requests of the step that was executing count one loss
-    each; at `POISON_LOSSES` they are failed (quarantined). Returns those."""
+    included), sessions keep their history and a valid blob on disk but no other state,
+    and the prefix cache is emptied. With `suspect`, the requests of the step that was
+    executing count one loss each; at `POISON_LOSSES` they are failed (quarantined).
+    Returns those."""
     executing = core.in_flight[0] if suspect and core.in_flight else None
     suspects = [] if executing is None else [r.rid for r in executing.rows if not r.dropped]
-    core.in_flight.abandon(core.requests)
+    for abandoned in core.in_flight.abandon(core.requests):
+        core.sessions.moves.abandon(abandoned.tier)
     ended = []
     for rid in suspects:
         req = core.requests.get(rid)
@@ -78,7 +81,7 @@ def lose_device(core: EngineCore, suspect: bool = True) -> list[Request]:
             )
     for req in reversed(list(core.running)):
         core.retract(req)
-    core.sessions.drop_all_state()
+    core.sessions.drop_volatile_state()
     core.cache.evict_kv(core.pools.kv_pages.capacity)
     core.cache.evict_mamba(core.pools.mamba.capacity)
     return ended

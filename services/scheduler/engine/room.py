@@ -1,6 +1,7 @@
 """Making room in the pools for what a step needs, under memory pressure: evict from the
-prefix cache first, then drop the device state of idle sessions, least recently used
-first (their next turn re-prefills their history). Retracting running requests is the
+prefix cache first, then move idle sessions' state off the device, least recently used
+first (hibernated to the host tier, or dropped if the tiers cannot take it: then their
+next turn re-prefills their history). Retracting running requests is the
 core's last resort, since only it knows which requests the step has planned.
 
 A session's state is worth far more than a cache entry (its next turn costs only its new
@@ -63,7 +64,7 @@ def make_room(
             rows,
             pools.req.free_count,
         )
-        if not sessions.drop_idle_state():
+        if not sessions.evict_idle():
             return False
         evict()
     return True

@@ -15,6 +15,7 @@ def build_engine(
 ) -> EngineCore:
     """The pools and the core for `settings`. `strict` makes an invariant violation
     raise (tests, the in-process demo) instead of being logged and counted (services)."""
+    tiers = settings.tier_sizes(model)
     pools = Pools(
         PoolConfig(
             settings.kv_pages,
@@ -22,6 +23,9 @@ def build_engine(
             settings.mamba_slots,
             settings.max_running_requests,
             settings.context_len,
+            tiers.host_kv_pages,
+            tiers.host_mamba_slots,
+            tiers.disk_slots,
         )
     )
     config = EngineConfig(
@@ -31,6 +35,6 @@ def build_engine(
         chunk_size=settings.chunk_size,
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,
-        max_sessions=settings.session_limit,
+        max_sessions=settings.session_limit(tiers),
     )
     return EngineCore(pools, config, strict=strict, decode=tokenizer.decode)

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.records.row_plan import RowPlan
+from services.scheduler.sessions.tier_moves import TierBatch
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import Step
+from shared.messages.tiers import TierMove
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
@@ -24,6 +26,15 @@ class StepPlan:
     ops: DeferredOps
     after: int | None = None  # the step in flight when this one was planned
     copy_sources: list[CacheNode] = field(default_factory=list)  # locked until the step ran
+    tier: TierBatch = field(default_factory=TierBatch)  # state moved between tiers first
+
+    @property
+    def moves(self) -> list[TierMove]:
+        return [f.move for f in self.tier.flights]
+
+    @property
+    def discards(self) -> list[int]:
+        return self.tier.discards
 
     @property
     def num_tokens(self) -> int:
@@ -45,5 +56,7 @@ class StepPlan:
             after=self.after,
             ledger_seq=pools.ledger.events.next_seq,
             page_size=pools.config.page_size,
+            moves=self.moves,
+            discards=self.discards,
         )
         return step if misroute is None else misroute.apply(step)

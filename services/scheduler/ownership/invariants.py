@@ -20,7 +20,7 @@ from services.scheduler.ownership.ledger import Ledger
 from services.scheduler.ownership.owners import KIND_MASK, Owner, OwnerKind
 
 Claim = tuple[Owner, str, np.ndarray | list[int]]  # (owner, pool name, slots it holds there)
-IDLE_FORBIDDEN = (OwnerKind.REQUEST, OwnerKind.TRACK)
+IDLE_FORBIDDEN = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.TRANSIT)
 
 
 @dataclass
@@ -35,7 +35,7 @@ class IntegrityReport:
 
 def check_integrity(ledger: Ledger, claims: Iterable[Claim], *, idle: bool) -> IntegrityReport:
     """Compare every holder's claims with the ledger. `idle` adds: nothing is held by a
-    request, a track buffer or an admission round."""
+    request, a track buffer or a tier move in transit."""
     report = IntegrityReport()
     claimed = {
         name: np.zeros(pool.capacity + 1, dtype=np.int64) for name, pool in ledger.pools.items()

@@ -28,11 +28,12 @@ def _ids(owner: OwnerArg) -> int | np.ndarray:
 
 
 class SlotPool:
-    """Slots `1..capacity` of one pool; slot 0 is the padding sink and never moves."""
+    """Slots `1..capacity` of one pool; slot 0 is the padding sink and never moves. A
+    pool of capacity 0 (a tier turned off) has nothing to give."""
 
     def __init__(self, ledger: Ledger, pool_id: int, name: str, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"pool {name}: capacity must be >= 1, got {capacity}")
+        if capacity < 0:
+            raise ValueError(f"pool {name}: capacity must be >= 0, got {capacity}")
         self.ledger = ledger
         self.pool_id = pool_id
         self.name = name

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.scheduler.allocators.handover import SessionSlots
+from services.scheduler.allocators.tier_slots import DiskState, HostState
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
@@ -36,9 +37,20 @@ class Session:
     last_used: float
     history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cached_len: int = 0  # positions of `history` whose KV and state the slots hold
-    slots: SessionSlots | None = None  # None: no device state (new, or after a lost turn)
+    slots: SessionSlots | None = None  # its state on the device, between turns
+    host: HostState | None = None  # or hibernated in the host tier
+    disk: DiskState | None = None  # or spilled to the disk tier; at most one of the three
     cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
     turn: Request | None = None  # the turn in flight, at most one
     closing: bool = False  # close asked while a turn runs: completes when it ends
     closed: bool = False
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
+
+    @property
+    def state_tier(self) -> str | None:
+        """Where its state is between turns; None: nowhere (its next turn re-prefills)."""
+        if self.slots is not None:
+            return "device"
+        if self.host is not None:
+            return "host"
+        return "disk" if self.disk is not None else None

@@ -31,6 +31,8 @@ from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import SESSION_ID, Session, SessionError
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.records import DurableRecords
+from services.scheduler.sessions.tier_moves import TierMoves
+from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
 
 log = logging.getLogger("custody.sessions")
@@ -54,6 +56,8 @@ class SessionManager(DurableRecords):
         self.dirty: set[str] = set()  # sessions whose durable record changed
         self.states_dropped = 0
         self.deadlines = Deadlines()
+        self.moves = TierMoves(pools, cache, self.dirty)
+        self.tiers = TierPolicy(self.moves, self.sessions)
 
     # ---- client-facing ----
     def open(
@@ -156,19 +160,18 @@ class SessionManager(DurableRecords):
             gone.append(sid)
         return gone
 
-    def drop_idle_state(self) -> bool:
-        """Memory pressure: free the device state of the least recently used session with
-        no turn in flight. Its history stays; its next turn re-prefills it. False if no
-        session holds state it could give up."""
-        idle = [s for s in self.sessions.values() if s.turn is None and s.slots is not None]
-        if not idle:
+    def evict_idle(self) -> bool:
+        """Device pressure: the least recently used session with no turn in flight leaves
+        the device: hibernated to the host tier (tier_policy.py), or, if the tiers below
+        cannot take it, its state is dropped (its next turn re-prefills its history).
+        False if no session holds device state it could give up."""
+        victim = self.tiers.idle_on_device()
+        if victim is None:
             return False
-        victim = min(idle, key=lambda s: s.last_used)
-        log.info(
-            "memory pressure: session %s gives up its device state (%d positions)",
-            victim.sid,
-            victim.cached_len,
-        )
+        if self.tiers.host_room(victim.cached_len, keep=victim):
+            self.moves.hibernate(victim)
+            return True
+        log.info("memory pressure: session %s drops its state (%d)", victim.sid, victim.cached_len)
         self._drop_state(victim)
         self.states_dropped += 1
         return True
@@ -196,11 +199,12 @@ class SessionManager(DurableRecords):
                 self._drop_state(session)
                 self.states_dropped += 1
 
-    def drop_all_state(self) -> None:
-        """The device lost every slot's contents: no session has state any more."""
+    def drop_volatile_state(self) -> None:
+        """The executor was lost, and with it the device and host tiers' contents: only
+        state on disk survives (a valid blob: its spill ran to the end)."""
         for session in self.sessions.values():
             if session.turn is None or session.turn.slots is None:
-                self._drop_state(session)
+                self._drop_state(session, keep_disk=True)
 
     # ---- state moves, called by the engine ----
     def restore(self, req: Request, ops: DeferredOps) -> RequestSlots | None:
@@ -260,12 +264,18 @@ class SessionManager(DurableRecords):
     def claims(self) -> list[Claim]:
         out: list[Claim] = []
         for session in self.sessions.values():
-            if session.slots is not None:
-                out += session.slots.claims(self.pools)
+            for state in (session.slots, session.host, session.disk):
+                if state is not None:
+                    out += state.claims(self.pools)
             turn = session.turn
             if turn is not None and turn.turn_start is not None and turn.turn_start.rollback:
                 out.append((session.owner, "mamba", [turn.turn_start.rollback.held]))
         return out
+
+    @property
+    def tier_work(self) -> bool:
+        """Blobs to delete or sessions to place: a step must be planned for them."""
+        return bool(self.moves.discards) or bool(self.tiers.placing)
 
     # ---- internals ----
     def _touch(self, session: Session, now: float) -> None:
@@ -281,7 +291,7 @@ class SessionManager(DurableRecords):
         if session.closing:
             self._close_now(session)
 
-    def _drop_state(self, session: Session) -> None:
+    def _drop_state(self, session: Session, keep_disk: bool = False) -> None:
         self.dirty.add(session.sid)
         if session.slots is not None:
             handover.close(self.pools, session.slots, retire=False)
@@ -289,7 +299,12 @@ class SessionManager(DurableRecords):
         if session.cache_node is not None:
             self.cache.unlock(session.cache_node)
             session.cache_node = None
-        session.cached_len = 0
+        if session.host is not None:
+            self.moves.drop_host(session, "drop")
+        if session.disk is not None and not (keep_disk and session.disk.ready):
+            self.moves.drop_disk(session, "drop")
+        if session.disk is None:
+            session.cached_len = 0
 
     def _close_now(self, session: Session) -> None:
         self._drop_state(session)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.scheduler.allocators import handover
+from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.ownership.lease import new_lease
 from shared.messages.envelope import pack
 from shared.messages.ownership import PAGE, TOKEN, SessionRecord
@@ -51,7 +52,9 @@ class DurableRecords:
                 history=pack(s.history, TOKEN),
                 cached_len=s.cached_len,
             )
-            if s.slots is not None and s.slots.borrowed == 0:
+            if s.disk is not None and s.disk.ready:
+                rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
+            elif s.slots is not None and s.slots.borrowed == 0:
                 rec.row = s.slots.row.slot
                 rec.working = s.slots.working.slot
                 rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
@@ -60,13 +63,20 @@ class DurableRecords:
         return out
 
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
-        """A restarted scheduler takes its sessions back: the history always, the slots
-        too when the executor that holds their contents is the same one."""
+        """A restarted scheduler takes its sessions back: the history always, a valid
+        blob on disk, device slots when the executor that holds their contents is the
+        same one."""
         for rec in records:
             if rec.closed:
                 continue
             session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
             session.history = rec.tokens().astype(np.int64)
+            if rec.disk is not None:  # a valid blob outlives every executor
+                self.pools.disk.take(np.array([rec.disk]), session.owner, "rebuild")
+                lease = new_lease(self.pools.disk, session.owner, rec.disk)
+                session.disk = DiskState(session.owner, lease, rec.cached_len, ready=True)
+                session.cached_len = rec.cached_len
+                continue
             if not state_valid or rec.row is None or rec.working is None:
                 continue
             owner, pools = session.owner, self.pools

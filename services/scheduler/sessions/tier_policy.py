@@ -1,0 +1,128 @@
+"""Which session's state goes where, under pressure and on demand.
+
+- Device pressure: the least recently used idle session hibernates to the host tier
+  instead of dropping its state.
+- Host pressure: the least recently used ready host states spill to disk; a full disk
+  first drops its least recently used blob. Only when a tier cannot make room is state
+  dropped back to history (counted in `TierMoves.dropped`).
+- A queued turn whose session is on disk starts loading it at once (prefetch), so its
+  admission finds the state on the host, one copy away from the device.
+- An operator may place an idle session in a tier (`place`); each planned step moves it
+  one tier closer.
+
+Victims are found by a scan of the open sessions: O(sessions) per move, paid only when
+something must move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from services.scheduler.allocators.tier_slots import host_fits
+from services.scheduler.sessions.tier_moves import TierMoves
+
+if TYPE_CHECKING:
+    from services.scheduler.records.request import Request
+    from services.scheduler.records.session import Session
+
+TIERS = ("device", "host", "disk")
+MakeRoom = Callable[[int, int, int], bool]  # pages, Mamba slots, rows
+
+
+class TierPolicy:
+    def __init__(self, moves: TierMoves, sessions: dict[str, Session]) -> None:
+        self.moves, self.sessions = moves, sessions
+        self.pools = moves.pools
+        self.placing: dict[str, str] = {}  # session id -> the tier an operator asked for
+
+    def idle_on_device(self) -> Session | None:
+        """The least recently used session holding device state with no turn in flight:
+        the one to leave the device under pressure."""
+        return self._lru(lambda s: s.slots is not None and s.turn is None)
+
+    def host_room(self, tokens: int, keep: Session | None = None) -> bool:
+        """Free host room for a state of `tokens` positions by spilling (or, with the disk
+        full, dropping) the least recently used ready host states; False if it cannot."""
+        while not host_fits(self.pools, tokens):
+            victim = self._lru(lambda s: s.host is not None and s.host.ready and s is not keep)
+            if victim is None:
+                return False
+            if self.disk_room(keep):
+                self.moves.spill(victim)
+            else:
+                self.moves.drop_host(victim, "host_full")
+                victim.cached_len = 0
+                self.moves.dropped["host"] += 1
+        return True
+
+    def disk_room(self, keep: Session | None = None) -> bool:
+        """A free disk slot, dropping the least recently used valid blob if the disk is
+        full; False if the disk tier has no slot to give."""
+        disk = self.pools.disk
+        if disk.can_alloc(1):
+            return True
+        victim = self._lru(lambda s: s.disk is not None and s.disk.ready and s is not keep)
+        if victim is None:
+            return False
+        self.moves.drop_disk(victim, "disk_full")
+        victim.cached_len = 0
+        self.moves.dropped["disk"] += 1
+        return disk.can_alloc(1)
+
+    def prefetch(self, waiting: Iterable[Request]) -> None:
+        """Start loading the blobs of queued turns' sessions; a blob that cannot be
+        loaded now (no host room) is dropped: that turn re-prefills rather than wait."""
+        for req in waiting:
+            s = req.session
+            if s is None or s.disk is None or not s.disk.ready:
+                continue
+            if self.host_room(s.disk.tokens, keep=s):
+                self.moves.load(s)
+            else:
+                self.moves.drop_disk(s, "no_host_room")
+                s.cached_len = 0
+                self.moves.dropped["disk"] += 1
+
+    def bring_to_device(self, s: Session, make_room: MakeRoom, pages: int, mamba: int) -> bool:
+        """A hibernated session's state back on the device, with room for `pages` more
+        pages and `mamba` more slots; False (nothing moved) if it is not on the host and
+        ready, or there is no room."""
+        host = s.host
+        if host is None or not host.ready:
+            return False
+        own = -(-host.tokens // self.pools.config.page_size)
+        if not make_room(own + pages, 1 + mamba, 1) or s.host is not host:
+            return False
+        self.moves.to_device(s)
+        return True
+
+    def place(self, s: Session, tier: str) -> None:
+        """Move `s` to `tier` over the next steps (a step moves it one tier)."""
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        self.placing[s.sid] = tier
+
+    def advance_placements(self, make_room: MakeRoom) -> None:
+        """One move closer to its asked tier for each idle session being placed."""
+        for sid, want in list(self.placing.items()):
+            s = self.sessions.get(sid)
+            if s is not None and s.turn is not None:
+                continue
+            at = None if s is None else s.state_tier
+            if at == want or at is None:
+                del self.placing[sid]  # reached, or nothing to place (the route reports which)
+            elif at == "device":
+                if self.host_room(s.cached_len, keep=s):
+                    self.moves.hibernate(s)
+            elif at == "host" and s.host.ready:
+                if want == "device":
+                    self.bring_to_device(s, make_room, 0, 0)
+                elif self.disk_room(keep=s):
+                    self.moves.spill(s)
+            elif at == "disk" and s.disk.ready and self.host_room(s.disk.tokens, keep=s):
+                self.moves.load(s)
+
+    def _lru(self, eligible: Callable[[Session], bool]) -> Session | None:
+        found = [s for s in self.sessions.values() if eligible(s)]
+        return min(found, key=lambda s: s.last_used) if found else None

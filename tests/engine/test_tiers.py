@@ -1,0 +1,180 @@
+"""Session state in the host and disk tiers, on the scheduling core with the data model:
+every row's starting state is checked against its sequence and every output against a
+one-shot reference, so a move that carried the wrong pages, the wrong slot or KV without
+its state shows up as a wrong token, not only as a wrong list."""
+
+import numpy as np
+
+from services.scheduler.ownership.owners import OwnerKind
+from tests.engine.data_model import reference
+from tests.engine.driver import VOCAB, Driver
+
+PAGE = 4
+
+
+def text(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, VOCAB, size=n).tolist()
+
+
+def tiered(**kw) -> Driver:
+    """Device pools for a handful of sessions; a host tier and a disk below them."""
+    args = dict(
+        page_size=PAGE, kv_pages=64, mamba_slots=12, rows=4, context=256, step_tokens=128
+    )
+    args.update(kw)
+    d = Driver(**args)
+    d.model.sequence_of = d._sequence  # check every row's starting state
+    return d
+
+
+def two_turns(d: Driver, n: int, first: int = 30, second: int = 5, back: bool = False) -> list:
+    """`n` sessions take a first turn each, then a second each, in the same order (the
+    cyclic pattern that evicts exactly the session about to return) or, with `back`, in
+    reverse order."""
+    sids = [d.engine.sessions.open().sid for _ in range(n)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        t = d.run_turn(sid, text(first, i), max_new=6)
+        assert t.output == reference(text(first, i), 6, VOCAB)
+        histories[sid] = text(first, i) + t.output
+    seconds = []
+    for i, sid in reversed(list(enumerate(sids))) if back else enumerate(sids):
+        new = text(second, 1000 + i)
+        t = d.run_turn(sid, new, max_new=6)
+        assert t.output == reference(histories[sid] + new, 6, VOCAB), sid
+        seconds.append((t, len(histories[sid])))
+    return seconds
+
+
+def test_sessions_beyond_the_device_resume_from_the_host_tier():
+    d = tiered(host_pages=512, host_slots=64)
+    seconds = two_turns(d, 12)
+    moves = d.engine.sessions.moves
+    assert moves.moved["hibernate"] > 0 and moves.moved["restore"] > 0
+    for t, history in seconds:
+        assert t.cached_tokens == history - 1  # the last output token is never computed
+    assert d.engine.sessions.states_dropped == 0
+    d.assert_idle_clean()
+
+
+def test_a_full_host_tier_spills_to_disk_and_loads_back():
+    d = tiered(host_pages=24, host_slots=3, disk_slots=32)
+    seconds = two_turns(d, 12)
+    moves = d.engine.sessions.moves
+    assert moves.moved["spill"] > 0 and moves.moved["load"] > 0
+    assert all(t.cached_tokens == history - 1 for t, history in seconds)
+    assert d.engine.sessions.states_dropped == 0 and moves.dropped == {"host": 0, "disk": 0}
+    d.assert_idle_clean()
+
+
+def test_a_full_disk_drops_the_oldest_blob_and_that_session_re_prefills():
+    d = tiered(host_pages=24, host_slots=3, disk_slots=2)
+    seconds = two_turns(d, 12, back=True)
+    moves = d.engine.sessions.moves
+    assert moves.dropped["disk"] > 0
+    resumed = sum(t.cached_tokens == history - 1 for t, history in seconds)
+    assert 0 < resumed < len(seconds)  # the dropped ones recomputed, and were still right
+    d.assert_idle_clean()
+
+
+def test_without_tiers_pressure_drops_state_as_before():
+    d = tiered()
+    two_turns(d, 12)
+    assert d.engine.sessions.states_dropped > 0
+    assert sum(d.engine.sessions.moves.moved.values()) == 0
+    d.assert_idle_clean()
+
+
+def place(d: Driver, sid: str, tier: str) -> None:
+    d.engine.sessions.tiers.place(d.engine.sessions.sessions[sid], tier)
+    d.run()
+    assert d.engine.sessions.sessions[sid].state_tier == tier
+
+
+def test_placed_on_disk_and_back_the_next_turn_is_exact():
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    sid = d.engine.sessions.open().sid
+    first = d.run_turn(sid, text(23, 1), max_new=5)
+    history = text(23, 1) + first.output
+    for tier in ("host", "disk", "device", "disk"):
+        place(d, sid, tier)
+        d.assert_idle_clean()
+    t = d.run_turn(sid, text(4, 2), max_new=5)
+    assert t.cached_tokens == len(history) - 1
+    assert t.output == reference(history + text(4, 2), 5, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_a_session_hibernated_while_its_turn_has_rows_in_flight_restores_exactly():
+    """Pipelining: the turn ends on step N's result while step N+1, already planned,
+    still carries its (dropped) row; the hibernate is planned on top of that."""
+    d = tiered(host_pages=64, host_slots=8)
+    sid = d.engine.sessions.open().sid
+    other = d.generate(text(40, 9), max_new=30)  # keeps steps flowing
+    stop = reference(text(10, 3), 3, VOCAB)[2]  # unforeseen: a row is planned past it
+    turn = d.turn(sid, text(10, 3), max_new=20, stop_token_ids=(stop,))
+    while turn.session.turn is turn:
+        d.step()
+    assert d.engine.in_flight and any(r.dropped for p in d.engine.in_flight for r in p.rows)
+    d.engine.sessions.tiers.place(turn.session, "host")
+    d.run()
+    assert turn.session.state_tier == "host" and other.output
+    t = d.run_turn(sid, text(3, 4), max_new=4)
+    history = t.prompt[:-3].tolist()
+    assert history[:10] == text(10, 3) and t.cached_tokens >= len(history) - 1
+    assert t.output == reference(t.prompt.tolist(), 4, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_a_blob_that_fails_its_check_is_re_prefilled_and_counted():
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    sid = d.engine.sessions.open().sid
+    first = d.run_turn(sid, text(20, 5), max_new=5)
+    place(d, sid, "disk")
+    d.model.corrupt.add(d.engine.sessions.sessions[sid].disk.blob.slot)
+    t = d.run_turn(sid, text(3, 6), max_new=5)
+    assert d.engine.sessions.moves.failed_loads == 1
+    assert t.cached_tokens == 0
+    assert t.output == reference(text(20, 5) + first.output + text(3, 6), 5, VOCAB)
+    d.assert_idle_clean()
+    assert not d.model.blobs  # the bad blob was deleted too
+
+
+def test_an_executor_loss_keeps_blobs_and_loses_the_host_tier():
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    sids = [d.engine.sessions.open().sid for _ in range(2)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        t = d.run_turn(sid, text(18, 20 + i), max_new=4)
+        histories[sid] = text(18, 20 + i) + t.output
+    place(d, sids[0], "disk")
+    place(d, sids[1], "host")
+    d.engine.device_lost(suspect=False)
+    blobs = d.model.blobs
+    d.model.__init__(d.pools, VOCAB, d._sequence)  # a new executor: empty device and host
+    d.model.blobs = blobs  # ... adopting the disk the old one wrote
+    assert d.engine.sessions.sessions[sids[1]].state_tier is None
+    assert d.engine.sessions.sessions[sids[0]].state_tier == "disk"
+    for sid, cached in ((sids[0], len(histories[sids[0]]) - 1), (sids[1], 0)):
+        t = d.run_turn(sid, text(3, 30), max_new=4)
+        assert t.cached_tokens == cached
+        assert t.output == reference(histories[sid] + text(3, 30), 4, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_a_refused_step_gives_up_what_its_moves_would_have_written():
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    sid = d.engine.sessions.open().sid
+    first = d.run_turn(sid, text(12, 7), max_new=4)
+    d.engine.sessions.tiers.place(d.engine.sessions.sessions[sid], "host")
+    plan = d.engine.plan_step()
+    assert [m.kind for m in plan.moves] == ["hibernate"]
+    d.engine.step_refused(plan, "refused for the test")
+    session = d.engine.sessions.sessions[sid]
+    assert session.state_tier is None and session.cached_len == 0
+    d.run()
+    t = d.run_turn(sid, text(2, 8), max_new=4)
+    assert t.output == reference(text(12, 7) + first.output + text(2, 8), 4, VOCAB)
+    counts = d.pools.host_kv.held_by_kind()
+    assert counts[OwnerKind.TRANSIT] == 0 and counts[OwnerKind.SESSION] == 0
+    d.assert_idle_clean()
