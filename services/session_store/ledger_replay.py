@@ -158,7 +158,9 @@ class IndependentLedger:
     def counts(self) -> dict[str, dict[str, int]]:
         out = {}
         for name, table in zip(self.names, self.tables, strict=True):
-            kinds = np.bincount(np.asarray(table[1:]) & KIND_MASK, minlength=len(OwnerKind))
+            kinds = np.bincount(
+                np.asarray(table[1:], dtype=np.int64) & KIND_MASK, minlength=len(OwnerKind)
+            )
             out[name] = {k.name.lower(): int(kinds[k]) for k in OwnerKind}
         return out
 

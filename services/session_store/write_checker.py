@@ -46,6 +46,7 @@ from services.session_store.ledger_replay import IndependentLedger, Violation
 from shared import streams
 from shared.messages.envelope import WireError
 from shared.messages.forward import StepRow, decode_step
+from shared.messages.tiers import TierMove
 from shared.owners import OwnerKind, kind_of, label
 
 GROUP = "write-checker"
@@ -87,7 +88,25 @@ class PlannedStep:
         ):
             for dst, owner in zip(dsts.tolist(), owners.tolist(), strict=True):
                 planned.writes.append(Write("mamba", (dst,), owner, what))
+        for move in step.moves:
+            planned._move(move)
         return planned
+
+    def _move(self, move: TierMove) -> None:
+        """A tier move writes its destination for the session it moves; a restore's
+        device slots may already be its turn's (the same step admits it), so they must
+        belong to a party of the step."""
+        what = f"{move.kind} of session {move.sid}"
+        if move.owner:
+            self.parties.add(move.owner)
+        if move.kind == "spill":
+            self.writes.append(Write("disk", (move.dst_slot,), move.owner, what))
+            return
+        restore = move.kind == "restore"
+        kv, mamba = ("kv", "mamba") if restore else ("host_kv", "host_mamba")
+        owner = 0 if restore else move.owner
+        self.writes.append(Write(kv, tuple(move.dst_pages.tolist()), owner, what))
+        self.writes.append(Write(mamba, (move.dst_slot,), owner, what))
 
     def _row(self, row: StepRow, page_size: int) -> None:
         for owner, kind in (

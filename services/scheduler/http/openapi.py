@@ -41,6 +41,9 @@ ROUTES = {
         "Open a streaming session; answers its id", "open_session", {"type": "string"}
     ),
     ("POST", "/close_session"): Doc("Close a session", "close_session", BOOLEAN),
+    ("POST", "/place_session"): Doc(
+        "Move a session's state to a tier (operator)", "place_session", replies.Placed
+    ),
     ("POST", "/abort_request"): Doc("Abort a request, or all", "abort_request", BOOLEAN),
     ("POST", "/flush_cache"): Doc("Empty the prefix cache", reply=BOOLEAN),
     ("POST", "/generate"): Doc(

@@ -45,6 +45,15 @@ class Health(Struct):
     executor: str | None  # the executor's epoch; null until one is up
 
 
+class Placed(Struct):
+    """Where a session's state is after an operator placed it (null: nowhere, its next
+    turn re-prefills), and how many positions of its history that state holds."""
+
+    session_id: str
+    tier: str | None
+    cached_tokens: int
+
+
 class ModelInfo(Struct):
     model_path: str
     context_length: int

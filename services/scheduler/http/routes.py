@@ -23,6 +23,7 @@ from services.scheduler.http.common import (
     token_limit,
 )
 from services.scheduler.http.limits import open_session_within_limits
+from services.scheduler.http.replies import Placed
 from services.scheduler.records.request import Request
 from services.scheduler.runtime.front_door import FrontDoor
 
@@ -82,6 +83,13 @@ async def close_session(request: web.Request) -> web.Response:
     return web.json_response(True)
 
 
+async def place_session(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].place_session)
+    session = await request.app[FRONT_DOOR].place_session(body.session_id, body.tier)
+    placed = Placed(session.sid, session.state_tier, session.cached_len)
+    return web.json_response(msgspec.to_builtins(placed))
+
+
 async def abort_request(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].abort_request)
     door = request.app[FRONT_DOOR]
@@ -132,6 +140,7 @@ ROUTES = (
     ("GET", "/get_model_info", model_info),
     ("POST", "/open_session", open_session),
     ("POST", "/close_session", close_session),
+    ("POST", "/place_session", place_session),
     ("POST", "/abort_request", abort_request),
     ("POST", "/flush_cache", flush_cache),
     ("POST", "/generate", generate),

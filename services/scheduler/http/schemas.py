@@ -16,7 +16,7 @@ states exactly what is enforced. The OpenAI bodies are in `schemas_openai.py`.
 
 import re
 from dataclasses import dataclass, fields
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -47,6 +47,7 @@ class RequestSchemas:
     generate: Any
     open_session: type
     close_session: type
+    place_session: type
     abort_request: type
     completions: type
     chat_completions: type
@@ -76,6 +77,14 @@ class CloseSessionRequest(Struct):
     session_id: str
 
 
+class PlaceSessionRequest(Struct):
+    """An operator moves an idle session's state to a tier (tests, benchmarks, draining
+    a device before maintenance)."""
+
+    session_id: str
+    tier: Literal["device", "host", "disk"]
+
+
 class AbortRequest(Struct):
     """One request by id, or every request."""
 
@@ -91,6 +100,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         Annotated[generate_schema(limits), Meta(extra_json_schema=ONE_INPUT)],
         OpenSessionRequest,
         CloseSessionRequest,
+        PlaceSessionRequest,
         AbortRequest,
         completions,
         chat,

@@ -27,7 +27,7 @@ from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-OPERATOR_PATHS = frozenset({"/flush_cache"})
+OPERATOR_PATHS = frozenset({"/flush_cache", "/place_session"})
 MAX_RID = 256
 
 

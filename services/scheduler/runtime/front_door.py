@@ -6,6 +6,8 @@ loop."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -14,7 +16,7 @@ import redis.asyncio as aioredis
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.records.session import Session
+from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -102,6 +104,21 @@ class FrontDoor:
     def close_session(self, sid: str) -> None:
         self._engine.sessions.close(sid)
         self._intake.wake.set()
+
+    async def place_session(self, sid: str, tier: str, timeout: float = 30.0) -> Session:
+        """Move idle session `sid` to `tier`, a tier per step; returns it once there, or
+        where it stopped (a tier without room) after `timeout` seconds."""
+        session = self._engine.sessions.get(sid)
+        if session.turn is not None:
+            raise SessionError(f"session {sid} has a turn in flight", "busy")
+        tiers = self._engine.sessions.tiers
+        tiers.place(session, tier)
+        deadline = time.monotonic() + timeout
+        while sid in tiers.placing and time.monotonic() < deadline:
+            self._intake.wake.set()
+            await asyncio.sleep(0.002)
+        tiers.placing.pop(sid, None)
+        return session
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:

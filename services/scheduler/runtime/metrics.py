@@ -86,6 +86,38 @@ class LiveState(Collector):
             self.loop_faults(),
         )
         yield from self._per_stream()
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator:
+        """Session state below the device: where it is, what moved, what was given up."""
+        sessions = self.engine.sessions
+        where = GaugeMetricFamily(
+            "custody_sessions_by_tier", "open sessions by where their state is", labels=["tier"]
+        )
+        tiers = [s.state_tier or "none" for s in sessions.sessions.values()]
+        for tier in ("device", "host", "disk", "none"):
+            where.add_metric([tier], tiers.count(tier))
+        moved = CounterMetricFamily(
+            "custody_tier_moves_planned",
+            "session state moves planned: hibernate, spill, load, restore",
+            labels=["kind"],
+        )
+        for kind, n in sessions.moves.moved.items():
+            moved.add_metric([kind], n)
+        dropped = CounterMetricFamily(
+            "custody_tier_states_dropped",
+            "states given up because a full tier could not take them (re-prefilled)",
+            labels=["tier"],
+        )
+        for tier, n in sessions.moves.dropped.items():
+            dropped.add_metric([tier], n)
+        dropped.add_metric(["device"], sessions.states_dropped)
+        yield from (where, moved, dropped)
+        yield _counter(
+            "custody_tier_failed_loads",
+            "blobs that failed their check at a load (the session re-prefilled)",
+            sessions.moves.failed_loads,
+        )
 
     def _per_stream(self) -> Iterator:
         lag = GaugeMetricFamily(
