@@ -12,6 +12,7 @@ import torch
 
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
+from services.executor.tiers import build_tiers
 from services.executor.weights import load_model
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.records.request import Request
@@ -31,16 +32,26 @@ class InProcess:
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             torch.device("cpu"),
         )
-        self.runner = ModelRunner(self.model, device_pools)
+        tiers = build_tiers(settings, self.model.cfg, device_pools)
+        self.runner = ModelRunner(self.model, device_pools, tiers)
 
     def step(self) -> list[Request]:
         """Plan, run and complete one step; returns the requests that ended."""
         plan = self.engine.plan_step()
         if plan is None:
             return []
-        result = self.runner.execute([r.wire for r in plan.rows], plan.ops)
+        rows = [r.wire for r in plan.rows]
+        result = self.runner.execute(rows, plan.ops, moves=plan.moves, discards=plan.discards)
         sampling = [r.rid for r in plan.rows if r.sample]
-        reply = StepResult.of("", plan.step_id, "", sampling, result.tokens, result.logprobs)
+        reply = StepResult.of(
+            "",
+            plan.step_id,
+            "",
+            sampling,
+            result.tokens,
+            result.logprobs,
+            failed_moves=result.failed_moves,
+        )
         return self.engine.complete(plan, reply)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:

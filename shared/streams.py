@@ -12,6 +12,9 @@ RESULTS = "custody:results"
 EXECUTOR_ALIVE = "custody:executor-alive"  # the live executor's epoch, expiring
 SCHEDULER_EPOCH = "custody:scheduler-epoch"  # the live scheduler's epoch (fencing)
 SESSIONS = "custody:sessions"  # set of persisted session ids
+# The executor's tier moves in flight (hash kind -> count), set while a step's moves run:
+# after a kill, a fault drill reads what was moving.
+TIER_IN_FLIGHT = "custody:executor:tier_in_flight"
 
 
 def session_key(sid: str) -> str:

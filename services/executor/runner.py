@@ -16,13 +16,19 @@ state and the slot the turn read may be half written; without, the forward never
 so the session's own slot still holds its state and the rollback copy may hold nothing.
 (On CUDA a fault in a queued op surfaces only in the forward, as `ops_ran`; but such a
 fault breaks the device context, and every later step fails as well.)
+
+A step's tier moves (services/executor/tiers/) are checked with the rest and run before
+its ops; a step may consist of moves alone, with no forward. A move that fails without
+failing the step (a blob that failed its check) is named in `Sampled.failed_moves`; any
+other failure while moving fails the step with `ops_ran` False.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,8 +38,12 @@ from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
 from services.executor.sampling import sample
+from services.executor.tiers import no_tiers
+from services.executor.tiers.checks import TierMoveRefused
+from services.executor.tiers.mover import TierMover
 from shared.deferred_ops import DeferredOps, DeferredOpsError
 from shared.messages.forward import StepRow
+from shared.messages.tiers import TierMove
 
 
 class BatchRefused(ValueError):
@@ -56,30 +66,46 @@ class Sampled:
     tokens: list[int]  # one per sampling row, in row order
     logprobs: list[float]
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
+    failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
 
 
 class ModelRunner:
-    def __init__(self, model: NemotronH, pools: DevicePools) -> None:
+    def __init__(
+        self, model: NemotronH, pools: DevicePools, mover: TierMover | None = None
+    ) -> None:
         self.model, self.pools = model, pools
+        self.mover = mover if mover is not None else no_tiers(pools)
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last_ops_seconds = 0.0  # host time to queue the last step's state ops
 
-    def execute(self, rows: list[StepRow], ops: DeferredOps, keep_logits: bool = False) -> Sampled:
+    def execute(
+        self,
+        rows: list[StepRow],
+        ops: DeferredOps,
+        keep_logits: bool = False,
+        moves: Sequence[TierMove] = (),
+        discards: Sequence[int] = (),
+    ) -> Sampled:
         """BatchRefused before anything ran, StepFailed after (see the module's doc)."""
-        self.validate(rows, ops)
+        self.validate(rows, ops, moves, discards)
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
-            start = time.perf_counter()
             try:
+                failed = self.mover.apply(moves, discards)
+                start = time.perf_counter()
                 self.apply_ops(ops)
             except Exception as err:
                 raise StepFailed(err, ops_ran=False) from err
             self.last_ops_seconds = time.perf_counter() - start
+            if not rows:
+                return Sampled([], [], failed_moves=failed)
             try:
-                return self._forward(rows, keep_logits)
+                sampled = self._forward(rows, keep_logits)
             except Exception as err:
                 raise StepFailed(err, ops_ran=True) from err
+            sampled.failed_moves = failed
+            return sampled
 
     def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
         batch = ForwardBatch(rows, self.device)
@@ -100,10 +126,20 @@ class ModelRunner:
             src, dst = zip(*ops.copies, strict=True)
             copy_slots(self.pools.state_tensors, to(src), to(dst))
 
-    def validate(self, rows: list[StepRow], ops: DeferredOps) -> None:
+    def validate(
+        self,
+        rows: list[StepRow],
+        ops: DeferredOps,
+        moves: Sequence[TierMove] = (),
+        discards: Sequence[int] = (),
+    ) -> None:
         """Refuse, before anything runs, a step that would touch the wrong memory."""
-        if not rows:
-            raise BatchRefused("a step without rows")
+        if not rows and not moves and not discards:
+            raise BatchRefused("a step without rows or tier moves")
+        try:
+            self.mover.validate(moves, discards)
+        except TierMoveRefused as err:
+            raise BatchRefused(f"tier moves: {err}") from err
         sizes = self.pools.sizes
         slots = sizes.mamba_slots + 1
         kv_rows = (sizes.kv_pages + 1) * sizes.page_size
@@ -123,15 +159,20 @@ class ModelRunner:
                 raise BatchRefused(
                     f"Mamba slot {r.mamba_slot} is read by one row, written by another"
                 )
+        if rows:
+            self._validate_rows(rows, sizes.page_size, kv_rows, vocab)
+
+    @staticmethod
+    def _validate_rows(rows: list[StepRow], page_size: int, kv_rows: int, vocab: int) -> None:
         for i, r in enumerate(rows):  # a row holds a KV index per position (StepRow)
             if len(r.tokens) == 0 or r.start < 0:
                 raise BatchRefused(f"row {i}: {len(r.tokens)} tokens from position {r.start}")
             if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
                 raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
         kv = np.concatenate([r.kv_indices for r in rows])
-        if int(kv.min()) < sizes.page_size or int(kv.max()) >= kv_rows:
+        if int(kv.min()) < page_size or int(kv.max()) >= kv_rows:
             raise BatchRefused(
-                f"KV indices outside {sizes.page_size}..{kv_rows - 1} (page 0 is the padding sink)"
+                f"KV indices outside {page_size}..{kv_rows - 1} (page 0 is the padding sink)"
             )
         tokens = np.concatenate([r.tokens for r in rows])
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:

@@ -26,6 +26,7 @@ from services.executor.fence import SchedulerFence
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
+from services.executor.tiers import build_tiers
 from services.executor.weights import load_model
 from shared import streams
 from shared.config import Settings
@@ -64,11 +65,23 @@ class ExecutorService:
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             model.lm_head.weight.device,
         )
-        self.runner = ModelRunner(model, self.pools)
+        mover = build_tiers(settings, model.cfg, self.pools, mark=self._mark_in_flight)
+        self.runner = ModelRunner(model, self.pools, mover)
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client)
         self._beat = 0.0
         streams.ensure_group(self.client, streams.FORWARD, streams.EXECUTOR_GROUP)
+
+    def _mark_in_flight(self, counts: dict[str, int]) -> None:
+        """For fault drills: what a step's tier moves are while they run ({}: done). A
+        Redis that cannot be told must not fail the step."""
+        try:
+            if counts:
+                self.client.hset(streams.TIER_IN_FLIGHT, mapping=counts)
+            else:
+                self.client.delete(streams.TIER_IN_FLIGHT)
+        except redis.RedisError as err:
+            log.warning("could not mark tier moves in flight: %s", err)
 
     def heartbeat(self) -> None:
         now = time.monotonic()
@@ -133,18 +146,25 @@ class ExecutorService:
             self.chain.resolve(step.epoch, step.after, step.rows)
             ops = step.ops()
             with FORWARD.time():
-                result = self.runner.execute(step.rows, ops)
+                result = self.runner.execute(
+                    step.rows, ops, moves=step.moves, discards=step.discards
+                )
         except Exception as err:
             return self._refused(step, sampling, err)
         self.chain.ran(step.epoch, step.step, sampling, result.tokens)
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
-        return encode(
-            StepResult.of(
-                self.epoch, step.step, step.epoch, sampling, result.tokens, result.logprobs
-            )
+        reply = StepResult.of(
+            self.epoch,
+            step.step,
+            step.epoch,
+            sampling,
+            result.tokens,
+            result.logprobs,
+            failed_moves=result.failed_moves,
         )
+        return encode(reply)
 
     def _for_me(self, scheduler: str, step: int, planned_for: str) -> bool:
         """A step is run (or answered) only if planned for this life, by the live
