@@ -124,6 +124,17 @@ def test_a_hibernate_reads_a_device_slot_before_a_restore_of_the_same_step_write
     assert torch.equal(mover.device.ssm[:, 3], incoming)
 
 
+def test_a_spill_reads_host_slots_before_a_hibernate_of_the_same_step_writes_them(mover):
+    """The scheduler frees a spill's host slots at once; a hibernate may reuse them."""
+    mover.apply([hibernate(slot=3, to_slot=2, to=(4, 1, 9))], [])
+    spilled = mover.host.ssm[:, 2].clone()
+    step = [hibernate(slot=5, to_slot=2, to=(4, 1, 9), sid="b"), spill(slot=2, disk=1)]
+    assert mover.apply(step, []) == []
+    assert torch.equal(mover.host.ssm[:, 2], mover.device.ssm[:, 5])
+    mover.apply([load(disk=1, slot=4)], [])
+    assert torch.equal(mover.host.ssm[:, 4], spilled)
+
+
 @pytest.mark.parametrize(
     ("how", "sid", "tokens", "error"),
     [
@@ -229,8 +240,8 @@ def test_a_move_out_of_range_is_refused_before_anything_changes(mover, model, ba
     ("step", "discards", "reason"),
     [
         ([hibernate(), hibernate(slot=4, sid="o")], [], "host page 1 is written twice"),
-        ([hibernate(), spill()], [], "host page 1 is read and written"),
-        ([load(disk=1), spill(disk=1, pages=(10, 11, 12), slot=1)], [], "disk slot 1 is read"),
+        ([hibernate(to=(3, 1, 9)), restore()], [], "host page 3 is written before"),
+        ([load(disk=1), spill(disk=1, pages=(10, 11, 12), slot=1)], [], "disk slot 1 is written"),
         ([load(disk=1)], [1], "disk slot 1 is discarded and loaded"),
     ],
 )

@@ -3,12 +3,12 @@
 The scheduler's slot numbers are trusted only after this: a move naming the sink, a page
 or slot beyond its tier's capacity, a page count that does not cover its tokens, or more
 tokens than a context holds is refused, and so is a step in which two moves write the
-same place, or one move writes a host page, host slot or blob another move reads, or a
-load reads a blob the step discards (the scheduler holds what a move reads until the
-step has run, so that never happens when it is right). A discarded slot may be spilled
-to in the same step: discards run first. On the device a hibernate may read a slot a
-later restore writes: the device slots a hibernate reads are free again for the same
-step, and restores run after it.
+same place, or one move writes a place that a move running after it (in the order of
+`MOVE_ORDER`) reads, or a load reads a blob the step discards. A place read first and
+written later is allowed: the scheduler frees the sources of spills (host) and of
+hibernates (device) at once, for the same step to reuse, because those moves run before
+any write to their tier; it holds what loads and restores read until the step has run.
+A discarded slot may be spilled to in the same step: discards run first.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.messages.tiers import TierMove
+from shared.messages.tiers import MOVE_ORDER, TierMove
 
 SIDES = {  # kind -> (source tier, destination tier)
     "hibernate": ("device", "host"),
@@ -49,8 +49,9 @@ def check_moves(
     context_len: int,
 ) -> None:
     """Raise TierMoveRefused for the first thing wrong; touches nothing."""
-    reads: dict[str, list[tuple[str, int]]] = {tier: [] for tier in tiers}
+    reads: dict[str, dict[tuple[str, int], int]] = {tier: {} for tier in tiers}
     writes: dict[str, list[tuple[str, int]]] = {tier: [] for tier in tiers}
+    written_at: dict[str, dict[tuple[str, int], int]] = {tier: {} for tier in tiers}
     for i, move in enumerate(moves):
         what = f"move {i} ({move.kind} of {move.sid!r})"
         if move.kind not in SIDES:
@@ -62,9 +63,16 @@ def check_moves(
             (src, move.src_pages, move.src_slot, reads),
             (dst, move.dst_pages, move.dst_slot, writes),
         )
+        rank = MOVE_ORDER.index(move.kind)
         for tier, pages, slot, uses in sides:
             _check_side(what, tier, tiers[tier], pages, slot, move.pages(page_size))
-            uses[tier] += [("page", int(p)) for p in pages] + [("slot", slot)]
+            places = [("page", int(p)) for p in pages] + [("slot", slot)]
+            if uses is writes:
+                writes[tier] += places
+                written_at[tier].update(dict.fromkeys(places, rank))
+            else:
+                for place in places:  # the earliest read of each place
+                    reads[tier][place] = min(rank, reads[tier].get(place, rank))
     for slot in discards:
         if not 0 < slot <= tiers["disk"].slots:
             raise TierMoveRefused(f"discard of disk slot {slot} outside 1..{tiers['disk'].slots}")
@@ -76,12 +84,10 @@ def check_moves(
         if twice:
             kind, index = min(twice)
             raise TierMoveRefused(f"{tier} {kind} {index} is written twice")
-        if tier == "device":
-            continue
-        both = set(writes[tier]) & set(reads[tier])
-        if both:
-            kind, index = min(both)
-            raise TierMoveRefused(f"{tier} {kind} {index} is read and written in one step")
+        early = [p for p, at in written_at[tier].items() if at <= reads[tier].get(p, -1)]
+        if early:
+            kind, index = min(early)
+            raise TierMoveRefused(f"{tier} {kind} {index} is written before a move reads it")
 
 
 def _check_side(

@@ -1,5 +1,5 @@
 """Runs a step's tier moves (shared/messages/tiers.py): the discards first, then every
-hibernate, spill, load and restore, in that order.
+spill, hibernate, load and restore, in that order (`MOVE_ORDER`).
 
 A move carries one session's state as one unit: the KV of its positions `0..tokens-1`
 (page p of a side holds positions p*page_size ..; the tail of the last page beyond
