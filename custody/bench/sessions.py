@@ -1,7 +1,11 @@
 """`custody bench sessions`: the time to first token of a short turn on a session whose
 history is 256, 1k, 4k and 8k tokens long, through the HTTP API of the running services,
 against sending the whole history as a plain request (the prefix cache flushed first, so
-it is recomputed). Both return one token, so a request's wall time is its TTFT."""
+it is recomputed). Both return one token, so a request's wall time is its TTFT.
+
+Then the over-capacity scenario (`over_capacity.py`, a stack of its own with small device
+pools): more 4k sessions than the device holds, whether they resume from saved state, and
+what a turn costs when its state is in the host or disk tier; its figures join the JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import statistics
 import time
 import urllib.request
 
+from custody.bench import over_capacity
 from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.up import Stack
 from shared.config import Settings
@@ -91,6 +96,7 @@ def run(repeats: int = 5) -> dict:
             progress("sessions", n + 1, len(LENGTHS))
     finally:
         stack.stop()
+    over = over_capacity.run(repeats)
     for r in rows:
         r["ratio"] = r["session_ttft_s"] / r["recompute_ttft_s"]
     at_4k = next(r["ratio"] for r in rows if r["history"] == 4096)
@@ -104,6 +110,8 @@ def run(repeats: int = 5) -> dict:
     lines.append(
         f"\nttft_ratio_at_4k = {at_4k:.3f} (target <= 0.1: {'met' if at_4k <= 0.1 else 'NOT met'})"
     )
+    lines += ["", over.pop("table")]
+    payload.update(over)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "sessions.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS_DIR / "sessions.md").write_text("\n".join(lines) + "\n")

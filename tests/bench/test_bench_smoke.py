@@ -53,3 +53,25 @@ def test_the_cli_knows_every_benchmark_without_importing_one():
     from custody.cli import BENCHMARK_NAMES, benchmarks
 
     assert sorted(benchmarks()) == sorted(BENCHMARK_NAMES)
+
+
+def test_over_capacity_sessions_resume_from_saved_state():
+    """The over-capacity scenario, shrunk (512-token histories, 3x what the device holds,
+    one repeat): every figure is reported and second turns do resume; speed is not
+    judged here."""
+    from custody.bench import over_capacity
+
+    start = time.monotonic()
+    out = over_capacity.run(repeats=1, history=512, factor=3, kv_pages=128, context_len=2048)
+    assert time.monotonic() - start < 60
+    for key in ("resumed_share", "ttft_ratio_host_at_4k", "ttft_ratio_disk_at_4k"):
+        assert f"{key}_target" in out and isinstance(out[f"{key}_met"], bool)
+    assert out["ttft_ratio_vs_prefix_cache_at_4k"] > 0
+    assert out["resumed_share"] > 0
+    detail = out["over_capacity"]
+    assert detail["sessions"] == 3 * detail["device_capacity_sessions"] == 12
+    for tier in ("host", "disk", "device"):
+        assert detail[tier]["turns_placed"] == 1  # the state reached the tier timed
+        assert detail[tier]["session_ttft_s"] > 0 and detail[tier]["reference_ttft_s"] > 0
+    assert detail["pools"]["disk_slots"] > 0 and "disk_note" in detail
+    assert "| disk |" in out["table"]
