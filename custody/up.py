@@ -8,12 +8,15 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from shared.config import Settings
 from shared.redact import masked_url
@@ -57,6 +60,10 @@ class Stack:
         if not settings.redis_url:
             self.redis = PrivateRedis(appendonly=True).start()
             settings = dataclasses.replace(settings, redis_url=self.redis.url)
+        self.state_dir: Path | None = None  # private: removed at exit
+        if settings.state_dir is None:
+            self.state_dir = Path(tempfile.mkdtemp(prefix="custody-state-"))  # mode 0700
+            settings = dataclasses.replace(settings, state_dir=self.state_dir)
         self.settings = settings
         self.children: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = dict.fromkeys(SERVICES, 0)
@@ -120,6 +127,8 @@ class Stack:
                 child.kill()
         if self.redis is not None:
             self.redis.close()
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def run(settings: Settings) -> int:
