@@ -40,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=24)
     soak = sub.add_parser("soak", help="concurrent sessions, aborts and faults; then checks")
     soak.add_argument("--duration", type=float, default=180.0, help="seconds of load")
-    soak.add_argument("--chaos", action="store_true", help="kill services, restart Redis")
+    soak.add_argument(
+        "--chaos",
+        action="store_true",
+        help="small state tiers; kill services (the executor during tier moves), restart Redis",
+    )
     soak.add_argument("--json", action="store_true")
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)

@@ -20,10 +20,14 @@ CLOSED = frozenset({"200", "404"})  # a close of what already ended (expiry, a f
 
 
 class Greedy:
-    def __init__(self, port: int, context_len: int, tally: Tally, key: str | None) -> None:
+    def __init__(
+        self, port: int, context_len: int, tally: Tally, key: str | None, lanes: int = 1
+    ) -> None:
         """`key`: tenant A's. Tenant B's abort_all may end B's own requests, so B, the
-        hostile tenant, has none that must finish."""
+        hostile tenant, has none that must finish. `lanes`: sessions each worker keeps
+        open and takes turns on at random, so open sessions outnumber the device."""
         self.port, self.context_len, self.tally, self.key = port, context_len, tally, key
+        self.lanes = lanes
         self.finished: list[tuple[list[int], list[int]]] = []  # (prompt, output)
         self.opened: dict[str, str | None] = {}  # every session id handed out, by its key
         self.turns = 0
@@ -32,43 +36,52 @@ class Greedy:
     def worker(self, k: int, deadline: float) -> None:
         rng = random.Random(k)
         key = self.key
-        sid, history = None, []
+        lanes: list[tuple[str | None, list[int]]] = [(None, [])] * self.lanes
         while time.monotonic() < deadline:
             if rng.random() < 0.25:
                 self.plain(rng, key)
                 continue
+            lane = rng.randrange(self.lanes)
+            sid, history = lanes[lane]
             if sid is None:
-                sid, history = self.open(rng, key), []
+                lanes[lane] = (self.open(rng, key), [])
                 continue
-            new = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
-            n = rng.randint(1, 24)
-            body = {
-                "input_ids": new,
-                "session_params": {"id": sid},
-                "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
-            }
-            roll = rng.random()
-            if roll < 0.05:  # over-long whatever `new` is: a clean 400 that changes nothing
-                body["input_ids"] = new * (self.context_len // len(new) + 1)
-                self.tally.judge("over_long", self.call("/generate", body, key), REFUSED)
-                continue
-            if roll < 0.15:
-                self.disconnect_midway(body, key)
-                sid = self.close(sid, key)  # its history is uncertain: abandon it
-                continue
-            reply = self.call("/generate", body, key)
-            self.tally.judge("turn", reply, OK)
-            if reply.status == 200 and not reply.aborted:
-                output = self.record(history + new, reply)
-                with self.lock:
-                    self.turns += 1
-                history += new + output
-                if len(history) > 700 or rng.random() < 0.1:
-                    sid = self.close(sid, key)
+            history = self.turn(rng, sid, history, key)
+            if history is None or len(history) > 700 or rng.random() < 0.1:
+                lanes[lane] = (self.close(sid, key), [])
             else:
-                self.record(history + new, reply)
-                sid = self.close(sid, key)
-        self.close(sid, key)
+                lanes[lane] = (sid, history)
+        for sid, _ in lanes:
+            self.close(sid, key)
+
+    def turn(
+        self, rng: random.Random, sid: str, history: list[int], key: str | None
+    ) -> list[int] | None:
+        """One turn of session `sid`: its history after it, or None when the session's
+        history is now uncertain (an abort, a disconnect) and it must be abandoned."""
+        new = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        n = rng.randint(1, 24)
+        body = {
+            "input_ids": new,
+            "session_params": {"id": sid},
+            "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
+        }
+        roll = rng.random()
+        if roll < 0.05:  # over-long whatever `new` is: a clean 400 that changes nothing
+            body["input_ids"] = new * (self.context_len // len(new) + 1)
+            self.tally.judge("over_long", self.call("/generate", body, key), REFUSED)
+            return history
+        if roll < 0.15:
+            self.disconnect_midway(body, key)
+            return None
+        reply = self.call("/generate", body, key)
+        self.tally.judge("turn", reply, OK)
+        output = self.record(history + new, reply)
+        if reply.status != 200 or reply.aborted:
+            return None
+        with self.lock:
+            self.turns += 1
+        return history + new + output
 
     def plain(self, rng: random.Random, key: str | None) -> None:
         n = rng.randint(1, 12)

@@ -18,8 +18,9 @@ from shared.messages.forward import StepRow
 
 
 def held_slots(view: dict) -> dict[str, dict[str, int]]:
-    """Every non-free slot of every pool, by owner kind (request, session, cache, track,
-    admission): with all sessions closed and the cache flushed, each one is a leak."""
+    """Every non-free slot of every pool (the device's, and the tiers' host_kv,
+    host_mamba and disk), by owner kind (request, session, cache, track, transit): with
+    all sessions closed and the cache flushed, each one is a leak."""
     return {
         pool: {kind: n for kind, n in counts.items() if kind != "free" and n}
         for pool, counts in view.get("counts", {}).items()
@@ -91,8 +92,14 @@ def replay(finished: list[tuple[list[int], list[int]]], margin: float = 1e-3) ->
     return wrong
 
 
+TIER_POOLS = ("host_kv", "host_mamba", "disk")
+MUST_HIT = ("hibernate", "spill", "restore")  # kinds a chaos soak must kill during
+
+
 def failures(result: dict) -> list[str]:
-    """The checks a soak result fails; empty when it proves what it claims."""
+    """The checks a soak result fails; empty when it proves what it claims. With tiers,
+    also: the ledger covers every tier pool, the disk holds no blob once every session is
+    closed, and the executor was killed at least once during each kind in MUST_HIT."""
     failed = [
         key
         for key in ("leaked_slots", "ledger_violations", "wrong_outputs", "unexpected_statuses")
@@ -102,4 +109,11 @@ def failures(result: dict) -> list[str]:
         failed.append("unexplained_restarts")
     if not result["ledger_ready"]:
         failed.append("ledger_not_ready")
+    if result["leftover_blobs"]:
+        failed.append("leftover_blobs")
+    if result["tiers"]:
+        if result["ledger_ready"] and set(TIER_POOLS) - set(result["ledger_pools"]):
+            failed.append("tier_pools_not_in_ledger")
+        kills = result["kills_during_tier_moves"]
+        failed += [f"no_kill_during_{kind}" for kind in MUST_HIT if not kills[kind]]
     return failed
