@@ -178,3 +178,21 @@ def test_a_refused_step_gives_up_what_its_moves_would_have_written():
     counts = d.pools.host_kv.held_by_kind()
     assert counts[OwnerKind.TRANSIT] == 0 and counts[OwnerKind.SESSION] == 0
     d.assert_idle_clean()
+
+
+def test_a_session_restored_by_a_step_is_not_hibernated_by_the_same_step():
+    """A restore runs after every hibernate of its step: evicting the session it brings
+    back in that step would copy device slots the restore has not written yet."""
+    d = tiered(host_pages=512, host_slots=64)
+    sid = d.engine.sessions.open().sid
+    first = d.run_turn(sid, text(30, 40), max_new=4)
+    place(d, sid, "host")
+    busy = [d.generate(text(100, 50 + k), max_new=30) for k in range(2)]
+    while d.pools.kv_pages.free_count > 9:  # the running requests fill the device
+        d.step()
+    d.engine.sessions.tiers.place(d.engine.sessions.sessions[sid], "device")
+    d.run()  # they keep growing: the device is short in the step that restores
+    assert all(r.output == reference(r.prompt.tolist(), 30, VOCAB) for r in busy)
+    t = d.run_turn(sid, text(3, 41), max_new=4)
+    assert t.output == reference(text(30, 40) + first.output + text(3, 41), 4, VOCAB)
+    d.assert_idle_clean()

@@ -27,6 +27,7 @@ class SessionSlots:
     row: Lease
     working: Lease
     borrowed: int = 0
+    ready: bool = True  # False while a restore from the host tier has yet to write it
 
     def claims(self, pools: Pools) -> list[Claim]:
         return row_state_claims(pools, self.owner, self.row, [self.working.slot], self.borrowed)

@@ -54,3 +54,9 @@ class Session:
         if self.host is not None:
             return "host"
         return "disk" if self.disk is not None else None
+
+    @property
+    def state_ready(self) -> bool:
+        """No step in flight still writes its state (wherever it is)."""
+        state = self.slots or self.host or self.disk
+        return state is None or state.ready

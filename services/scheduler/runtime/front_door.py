@@ -106,15 +106,16 @@ class FrontDoor:
         self._intake.wake.set()
 
     async def place_session(self, sid: str, tier: str, timeout: float = 30.0) -> Session:
-        """Move idle session `sid` to `tier`, a tier per step; returns it once there, or
-        where it stopped (a tier without room) after `timeout` seconds."""
+        """Move idle session `sid` to `tier`, a tier per step; returns it once there and
+        written (the step carrying the move has run), or where it stopped (a tier without
+        room) after `timeout` seconds."""
         session = self._engine.sessions.get(sid)
         if session.turn is not None:
             raise SessionError(f"session {sid} has a turn in flight", "busy")
         tiers = self._engine.sessions.tiers
         tiers.place(session, tier)
         deadline = time.monotonic() + timeout
-        while sid in tiers.placing and time.monotonic() < deadline:
+        while (sid in tiers.placing or not session.state_ready) and time.monotonic() < deadline:
             self._intake.wake.set()
             await asyncio.sleep(0.002)
         tiers.placing.pop(sid, None)

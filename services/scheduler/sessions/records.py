@@ -24,6 +24,7 @@ from shared.messages.ownership import PAGE, TOKEN, SessionRecord
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
     from services.scheduler.records.session import Session
+    from services.scheduler.sessions.tier_moves import TierMoves
 
 
 class DurableRecords:
@@ -32,6 +33,7 @@ class DurableRecords:
     pools: Pools
     sessions: dict[str, Session]
     dirty: set[str]  # sessions whose record changed since the last `take_records`
+    moves: TierMoves
     open: Callable[..., Session]
 
     def take_records(self) -> list[SessionRecord]:
@@ -92,3 +94,6 @@ class DurableRecords:
                 new_lease(pools.mamba, owner, rec.working),
             )
             session.cached_len = rec.cached_len
+        # Blobs no record names (their deletion was pending when the last life ended)
+        free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
+        self.moves.discards += free.tolist()

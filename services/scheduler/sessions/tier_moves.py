@@ -128,7 +128,10 @@ class TierMoves:
         working = pools.mamba.alloc_one(owner, "restore")
         pools.kv.restore_row(row, pages, host.tokens)
         slots = handover.SessionSlots(
-            owner, new_lease(pools.req, owner, row), new_lease(pools.mamba, owner, working)
+            owner,
+            new_lease(pools.req, owner, row),
+            new_lease(pools.mamba, owner, working),
+            ready=False,
         )
         flight = self._plan("restore", s, slots, host.state.held, working, host.pages.held, pages)
         flight.held += host.hold(self._transit(), "restore")
@@ -155,12 +158,10 @@ class TierMoves:
                 self._undo(f, blob_good=f.move.kind != "load")
                 continue
             self._release_held(f)
-            if not isinstance(f.dest, handover.SessionSlots) and f.dest in (
-                f.session.host,
-                f.session.disk,
-            ):
+            s = f.session
+            if any(f.dest is state for state in (s.slots, s.host, s.disk)):
                 f.dest.ready = True
-                self.dirty.add(f.session.sid)
+                self.dirty.add(s.sid)
         self._retire(batch)
 
     def abandon(self, batch: TierBatch) -> None:

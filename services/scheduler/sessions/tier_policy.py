@@ -38,8 +38,9 @@ class TierPolicy:
 
     def idle_on_device(self) -> Session | None:
         """The least recently used session holding device state with no turn in flight:
-        the one to leave the device under pressure."""
-        return self._lru(lambda s: s.slots is not None and s.turn is None)
+        the one to leave the device under pressure. Not one whose restore has yet to run:
+        a hibernate of the same step would copy what the restore has not written."""
+        return self._lru(lambda s: s.slots is not None and s.slots.ready and s.turn is None)
 
     def host_room(self, tokens: int, keep: Session | None = None) -> bool:
         """Free host room for a state of `tokens` positions by spilling (or, with the disk
@@ -112,7 +113,7 @@ class TierPolicy:
             at = None if s is None else s.state_tier
             if at == want or at is None:
                 del self.placing[sid]  # reached, or nothing to place (the route reports which)
-            elif at == "device":
+            elif at == "device" and s.slots.ready:
                 if self.host_room(s.cached_len, keep=s):
                     self.moves.hibernate(s)
             elif at == "host" and s.host.ready:
