@@ -121,7 +121,6 @@ class DataModelExecutor:
         self.sampled = out
         return out
 
-
     def move(self, moves: list[TierMove], discards: list[int]) -> None:
         """Delete `discards`, then run the moves kind by kind, in the executor's order."""
         for slot in discards:

@@ -18,9 +18,7 @@ def text(n: int, seed: int) -> list[int]:
 
 def tiered(**kw) -> Driver:
     """Device pools for a handful of sessions; a host tier and a disk below them."""
-    args = dict(
-        page_size=PAGE, kv_pages=64, mamba_slots=12, rows=4, context=256, step_tokens=128
-    )
+    args = dict(page_size=PAGE, kv_pages=64, mamba_slots=12, rows=4, context=256, step_tokens=128)
     args.update(kw)
     d = Driver(**args)
     d.model.sequence_of = d._sequence  # check every row's starting state
