@@ -194,3 +194,28 @@ def test_a_session_restored_by_a_step_is_not_hibernated_by_the_same_step():
     t = d.run_turn(sid, text(3, 41), max_new=4)
     assert t.output == reference(text(30, 40) + first.output + text(3, 41), 4, VOCAB)
     d.assert_idle_clean()
+
+
+def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    sids = [d.engine.sessions.open().sid for _ in range(2)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        t = d.run_turn(sid, text(21, 60 + i), max_new=4)
+        histories[sid] = text(21, 60 + i) + t.output
+    place(d, sids[0], "disk")
+    place(d, sids[1], "host")
+    kept = d.engine.sessions.sessions[sids[0]].disk.blob.slot
+    records = d.engine.sessions.take_records()
+    again = tiered(host_pages=64, host_slots=8, disk_slots=8)  # a new scheduler life
+    again.engine.sessions.rebuild(records, state_valid=False)
+    again.engine.sessions.discard_unnamed_blobs()
+    assert again.engine.sessions.sessions[sids[0]].state_tier == "disk"
+    assert again.engine.sessions.sessions[sids[1]].state_tier is None
+    assert sorted(again.engine.sessions.moves.discards) == [s for s in range(1, 9) if s != kept]
+    again.model.blobs = d.model.blobs  # the same disk
+    for sid, cached in ((sids[0], len(histories[sids[0]]) - 1), (sids[1], 0)):
+        t = again.run_turn(sid, text(2, 70), max_new=3)
+        assert t.cached_tokens == cached
+        assert t.output == reference(histories[sid] + text(2, 70), 3, VOCAB)
+    again.assert_idle_clean()

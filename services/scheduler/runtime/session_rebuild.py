@@ -39,6 +39,7 @@ async def rebuild_sessions(client: aioredis.Redis, sessions: SessionManager) -> 
     for group in {r.executor for r in records}:
         valid = caught_up and epoch is not None and group == epoch
         sessions.rebuild([r for r in records if r.executor == group], valid)
+    sessions.discard_unnamed_blobs()
     if not records:
         return None
     log.info("rebuilt %d sessions from the session store", len(records))

@@ -94,6 +94,9 @@ class DurableRecords:
                 new_lease(pools.mamba, owner, rec.working),
             )
             session.cached_len = rec.cached_len
-        # Blobs no record names (their deletion was pending when the last life ended)
+
+    def discard_unnamed_blobs(self) -> None:
+        """After a rebuild: delete every blob no record named (its deletion was still
+        pending when the last life of the scheduler ended); the first step carries it."""
         free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
         self.moves.discards += free.tolist()
