@@ -29,6 +29,20 @@ class SessionError(InvalidRequest):
         self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
 
 
+def check_session_params(params: dict) -> None:
+    """History is append-only: splicing or replacing it is refused (scenario S9,
+    docs/scenarios.md)."""
+    rewrites = [k for k in ("offset", "replace", "drop_previous_output") if params.get(k)]
+    if params.get("offset") == 0 and "offset" not in rewrites:
+        rewrites.append("offset")
+    if rewrites:
+        raise SessionError(
+            f"{', '.join(rewrites)} not supported on a streaming session: its history is "
+            "append-only; send only the new input",
+            "invalid",
+        )
+
+
 @dataclass(eq=False)
 class Session:
     sid: str

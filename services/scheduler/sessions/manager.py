@@ -28,7 +28,12 @@ from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Request, TurnStart
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.records.session import SESSION_ID, Session, SessionError
+from services.scheduler.records.session import (
+    SESSION_ID,
+    Session,
+    SessionError,
+    check_session_params,
+)
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.records import DurableRecords
 from services.scheduler.sessions.tier_moves import TierMoves
@@ -110,7 +115,7 @@ class SessionManager(DurableRecords):
     ) -> Request:
         """A turn extends the history with `new_tokens`; checked before anything moves."""
         session = self.get(sid)
-        self.check_session_params(session_params or {})
+        check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {sid} already has a turn in flight", "busy")
         prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
@@ -123,20 +128,6 @@ class SessionManager(DurableRecords):
         session.turn = req
         self._touch(session, self.clock())
         return req
-
-    @staticmethod
-    def check_session_params(params: dict) -> None:
-        """History is append-only: splicing or replacing it is refused (scenario S9,
-        docs/scenarios.md)."""
-        rewrites = [k for k in ("offset", "replace", "drop_previous_output") if params.get(k)]
-        if params.get("offset") == 0 and "offset" not in rewrites:
-            rewrites.append("offset")
-        if rewrites:
-            raise SessionError(
-                f"{', '.join(rewrites)} not supported on a streaming session: its history is "
-                "append-only; send only the new input",
-                "invalid",
-            )
 
     def close(self, sid: str) -> None:
         """Close now, or when the turn in flight ends; later turns are refused."""
