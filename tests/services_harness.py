@@ -14,6 +14,7 @@ from custody.up import Stack
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
+from shared.model_config import builtin_config
 from shared.redis_server import free_port
 
 POOLS = {
@@ -58,6 +59,19 @@ def stack_settings(redis_url: str, **overrides: object) -> Settings:
         executor_timeout_seconds=1.5,
         **(POOLS | overrides),
     )
+
+
+def capacities(settings: Settings) -> dict[str, int]:
+    """Every pool's capacity, the tiers' included: what is free when nothing is held."""
+    tiers = settings.tier_sizes(builtin_config())
+    return {
+        "kv": settings.kv_pages,
+        "mamba": settings.mamba_slots,
+        "req": settings.max_running_requests,
+        "host_kv": tiers.host_kv_pages,
+        "host_mamba": tiers.host_mamba_slots,
+        "disk": tiers.disk_slots,
+    }
 
 
 def one_shot(prompt: list[int], n: int) -> list[int]:

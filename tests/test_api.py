@@ -17,6 +17,7 @@ import pytest
 from tests.services_harness import (
     POOLS,
     call,
+    capacities,
     ledger_when_idle,
     one_shot,
     stack_settings,
@@ -239,11 +240,7 @@ def test_200_bad_inputs_get_4xx_and_change_nothing(stack):
     call(port, "/close_session", {"session_id": "s-ok"})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
-    assert {p: c["free"] for p, c in view["counts"].items()} == {
-        "kv": POOLS["kv_pages"],
-        "mamba": POOLS["mamba_slots"],
-        "req": POOLS["max_running_requests"],
-    }
+    assert {p: c["free"] for p, c in view["counts"].items()} == capacities(stack.settings)
 
 
 def scrape(port: int) -> str:

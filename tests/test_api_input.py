@@ -182,6 +182,7 @@ def test_openapi_document_covers_every_route(stack):
         ("GET", "/v1/models"),
         ("POST", "/open_session"),
         ("POST", "/close_session"),
+        ("POST", "/place_session"),
         ("POST", "/abort_request"),
         ("POST", "/flush_cache"),
         ("POST", "/generate"),

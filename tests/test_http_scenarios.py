@@ -15,6 +15,7 @@ import pytest
 from tests.services_harness import (
     POOLS,
     call,
+    capacities,
     ledger_when_idle,
     one_shot,
     stack_settings,
@@ -42,11 +43,7 @@ def refused(port: int, body: dict, path: str = "/generate") -> tuple[int, str]:
 def assert_clean(stack) -> None:
     """Idle: no violations, no leaks, and every slot free (the last events may still be on
     their way to the store, so poll for a while)."""
-    capacity = {
-        "kv": stack.settings.kv_pages,
-        "mamba": stack.settings.mamba_slots,
-        "req": stack.settings.max_running_requests,
-    }
+    capacity = capacities(stack.settings)
     deadline = time.monotonic() + 10
     while True:
         view = ledger_when_idle(stack)
@@ -251,10 +248,7 @@ def test_s8_close_during_a_turn_and_s10_counted_once(stack):
     time.sleep(0.3)
     view = call(stack.settings.store_port, "/ledger")  # S10: mid-turn, every slot counted once
     for pool, counts in view["counts"].items():
-        assert sum(counts.values()) == getattr(
-            stack.settings,
-            {"kv": "kv_pages", "mamba": "mamba_slots", "req": "max_running_requests"}[pool],
-        )
+        assert sum(counts.values()) == capacities(stack.settings)[pool]
     assert call(port, "/close_session", {"session_id": sid}) is True
     code, message = refused(port, {"input_ids": [6], "session_params": {"id": sid}})
     assert code == 404 and "closed" in message

@@ -41,7 +41,7 @@ def panel_targets() -> list[tuple[str, str, str]]:
     return [
         (panel["title"], target.get("legendFormat", ""), target["expr"])
         for panel in dash["panels"]
-        for target in panel["targets"]
+        for target in panel.get("targets", [])  # a row groups panels, queries nothing
     ]
 
 
@@ -148,11 +148,17 @@ def prometheus(stack: Stack, tmp_path: Path) -> Iterator[Prometheus]:
 
 def drive_traffic(stack: Stack) -> None:
     """Requests enough for every rate and latency histogram: repeated prompts (prefix
-    cache hits) and several tokens each (inter-token latency)."""
+    cache hits), several tokens each (inter-token latency), and a session placed in each
+    tier (every kind of tier move)."""
+    port = stack.settings.port
     for i in range(4):
         prompt = [1 + (i % 2), 2, 3, 4, 5, 6, 7, 8, 9]
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
-        call(stack.settings.port, "/generate", body)
+        call(port, "/generate", body)
+    sid = call(port, "/open_session", {})  # a session through every tier: each kind of move
+    call(port, "/generate", {"input_ids": [5, 6, 7], "session_params": {"id": sid}})
+    for tier in ("host", "disk", "device"):
+        assert call(port, "/place_session", {"session_id": sid, "tier": tier})["tier"] == tier
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS)

@@ -16,7 +16,7 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.forward import decode_step
 from shared.redis_server import free_port
-from tests.services_harness import POOLS, call, ledger_when_idle, one_shot
+from tests.services_harness import POOLS, call, capacities, ledger_when_idle, one_shot
 
 
 def test_three_sessions_four_turns_equal_one_shot_generations(stack):
@@ -55,13 +55,7 @@ def test_three_sessions_four_turns_equal_one_shot_generations(stack):
         call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
-    assert all(
-        c["free"]
-        == stack.settings.__dict__[
-            {"kv": "kv_pages", "mamba": "mamba_slots", "req": "max_running_requests"}[p]
-        ]
-        for p, c in view["counts"].items()
-    )
+    assert {p: c["free"] for p, c in view["counts"].items()} == capacities(stack.settings)
 
 
 def test_the_next_step_is_on_the_stream_while_the_one_before_runs(stack):
@@ -180,11 +174,7 @@ def test_a_killed_session_store_catches_up(stack):
             pass
         time.sleep(0.3)
     assert view is not None and view["violations"] == [] and view["leaked"] == {}
-    assert {p: c["free"] for p, c in view["counts"].items()} == {
-        "kv": POOLS["kv_pages"],
-        "mamba": POOLS["mamba_slots"],
-        "req": POOLS["max_running_requests"],
-    }
+    assert {p: c["free"] for p, c in view["counts"].items()} == capacities(stack.settings)
 
 
 def test_a_redis_restart_loses_nothing(tmp_path):
@@ -300,8 +290,4 @@ def test_a_killed_scheduler_is_rebuilt_from_the_session_store(stack):
     call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
-    assert {p: c["free"] for p, c in view["counts"].items()} == {
-        "kv": POOLS["kv_pages"],
-        "mamba": POOLS["mamba_slots"],
-        "req": POOLS["max_running_requests"],
-    }
+    assert {p: c["free"] for p, c in view["counts"].items()} == capacities(stack.settings)

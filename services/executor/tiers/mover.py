@@ -50,6 +50,9 @@ FAILED = Counter(
 )
 DISCARDS = Counter("custody_tier_discards_total", "disk blobs deleted as steps asked")
 FAILS: dict[str, tuple[type[Exception], ...]] = {"load": (BlobError,), "spill": (OSError,)}
+for _kind in MOVE_ORDER:  # every kind's series exists from the start, at 0
+    for _metric in (MOVES, MOVE_BYTES, MOVE_SECONDS, FAILED):
+        _metric.labels(_kind)
 Mark = Callable[[dict[str, int]], None]
 
 
