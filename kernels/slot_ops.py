@@ -31,6 +31,12 @@ def triton_enabled(tensor: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _layer_offset(layer, layer_stride):
+        """Where a layer starts, in elements, in 64 bits: a pool of a large model holds
+        more than 2**31 elements, where a 32-bit product would wrap and point outside it."""
+        return tl.cast(layer, tl.int64) * layer_stride
+
+    @triton.jit
     def _copy_rows(
         base, src_ptr, dst_ptr, n_layers, layer_stride, slot_stride, row_size, BLOCK: tl.constexpr
     ):
@@ -38,7 +44,7 @@ if triton is not None:
         src = tl.load(src_ptr + op).to(tl.int64)
         dst = tl.load(dst_ptr + op).to(tl.int64)
         for layer in range(n_layers):
-            layer_base = base + layer * layer_stride
+            layer_base = base + _layer_offset(layer, layer_stride)
             for start in range(0, row_size, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < row_size
@@ -52,7 +58,7 @@ if triton is not None:
         op = tl.program_id(0)
         dst = tl.load(dst_ptr + op).to(tl.int64)
         for layer in range(n_layers):
-            layer_base = base + layer * layer_stride
+            layer_base = base + _layer_offset(layer, layer_stride)
             for start in range(0, row_size, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < row_size

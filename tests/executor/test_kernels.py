@@ -61,3 +61,33 @@ def test_fallback_clears_then_copies_in_every_layer(monkeypatch):
     expected[:, 1] = 0
     expected[:, 4] = expected[:, 2]
     assert torch.equal(t, expected)
+
+
+OFFSETS = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+    from kernels.slot_ops import _layer_offset
+
+    @triton.jit
+    def where(out, layer, layer_stride):
+        tl.store(out, _layer_offset(layer, layer_stride))
+
+    out = torch.zeros(1, dtype=torch.int64)
+    # An 8B-class hybrid's SSM pool: 2**30 elements a layer; layer 3 starts past 2**31.
+    where[(1,)](out, 3, 2**30)
+    print(int(out[0]))
+    """
+)
+
+
+def test_triton_slot_kernels_address_layers_past_2_to_the_31_elements():
+    """The layer offset the kernels use is computed in 64 bits (checked on the offset
+    arithmetic itself: a pool that large does not fit in this machine's memory)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, "-c", OFFSETS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) == 3 * 2**30
