@@ -11,9 +11,14 @@ import re
 import urllib.error
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 
+from services.scheduler.http.openai_routes import finish
+from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
 from tests.services_harness import (
     POOLS,
     call,
@@ -339,3 +344,11 @@ def test_stop_strings_end_a_request_and_are_trimmed(stack):
     )
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stop not in cut["text"] and text.startswith(cut["text"])
+
+
+def test_an_aborted_request_finishes_with_abort_in_the_openai_api():
+    """As vLLM reports it; it used to say "length"."""
+    req = Request("r", np.array([1, 2]), SamplingParams(max_new_tokens=4))
+    for reason in ("abort", "stop", "length"):
+        req.finish_reason = FinishReason(reason)
+        assert finish(req) == reason

@@ -49,7 +49,9 @@ def usage(req: Request) -> dict:
 
 
 def finish(req: Request) -> str:
-    return "stop" if req.finish_reason and req.finish_reason.type == "stop" else "length"
+    """OpenAI's `finish_reason`: `stop`, `length`, or `abort` for an aborted request (as
+    vLLM reports it; OpenAI itself has no aborts)."""
+    return req.finish_reason.type
 
 
 class Reply:

@@ -89,7 +89,7 @@ class Usage(Struct):
 class CompletionChoice(Struct):
     index: int
     text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
     logprobs: None
 
 
@@ -112,7 +112,7 @@ class AssistantMessage(Struct):
 
 class ChatChoice(Struct):
     index: int
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
     message: AssistantMessage
 
 
@@ -127,7 +127,7 @@ class ChatCompletion(Struct):
 
 class ChatDeltaChoice(Struct):
     index: int
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
     delta: AssistantMessage
 
 
