@@ -39,7 +39,7 @@ class ModelConfig:
     time_step_floor: float = 1e-4
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # as the checkpoint gives it: one id or several
     bos_token_id: int | None = None
     max_position_embeddings: int = 8192
 
@@ -51,6 +51,12 @@ class ModelConfig:
     @property
     def attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layers_block_type) if t == "full_attention"]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation (a checkpoint may list several)."""
+        eos = self.eos_token_id
+        return frozenset(eos if isinstance(eos, list) else () if eos is None else (eos,))
 
     @property
     def mamba_intermediate(self) -> int:
@@ -92,8 +98,6 @@ class ModelConfig:
         ):
             if old in raw:
                 raw[new] = raw.pop(old)
-        if isinstance(raw.get("eos_token_id"), list):
-            raw["eos_token_id"] = raw["eos_token_id"][0]
         known = {f for f in cls.__dataclass_fields__}
         config = cls(**{k: v for k, v in raw.items() if k in known})
         config.validate()

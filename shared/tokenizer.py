@@ -11,16 +11,12 @@ BYTE_VOCAB, BYTE_BOS, BYTE_EOS = 258, 256, 257
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int | None
-
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
-    eos_token_id = BYTE_EOS
-
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -31,11 +27,10 @@ class ByteTokenizer:
 class FileTokenizer:
     """A `tokenizer.json` (Hugging Face `tokenizers` format)."""
 
-    def __init__(self, path: Path, eos_token_id: int | None) -> None:
+    def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(str(path))
-        self.eos_token_id = eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -44,7 +39,7 @@ class FileTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(model_dir: Path | None, eos_token_id: int | None) -> Tokenizer:
+def load_tokenizer(model_dir: Path | None) -> Tokenizer:
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
-        return FileTokenizer(Path(model_dir) / "tokenizer.json", eos_token_id)
+        return FileTokenizer(Path(model_dir) / "tokenizer.json")
     return ByteTokenizer()

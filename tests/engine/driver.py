@@ -31,7 +31,7 @@ class Driver:
         chunk: int | None = None,
         step_tokens: int = 512,
         track_interval: int | None = None,
-        eos: int | None = None,
+        eos: int | tuple[int, ...] | None = None,
         depth: int = 1,
         host_pages: int = 0,
         host_slots: int = 0,
@@ -54,7 +54,7 @@ class Driver:
             EngineConfig(
                 context_len=context,
                 vocab_size=VOCAB,
-                eos_token_id=eos,
+                eos_token_ids=frozenset(eos if isinstance(eos, tuple) else {eos} - {None}),
                 chunk_size=chunk or 64 * page_size,
                 max_step_tokens=step_tokens,
                 track_interval=track_interval or 4 * page_size,

@@ -81,6 +81,6 @@ def test_tokenizer_json_beside_the_weights_is_used(tmp_path):
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    loaded = load_tokenizer(tmp_path, eos_token_id=2)
+    loaded = load_tokenizer(tmp_path)
     assert loaded.encode("hello world hello") == [0, 1, 0]
-    assert load_tokenizer(None, None).encode("a") == [97]
+    assert load_tokenizer(None).encode("a") == [97]

@@ -12,7 +12,7 @@ from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST
 class EngineConfig:
     context_len: int
     vocab_size: int
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every id that ends a generation
     chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
     max_step_tokens: int = 2048
     track_interval: int = 64  # decode snapshot interval (multiple of the page)

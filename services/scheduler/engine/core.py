@@ -168,7 +168,7 @@ class EngineCore:
                 if logprobs is not None and row.rid in logprobs:
                     req.logprobs.append(float(logprobs[row.rid]))
                 req.finish_reason = finish_reason(
-                    req, token, self.config.eos_token_id, self.config.context_len, self.decode
+                    req, token, self.config.eos_token_ids, self.config.context_len, self.decode
                 )
                 if req.finish_reason is not None:
                     self._finish(req)

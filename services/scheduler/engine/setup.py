@@ -31,7 +31,7 @@ def build_engine(
     config = EngineConfig(
         context_len=settings.context_len,
         vocab_size=model.vocab_size,
-        eos_token_id=model.eos_token_id,
+        eos_token_ids=model.eos_token_ids,
         chunk_size=settings.chunk_size,
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,

@@ -11,13 +11,13 @@ from services.scheduler.records.request import Request
 def finish_reason(
     req: Request,
     token: int,
-    eos_token_id: int | None,
+    eos_token_ids: frozenset[int],
     context_len: int,
     decode: Callable[[list[int]], str] | None,
 ) -> FinishReason | None:
     """A stop token (its id is `matched`), a stop string (decoded from the output's tail),
     the request's token limit, or the context length; None to go on."""
-    if req.params.stops_at(token, eos_token_id):
+    if req.params.stops_at(token, eos_token_ids):
         return FinishReason("stop", matched=token)
     if req.params.stop and decode is not None:
         window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode

@@ -49,7 +49,7 @@ class SamplingParams:
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
 
-    def stops_at(self, token: int, eos_token_id: int | None) -> bool:
+    def stops_at(self, token: int, eos_token_ids: frozenset[int]) -> bool:
         if token in self.stop_token_ids:
             return True
-        return token == eos_token_id and not self.ignore_eos
+        return token in eos_token_ids and not self.ignore_eos
