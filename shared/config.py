@@ -40,6 +40,7 @@ class Settings:
     max_queued_requests: int = 1024  # waiting requests; beyond it a 503 (0: no limit)
     read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
     keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
+    served_model_name: str = ""  # the OpenAI model id; empty: the checkpoint dir's name
     host_state_bytes: int = 1 << 30  # the host tier of session state; 0: none
     state_dir: Path | None = None  # the disk tier's blobs (0700); None: no disk tier
     disk_state_bytes: int = 8 << 30  # the disk tier's bound (with a state_dir)
@@ -72,6 +73,12 @@ class Settings:
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
+
+    @property
+    def model_name(self) -> str:
+        """The id the OpenAI routes serve: the given name, else the checkpoint
+        directory's name, else `custody` for the built-in model."""
+        return self.served_model_name or (self.model.name if self.model else "custody")
 
     def tier_sizes(self, model: ModelConfig) -> TierSizes:
         """The host and disk tiers' pools (shared/tiers.py), the same on every service."""

@@ -10,6 +10,7 @@ import random
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -19,6 +20,7 @@ from services.scheduler.http.openai_routes import finish
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
 from tests.services_harness import (
     POOLS,
     call,
@@ -101,6 +103,21 @@ def test_every_endpoint(stack):
     assert status == 200 and b"custody_pool_capacity" in metrics
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_the_served_model_is_named_listed_and_checked(stack):
+    port = stack.settings.port
+    (card,) = call(port, "/v1/models")["data"]
+    assert card["id"] == "custody" and card["max_model_len"] == stack.settings.context_len
+    body = {"prompt": "Once", "max_tokens": 2}
+    assert call(port, "/v1/completions", body)["model"] == "custody"  # absent: the served one
+    code, raw = raw_call(port, "/v1/completions", json.dumps(body | {"model": "gpt-4o"}).encode())
+    assert code == 404 and json.loads(raw)["error"]["type"] == "model_not_found"
+    chat = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+    code, raw = raw_call(port, "/v1/chat/completions", json.dumps(chat).encode())
+    assert code == 404 and json.loads(raw)["error"]["type"] == "model_not_found"
+    assert Settings(model=Path("/ckpt/nemotron-h-8b")).model_name == "nemotron-h-8b"
+    assert Settings(served_model_name="mine").model_name == "mine"
 
 
 def test_openai_client_completions_and_chat(stack):

@@ -23,13 +23,13 @@ from services.scheduler.http.common import (
     run_generation,
     token_limit,
 )
+from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import ChatMessage, OpenAIRequest
 
-MODEL_ID = "custody"
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 
 
@@ -57,8 +57,8 @@ def finish(req: Request) -> str:
 class Reply:
     """The envelope of one completion or chat completion, whole or as chunks."""
 
-    def __init__(self, rid: str, chat: bool, stream: bool) -> None:
-        self.rid, self.chat, self.stream = rid, chat, stream
+    def __init__(self, rid: str, chat: bool, stream: bool, model: str) -> None:
+        self.rid, self.chat, self.stream, self.model = rid, chat, stream, model
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
@@ -70,7 +70,7 @@ class Reply:
 
     def body(self, choices: list[dict], **extra: object) -> dict:
         kind = f"{self.kind}.chunk" if self.stream else self.kind
-        head = {"id": self.rid, "object": kind, "created": self.created, "model": MODEL_ID}
+        head = {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
         return head | {"choices": choices} | extra
 
 
@@ -78,8 +78,13 @@ async def respond(
     request: web.Request, body: OpenAIRequest, tokens: list[int], chat: bool
 ) -> web.StreamResponse:
     door = request.app[FRONT_DOOR]
+    served = door.settings.model_name
+    if body.model is not None and body.model != served:  # absent: the served one
+        raise Refused(
+            404, f"model {body.model!r} is not served here; {served!r} is", "model_not_found"
+        )
     claim = request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")
-    sid, reply = body.session_id, Reply(claim.shown, chat, body.stream)
+    sid, reply = body.session_id, Reply(claim.shown, chat, body.stream, served)
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
@@ -101,13 +106,11 @@ async def respond(
     return sse.response
 
 
-async def models(_: web.Request) -> web.Response:
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "custody"}],
-        }
-    )
+async def models(request: web.Request) -> web.Response:
+    door = request.app[FRONT_DOOR]
+    card = {"id": door.settings.model_name, "object": "model", "created": 0}
+    card |= {"owned_by": "custody", "max_model_len": door.context_len}
+    return web.json_response({"object": "list", "data": [card]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -68,6 +68,7 @@ class Model(Struct):
     object: str
     created: int
     owned_by: str
+    max_model_len: int
 
 
 class ModelList(Struct):
