@@ -8,6 +8,8 @@ import itertools
 import json
 import random
 import re
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -103,6 +105,23 @@ def test_every_endpoint(stack):
     assert status == 200 and b"custody_pool_capacity" in metrics
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_the_cache_is_not_flushed_while_requests_run(stack):
+    """As SGLang: a 400, and nothing flushed; GET works as POST does."""
+    port = stack.settings.port
+    long = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    worker = threading.Thread(target=lambda: call(port, "/generate", long | {"rid": "long"}))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while "custody_requests_running 1.0" not in scrape(port):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    code, raw = raw_call(port, "/flush_cache", b"{}")
+    assert code == 400 and json.loads(raw)["error"]["type"] == "cache_busy"
+    assert call(port, "/abort_request", {"rid": "long"}) is True
+    worker.join(timeout=60)
+    assert raw_call(port, "/flush_cache", None, method="GET") == (200, b"true")
 
 
 def test_the_served_model_is_named_listed_and_checked(stack):

@@ -184,6 +184,7 @@ def test_openapi_document_covers_every_route(stack):
         ("POST", "/close_session"),
         ("POST", "/place_session"),
         ("POST", "/abort_request"),
+        ("GET", "/flush_cache"),
         ("POST", "/flush_cache"),
         ("POST", "/generate"),
         ("POST", "/v1/completions"),

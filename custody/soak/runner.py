@@ -15,7 +15,7 @@ import threading
 import time
 
 from custody.soak.chaos import Chaos
-from custody.soak.client import call
+from custody.soak.client import Reply, call
 from custody.soak.drill import TierDrill
 from custody.soak.greedy import Greedy
 from custody.soak.hostile import Hostile
@@ -83,6 +83,16 @@ class Soak:
         )
         self.moves = MoveCount(self.settings.executor_metrics_port)
 
+    def flush_when_idle(self, patience: float = 30.0) -> Reply:
+        """Flush the prefix cache once nothing runs: while requests still finish (a
+        restart's retries, say), the scheduler answers 400 and flushes nothing."""
+        deadline = time.monotonic() + patience
+        flush = call(self.settings.port, "/flush_cache", {}, self.admin)
+        while flush.status == 400 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            flush = call(self.settings.port, "/flush_cache", {}, self.admin)
+        return flush
+
     def run(self) -> dict:
         self.stack.start_all()
         try:
@@ -91,8 +101,7 @@ class Soak:
             self.stack.wait_healthy()
             self.chaos.account()
             self.greedy.close_all()
-            flush = call(self.settings.port, "/flush_cache", {}, self.admin)
-            self.tally.judge("flush_cache", flush, OK)
+            self.tally.judge("flush_cache", self.flush_when_idle(), OK)
             view = settle(self.settings.store_port, self.admin, self.chaos.supervise)
             if held_slots(view) or not view.get("ready"):
                 view["diagnosis"] = diagnosis(self.settings.port, view)

@@ -45,7 +45,8 @@ ROUTES = {
         "Move a session's state to a tier (operator)", "place_session", replies.Placed
     ),
     ("POST", "/abort_request"): Doc("Abort a request, or all", "abort_request", BOOLEAN),
-    ("POST", "/flush_cache"): Doc("Empty the prefix cache", reply=BOOLEAN),
+    ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
+    ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/generate"): Doc(
         "Generate (SGLang)", "generate", replies.GenerateReply, replies.GenerateReply
     ),

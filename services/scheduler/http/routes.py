@@ -24,6 +24,7 @@ from services.scheduler.http.common import (
 )
 from services.scheduler.http.limits import open_session_within_limits
 from services.scheduler.http.replies import Placed
+from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
 from services.scheduler.runtime.front_door import FrontDoor
 
@@ -101,7 +102,10 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    request.app[FRONT_DOOR].flush_cache()
+    busy = request.app[FRONT_DOOR].flush_cache()
+    if busy:
+        message = f"the cache was not flushed: {busy} requests are queued or running"
+        raise Refused(400, message, "cache_busy")
     return web.json_response(True)
 
 
@@ -142,6 +146,7 @@ ROUTES = (
     ("POST", "/close_session", close_session),
     ("POST", "/place_session", place_session),
     ("POST", "/abort_request", abort_request),
+    ("GET", "/flush_cache", flush_cache),
     ("POST", "/flush_cache", flush_cache),
     ("POST", "/generate", generate),
 )

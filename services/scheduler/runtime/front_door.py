@@ -126,8 +126,12 @@ class FrontDoor:
             self._intake.ended(self._engine.abort(rid, "aborted by request"))
         self._intake.wake.set()
 
-    def flush_cache(self) -> None:
-        """Evict every unlocked prefix-cache entry."""
+    def flush_cache(self) -> int:
+        """Evict every unlocked prefix-cache entry, only when no request is queued or
+        running (as SGLang does); returns how many are, 0 when it flushed."""
+        if self._engine.requests:
+            return len(self._engine.requests)
         cache, pools = self._engine.cache, self._engine.pools
         cache.evict_kv(pools.kv_pages.capacity)
         cache.evict_mamba(pools.mamba.capacity)
+        return 0
