@@ -89,6 +89,19 @@ def place(d: Driver, sid: str, tier: str) -> None:
     assert d.engine.sessions.sessions[sid].state_tier == tier
 
 
+def one_on_disk_one_on_host(d: Driver, length: int, seed: int) -> tuple[list, dict]:
+    """Two sessions after a first turn each: the first placed on disk, the second on the
+    host; their ids and histories."""
+    sids = [d.engine.sessions.open().sid for _ in range(2)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        t = d.run_turn(sid, text(length, seed + i), max_new=4)
+        histories[sid] = text(length, seed + i) + t.output
+    place(d, sids[0], "disk")
+    place(d, sids[1], "host")
+    return sids, histories
+
+
 def test_placed_on_disk_and_back_the_next_turn_is_exact():
     d = tiered(host_pages=64, host_slots=8, disk_slots=8)
     sid = d.engine.sessions.open().sid
@@ -140,13 +153,7 @@ def test_a_blob_that_fails_its_check_is_re_prefilled_and_counted():
 
 def test_an_executor_loss_keeps_blobs_and_loses_the_host_tier():
     d = tiered(host_pages=64, host_slots=8, disk_slots=8)
-    sids = [d.engine.sessions.open().sid for _ in range(2)]
-    histories = {}
-    for i, sid in enumerate(sids):
-        t = d.run_turn(sid, text(18, 20 + i), max_new=4)
-        histories[sid] = text(18, 20 + i) + t.output
-    place(d, sids[0], "disk")
-    place(d, sids[1], "host")
+    sids, histories = one_on_disk_one_on_host(d, 18, 20)
     d.engine.device_lost(suspect=False)
     blobs = d.model.blobs
     d.model.__init__(d.pools, VOCAB, d._sequence)  # a new executor: empty device and host
@@ -198,13 +205,7 @@ def test_a_session_restored_by_a_step_is_not_hibernated_by_the_same_step():
 
 def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
     d = tiered(host_pages=64, host_slots=8, disk_slots=8)
-    sids = [d.engine.sessions.open().sid for _ in range(2)]
-    histories = {}
-    for i, sid in enumerate(sids):
-        t = d.run_turn(sid, text(21, 60 + i), max_new=4)
-        histories[sid] = text(21, 60 + i) + t.output
-    place(d, sids[0], "disk")
-    place(d, sids[1], "host")
+    sids, histories = one_on_disk_one_on_host(d, 21, 60)
     kept = d.engine.sessions.sessions[sids[0]].disk.blob.slot
     records = d.engine.sessions.take_records()
     again = tiered(host_pages=64, host_slots=8, disk_slots=8)  # a new scheduler life

@@ -174,7 +174,14 @@ class TierMoves:
 
     # ---- internals ----
     def _plan(
-        self, kind: MoveKind, s: Session, dest, src_slot, dst_slot, src_pages, dst_pages
+        self,
+        kind: MoveKind,
+        s: Session,
+        dest: HostState | DiskState | handover.SessionSlots,
+        src_slot: int,
+        dst_slot: int,
+        src_pages: np.ndarray | tuple[()],
+        dst_pages: np.ndarray | tuple[()],
     ) -> Flight:
         tokens = s.host.tokens if kind == "restore" else dest.tokens
         move = TierMove.of(

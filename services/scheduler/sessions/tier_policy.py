@@ -74,6 +74,8 @@ class TierPolicy:
     def prefetch(self, waiting: Iterable[Request]) -> None:
         """Start loading the blobs of queued turns' sessions; a blob that cannot be
         loaded now (no host room) is dropped: that turn re-prefills rather than wait."""
+        if self.pools.disk.free_count == self.pools.disk.capacity:
+            return  # no session holds a blob: nothing to look for in the queue
         for req in waiting:
             s = req.session
             if s is None or s.disk is None or not s.disk.ready:
