@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from custody.up import Stack
 from shared.redis_server import PrivateRedis
+from tests.checkpoints import build_chat_checkpoint
 from tests.services_harness import stack_settings, start_stack
 
 
@@ -40,3 +42,16 @@ def stack(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
     running = start_stack(stack_settings(redis_url))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A NemotronH checkpoint with a trained byte-level BPE tokenizer and a Jinja chat
+    template in chat_template.jinja, all saved by transformers (tests/checkpoints.py)."""
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint_config_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same, with the template in tokenizer_config.json's chat_template."""
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint-config"), "config")

@@ -1,0 +1,106 @@
+"""A checkpoint as a user brings one: a NemotronH saved by transformers beside a real
+tokenizer (a byte-level BPE trained here with the `tokenizers` library on text full of
+multi-byte characters) and a Jinja chat template, saved by transformers too.
+
+The weights are random (seeded), so generations are arbitrary token sequences of this
+vocabulary: most tokens are pieces of multi-byte characters, which is what streaming
+text must survive. `transformers` is the reference every fidelity test compares with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# ruff: noqa: RUF001 (the ambiguous characters are the point of this corpus)
+CORPUS = [
+    "Grüße aus Köln! Ça va? naïve café résumé — “quotes” and plain English words.",
+    "日本語のテキスト、中文的句子，한국어 문장. Emoji: 🙂🚀🎉 👩‍💻 and more.",
+    "ΑΒΓ δεζ Жж Ѣ ħ ŋ ł ø å ß ü ö ä é è ê ë — en dash – ellipsis … «guillemets»",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { }",
+]
+SPECIALS = ["<|bos|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 420  # trained up to this size; the model's vocabulary is what training gave
+
+# ChatML with a BOS the template emits itself, an error for a misplaced system message
+# (raise_exception), and list content handled by the template (text parts joined).
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message may only come first') }}"
+    "{% endif %}"
+    "<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}"
+    "{% elif m.content is not none %}"
+    "{% for part in m.content %}{{ part.text }}{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]
+
+
+def train_tokenizer():
+    """A byte-level BPE whose post-processor adds BOS to raw text (as Llama's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", bos)]
+    )
+    return tok
+
+
+def build_chat_checkpoint(directory: Path, template_in: str = "jinja") -> Path:
+    """Save tokenizer and model into `directory`. `template_in`: "jinja" (transformers'
+    default, chat_template.jinja) or "config" (tokenizer_config.json's chat_template)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(), bos_token="<|bos|>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(directory, save_jinja_files=template_in == "jinja")
+    torch.manual_seed(0)
+    cfg = NemotronHConfig(
+        vocab_size=len(fast),
+        hidden_size=48,
+        layers_block_type=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        intermediate_size=64,
+        ssm_state_size=8,
+        mamba_num_heads=6,
+        mamba_head_dim=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        initializer_range=0.15,
+        use_conv_bias=True,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    NemotronHForCausalLM(cfg).float().eval().save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def reference(directory: Path):
+    """transformers' own tokenizer and model for the checkpoint in `directory`."""
+    from transformers import AutoTokenizer, NemotronHForCausalLM
+
+    model = NemotronHForCausalLM.from_pretrained(directory).float().eval()
+    return AutoTokenizer.from_pretrained(directory), model
