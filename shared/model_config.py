@@ -16,6 +16,19 @@ class UnsupportedModel(ValueError):
     pass
 
 
+# Config keys whose other values change the model's arithmetic in ways custody's executor
+# does not implement: such a checkpoint is refused by name rather than served wrong.
+# (time_step_limit and residual_in_fp32 are absent: transformers' NemotronH reads neither.)
+IMPLEMENTED_ONLY = {
+    "mlp_hidden_act": ("relu2",),
+    "mamba_hidden_act": ("silu",),
+    "attention_bias": (False,),
+    "mamba_proj_bias": (False,),
+    "sliding_window": (None,),
+    "tie_word_embeddings": (False,),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -42,6 +55,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None  # as the checkpoint gives it: one id or several
     bos_token_id: int | None = None
     max_position_embeddings: int = 8192
+    torch_dtype: str | None = None  # the weights' dtype as saved (`--dtype auto` on a GPU)
 
     # ---- derived ----
     @property
@@ -83,6 +97,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         raw = dict(raw)
+        refused = {k: raw[k] for k, ok in IMPLEMENTED_ONLY.items() if raw.get(k, ok[0]) not in ok}
+        if refused:
+            raise UnsupportedModel(f"custody's executor does not implement {refused}")
         if "layers_block_type" not in raw:
             if "hybrid_override_pattern" not in raw:
                 raise UnsupportedModel(
@@ -95,6 +112,7 @@ class ModelConfig:
             ("mamba_chunk_size", "chunk_size"),
             ("mamba_conv_bias", "use_conv_bias"),
             ("mamba_dt_min", "time_step_min"),
+            ("dtype", "torch_dtype"),  # transformers >= 4.56 writes `dtype`
         ):
             if old in raw:
                 raw[new] = raw.pop(old)

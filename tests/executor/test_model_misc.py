@@ -84,3 +84,24 @@ def test_tokenizer_json_beside_the_weights_is_used(tmp_path):
     loaded = load_tokenizer(tmp_path)
     assert loaded.encode("hello world hello") == [0, 1, 0]
     assert load_tokenizer(None).encode("a") == [97]
+
+
+def test_config_values_the_executor_does_not_implement_are_refused_by_name():
+    """An activation, a bias, a sliding window or tied embeddings the executor does not
+    implement would be served wrong; the config is refused naming the key."""
+    raw = builtin_config().to_dict()
+    assert ModelConfig.from_dict(raw | {"sliding_window": None, "attention_bias": False})
+    for key, value in [
+        ("mlp_hidden_act", "silu"),
+        ("mamba_hidden_act", "gelu"),
+        ("attention_bias", True),
+        ("mamba_proj_bias", True),
+        ("sliding_window", 4096),
+        ("tie_word_embeddings", True),
+    ]:
+        try:
+            ModelConfig.from_dict(raw | {key: value})
+        except UnsupportedModel as err:
+            assert key in str(err)
+        else:
+            raise AssertionError(f"{key}={value!r} was accepted")
