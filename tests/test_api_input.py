@@ -253,3 +253,17 @@ def test_a_request_aiohttps_parser_refuses_gets_a_json_error(stack):
     assert head.split(b" ")[1] == b"400"
     assert b"application/json" in head
     assert "message" in json.loads(body)["error"]
+
+
+def test_openai_nulls_mean_defaults_and_n_must_be_an_integer(stack):
+    """OpenAI's schema lets every optional field be null: null means the default. `n`
+    is an integer: JSON `true` is not 1."""
+    port = stack.settings.port
+    nulls = {"max_tokens": None, "temperature": None, "top_p": None, "seed": None}
+    reply = call(port, "/v1/completions", {"prompt": "hi", **nulls, "stop": None})
+    ended = reply["choices"][0]["finish_reason"] == "stop"  # an eos may come sooner
+    assert reply["usage"]["completion_tokens"] == 16 or ended  # the completions default
+    chat = {"messages": [{"role": "user", "content": "hi"}], **nulls, "max_tokens": 3}
+    assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 3
+    status, _, body = post(port, "/v1/completions", {"prompt": "hi", "n": True})
+    assert status == 400 and b"n" in body
