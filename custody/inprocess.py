@@ -51,6 +51,7 @@ class InProcess:
             result.tokens,
             result.logprobs,
             failed_moves=result.failed_moves,
+            top=result.top,
         )
         return self.engine.complete(plan, reply)
 

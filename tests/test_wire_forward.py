@@ -26,6 +26,7 @@ from shared.messages.forward import (
     decode_step,
     decode_step_head,
 )
+from shared.messages.sampling import Penalties
 from tests.engine.driver import Driver
 from tests.test_scheduler_loop import plain, started
 
@@ -62,6 +63,23 @@ def test_a_step_and_a_result_survive_the_round_trip():
     assert decode_result(encode(refused)) == refused
 
 
+def test_penalties_and_top_logprobs_survive_the_round_trip():
+    step = a_step()
+    step.rows[1].penalties = Penalties.of(1.3, 0.5, -0.5, [7, 3, 7, 9], [4, 4, 2])
+    step.rows[1].top_logprobs, step.rows[1].min_p = 3, 0.05
+    back = decode_step(encode(step)).rows[1]
+    assert back.penalties.prompt_ids.tolist() == [3, 7, 9]  # distinct, for repetition
+    assert back.penalties.output_ids.tolist() == [4, 4, 2]
+    assert (back.top_logprobs, back.min_p, back.penalties.presence) == (3, 0.05, -0.5)
+    assert Penalties.of(1.0, 0.5, 0, [7, 3], []).prompt_ids.tolist() == []  # not needed
+    top = [([5, 1], [-0.5, -1.25]), ([], []), ([2], [-3.0])]
+    result = StepResult.of("exec", 4, "sched", ["a", "b", "c"], [5, 6, 2], [-0.5] * 3, top=top)
+    back = decode_result(encode(result))
+    assert [(i.tolist(), lp.tolist()) for i, lp in back.top] == top
+    plain = decode_result(encode(StepResult.of("exec", 4, "sched", ["a"], [5], [-0.5])))
+    assert plain.packed_top_counts == b"" and plain.top == [((), ())]
+
+
 def raw_of(message: msgspec.Struct) -> dict:
     return msgspec.msgpack.decode(encode(message))
 
@@ -91,6 +109,8 @@ def broken_steps() -> dict[str, tuple[dict, str]]:
     case("odd copies", "copies: 3 slots", ("copies",), b"\0" * 12)
     case("owners against clears", "2 owners for 1 clears", ("clear_owners",), b"\0" * 16)
     case("owners against copies", "0 owners for 1 copies", ("copy_owners",), b"")
+    cut = {"output": b"\0" * 5}
+    case("truncated penalised ids", "packed <i4 array of 5", ("rows", 0, "penalties"), cut)
     return cases
 
 
@@ -109,10 +129,14 @@ def test_a_malformed_step_is_refused_with_its_reason(name):
         ("logprobs", b"\0" * 3, "packed <f4 array of 3 bytes"),
         ("rids", "a", "Expected `array`, got `str`"),
         ("v", 3, "$.v"),
+        ("top_counts", b"\2\0\0\0" * 2, "top counts [2, 2] for 1 rows"),
+        ("top_ids", b"\0" * 4, "1 top ids and 2 logprobs for counts summing to 2"),
+        ("top_logprobs", b"\0" * 12, "2 top ids and 3 logprobs"),
     ],
 )
 def test_a_malformed_result_is_refused_with_its_reason(field, value, reason):
-    raw = raw_of(StepResult.of("exec", 4, "sched", ["a"], [17], [-0.25]))
+    top = [([3, 4], [-0.5, -0.75])]
+    raw = raw_of(StepResult.of("exec", 4, "sched", ["a"], [17], [-0.25], top=top))
     raw[field] = value
     with pytest.raises(WireError, match="malformed message") as refused:
         decode_result(msgspec.msgpack.encode(raw))

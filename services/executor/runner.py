@@ -37,12 +37,13 @@ from kernels.slot_ops import clear_slots, copy_slots
 from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
-from services.executor.sampling import sample
+from services.executor.sampling import sample, top_logprobs
 from services.executor.tiers import no_tiers
 from services.executor.tiers.checks import TierMoveRefused
 from services.executor.tiers.mover import TierMover
 from shared.deferred_ops import DeferredOps, DeferredOpsError
 from shared.messages.forward import StepRow
+from shared.messages.sampling import MAX_TOP_LOGPROBS, Top
 from shared.messages.tiers import TierMove
 
 
@@ -67,6 +68,7 @@ class Sampled:
     logprobs: list[float]
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
+    top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
 
 
 class ModelRunner:
@@ -111,9 +113,13 @@ class ModelRunner:
         batch = ForwardBatch(rows, self.device)
         hidden = self.model(batch, self.pools)
         logits = self.model.lm_head(hidden[batch.last_positions])
-        tokens, logprobs = sample(logits, [r for r in rows if r.sample])
+        sampling = [r for r in rows if r.sample]
+        tokens, logprobs = sample(logits, sampling)
         return Sampled(
-            tokens.tolist(), logprobs.tolist(), logits.float().cpu() if keep_logits else None
+            tokens.tolist(),
+            logprobs.tolist(),
+            logits.float().cpu() if keep_logits else None,
+            top=top_logprobs(logits, sampling),
         )
 
     def apply_ops(self, ops: DeferredOps) -> None:
@@ -169,14 +175,24 @@ class ModelRunner:
                 raise BatchRefused(f"row {i}: {len(r.tokens)} tokens from position {r.start}")
             if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
                 raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
+            if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise BatchRefused(
+                    f"row {i}: {r.top_logprobs} top logprobs (0..{MAX_TOP_LOGPROBS})"
+                )
         kv = np.concatenate([r.kv_indices for r in rows])
         if int(kv.min()) < page_size or int(kv.max()) >= kv_rows:
             raise BatchRefused(
                 f"KV indices outside {page_size}..{kv_rows - 1} (page 0 is the padding sink)"
             )
-        tokens = np.concatenate([r.tokens for r in rows])
+        tokens = np.concatenate([r.tokens for r in rows] + _penalty_ids(rows))
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-            raise BatchRefused(f"token ids outside [0, {vocab})")
+            raise BatchRefused(f"token ids (fed or penalised) outside [0, {vocab})")
         new = np.concatenate([r.kv_indices[r.start :] for r in rows])
         if len(np.unique(new)) != len(new):
             raise BatchRefused("two positions of this step write the same KV index")
+
+
+def _penalty_ids(rows: list[StepRow]) -> list[np.ndarray]:
+    """The ids the rows' penalties count: indices into the logits, checked like tokens."""
+    pens = [r.penalties for r in rows if r.penalties is not None]
+    return [a for p in pens for a in (p.prompt_ids, p.output_ids)]

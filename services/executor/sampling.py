@@ -1,17 +1,30 @@
-"""Next-token choice per row: greedy, or temperature with top-k and top-p, seeded so a
-row's draw at a given position is reproducible.
+"""Next-token choice per row: vLLM's penalties, then greedy, or temperature with top-k,
+min-p and top-p, seeded so a row's draw at a given position is reproducible; and the log
+probabilities of the raw logits (whatever the sampling parameters, vLLM's default).
 
 No sampling parameter can make the distribution empty or non-finite: a temperature
 below GREEDY_BELOW is greedy (dividing by it would overflow), logits are shifted by their
-maximum before the division, and the filters always keep the most likely token. On CUDA
-an invalid distribution would be a device-side assert that kills the process's context.
+maximum before the division, a penalty leaves a finite logit finite (clamped) and a
+masked one masked, a non-finite penalty is no penalty, and the filters always keep the
+most likely token. On CUDA an invalid distribution would be a device-side assert that
+kills the process's context.
+
+Penalties (repetition over the prompt and output ids, frequency and presence over the
+output ids) count tokens that no one keeps between steps: each penalised row carries
+them (shared/messages/sampling.py), so nothing is rebuilt after a retract or an executor
+restart. Only a future token (StepRow.future: tokens[0], this step's input, which the
+step before sampled) is unknown to the scheduler; it is counted here as an output token.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from shared.messages.forward import StepRow
+from shared.messages.sampling import Penalties, Top
 
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy
 
@@ -26,11 +39,14 @@ def sample(logits: torch.Tensor, rows: list[StepRow]) -> tuple[torch.Tensor, tor
     probability of each chosen token [R])."""
     logits = logits.float()
     _check_finite(logits)
-    tokens = torch.argmax(logits, dim=-1)
+    processed = logits
+    if any(row.penalties is not None for row in rows):
+        processed = torch.stack([penalise(logits[j], row) for j, row in enumerate(rows)])
+    tokens = torch.argmax(processed, dim=-1)
     for j, row in enumerate(rows):
         if not row.temperature >= GREEDY_BELOW:  # also a NaN temperature
             continue
-        probs = _distribution(logits[j], row.temperature, row.top_k, row.top_p)
+        probs = _distribution(processed[j], row.temperature, row.top_k, row.top_p, row.min_p)
         generator = torch.Generator(device=probs.device)
         if row.seed is None:
             generator.seed()
@@ -39,6 +55,51 @@ def sample(logits: torch.Tensor, rows: list[StepRow]) -> tuple[torch.Tensor, tor
         tokens[j] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logits.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen - torch.logsumexp(logits, dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, rows: list[StepRow]) -> list[Top]:
+    """Per row the `row.top_logprobs` most likely ids under the raw logits' log-softmax,
+    most likely first, with their log probabilities (masked ids, -inf, are left out)."""
+    ks = [max(0, min(row.top_logprobs, logits.shape[-1])) for row in rows]
+    if not any(ks):
+        return [((), ())] * len(rows)
+    values, ids = torch.topk(torch.log_softmax(logits.float(), -1), max(ks), dim=-1)
+    values, ids = values.cpu(), ids.cpu()
+    top: list[Top] = []
+    for j, k in enumerate(ks):
+        keep = torch.isfinite(values[j, :k])
+        top.append((ids[j, :k][keep].tolist(), values[j, :k][keep].tolist()))
+    return top
+
+
+def penalise(logits: torch.Tensor, row: StepRow) -> torch.Tensor:
+    """One row's logits [V] after vLLM's penalties: repetition divides the positive
+    logits of every id seen in the prompt or output and multiplies the negative ones;
+    frequency subtracts its value per occurrence in the output, presence once per id
+    present there. A new tensor; the raw logits stay for the log probabilities."""
+    pen = row.penalties
+    if pen is None:
+        return logits
+    output = torch.tensor(_output_ids(row, pen), dtype=torch.long, device=logits.device)
+    out = logits.clone()
+    rep = pen.repetition
+    if math.isfinite(rep) and rep > 0 and rep != 1.0:
+        prompt = torch.tensor(pen.prompt_ids, dtype=torch.long, device=logits.device)
+        seen = torch.unique(torch.cat([prompt, output]))
+        picked = out[seen]
+        out[seen] = torch.where(picked > 0, picked / rep, picked * rep)
+    freq, pres = pen.frequency, pen.presence
+    if len(output) and math.isfinite(freq) and math.isfinite(pres) and (freq or pres):
+        counts = torch.bincount(output, minlength=logits.numel()).to(out.dtype)
+        out = out - freq * counts - pres * (counts > 0).to(out.dtype)
+    big = torch.finfo(out.dtype).max
+    return torch.where(torch.isfinite(logits), out.clamp(-big, big), logits)
+
+
+def _output_ids(row: StepRow, pen: Penalties) -> np.ndarray:
+    """The output ids so far: the scheduler's, plus a future token it has yet to see."""
+    ids = pen.output_ids
+    return np.append(ids, row.tokens[:1]) if row.future else ids
 
 
 def _check_finite(logits: torch.Tensor) -> None:
@@ -51,12 +112,14 @@ def _check_finite(logits: torch.Tensor) -> None:
 
 
 def _distribution(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
 ) -> torch.Tensor:
     """Probabilities over the vocabulary, finite, summing to 1, the argmax always > 0."""
     finite = torch.isfinite(logits)
     shifted = (logits - logits.max()) / temperature  # <= 0, so exp cannot overflow
     scaled = shifted.masked_fill(~finite, float("-inf"))  # -inf / inf would be NaN
+    if min_p > 0:  # p < min_p * p_max, as logits: the argmax's is 0, so it always stays
+        scaled = scaled.masked_fill(scaled < math.log(min(min_p, 1.0)), float("-inf"))
     if 0 < top_k < scaled.numel():
         cutoff = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))

@@ -163,6 +163,7 @@ class ExecutorService:
             result.tokens,
             result.logprobs,
             failed_moves=result.failed_moves,
+            top=result.top,
         )
         return encode(reply)
 

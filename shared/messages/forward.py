@@ -19,6 +19,7 @@ import numpy as np
 
 from shared.deferred_ops import DeferredOps
 from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+from shared.messages.sampling import Penalties, Top, pack_top, unpack_top
 from shared.messages.tiers import TierMove
 
 I4, I8, F4 = "<i4", "<i8", "<f4"
@@ -42,6 +43,9 @@ class StepRow(msgspec.Struct, kw_only=True):
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    min_p: float = 0.0  # tokens below min_p times the most likely one's probability go
+    penalties: Penalties | None = None  # None: no penalty (sampling.py)
+    top_logprobs: int = 0  # the top log probabilities wanted at the sampled position
     future: bool = False  # tokens[0] stands for the token the step before samples
     # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
     # the session store checks each write against its own ledger.
@@ -213,14 +217,14 @@ class ResultHead(Message, tag="result", kw_only=True):
 
 class StepResult(Message, tag="result", kw_only=True):
     """The executor's answer to a step: `epoch` is the executor's life, `seq` the step's
-    number. Per sampling row (`rids`, in row order) the token sampled and the model's log
-    probability of it; or `error`, why the step was refused or failed. `ops_ran` (with an
-    error): every deferred op had been applied when it failed, so a rollback copy they
-    made holds the state it copied; False: the forward did not run, the sources of its
-    copies hold what they held, and its destinations may not. `failed_moves`: the
-    indices (in `Step.moves`) of tier moves that did not happen while the step ran on (a
-    blob that failed its checksum, a disk that refused a write); their destinations hold
-    nothing."""
+    number. Per sampling row (`rids`, in row order) the token sampled, the model's log
+    probability of it and the top log probabilities the row asked for (`top`); or
+    `error`, why the step was refused or failed. `ops_ran` (with an error): every
+    deferred op had been applied when it failed, so a rollback copy they made holds the
+    state it copied; False: the forward did not run, the sources of its copies hold what
+    they held, and its destinations may not. `failed_moves`: the indices (in
+    `Step.moves`) of tier moves that did not happen while the step ran on (a blob that
+    failed its checksum, a disk that refused a write); their destinations hold nothing."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
@@ -229,11 +233,16 @@ class StepResult(Message, tag="result", kw_only=True):
     error: str | None = None
     ops_ran: bool = False
     failed_moves: list[int] = msgspec.field(default_factory=list)
+    packed_top_counts: bytes = msgspec.field(name="top_counts", default=b"")
+    packed_top_ids: bytes = msgspec.field(name="top_ids", default=b"")
+    packed_top_logprobs: bytes = msgspec.field(name="top_logprobs", default=b"")
 
     def __post_init__(self) -> None:
         n, lp = len(self.tokens), len(self.logprobs)
         if self.error is None and not n == lp == len(self.rids):
             raise WireError(f"{n} tokens and {lp} log probabilities for {len(self.rids)} rows")
+        if self.error is None:  # the top arrays agree with each other and the rows
+            unpack_top(self.packed_top_counts, self.packed_top_ids, self.packed_top_logprobs, n)
 
     @classmethod
     def of(
@@ -248,7 +257,9 @@ class StepResult(Message, tag="result", kw_only=True):
         error: str | None = None,
         ops_ran: bool = False,
         failed_moves: list[int] | None = None,
+        top: Sequence[Top] = (),
     ) -> StepResult:
+        counts, top_ids, top_logprobs = pack_top(top)
         return cls(
             epoch=executor_epoch,
             seq=step,
@@ -259,11 +270,22 @@ class StepResult(Message, tag="result", kw_only=True):
             error=error,
             ops_ran=ops_ran,
             failed_moves=failed_moves or [],
+            packed_top_counts=counts,
+            packed_top_ids=top_ids,
+            packed_top_logprobs=top_logprobs,
         )
 
     @property
     def step(self) -> int:
         return self.seq
+
+    @property
+    def top(self) -> list[Top]:
+        """Per sampling row, its top ids and their log probabilities (empty where the
+        row asked for none)."""
+        return unpack_top(
+            self.packed_top_counts, self.packed_top_ids, self.packed_top_logprobs, len(self.rids)
+        )
 
     @property
     def executor_epoch(self) -> str:

@@ -7,6 +7,7 @@ import torch
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
+from shared.messages.sampling import Penalties
 from tests.executor.oracle import (
     all_logits,
     build_reference,
@@ -104,6 +105,9 @@ def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[StepRow], DeferredOps]]:
         "negative start": ([StepRow.of(torch.tensor([1, 2]), -1, kv[:1], 1)], fine()),
         "token out of vocab": ([StepRow.of(torch.tensor([500]), 0, kv[:1], 1)], fine()),
         "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], fine()),
+        "penalised id out of vocab": ([ok(penalties=Penalties.of(1.2, 0, 0, [900], []))], fine()),
+        "penalised output out of vocab": ([ok(penalties=Penalties.of(1, 1, 0, [], [-1]))], fine()),
+        "21 top logprobs": ([ok(top_logprobs=21)], fine()),
         "read a slot another row writes": (
             [ok(mamba_out=2), StepRow.of(torch.tensor([3]), 0, kv[2:3], 2, mamba_out=3)],
             fine(),
@@ -173,3 +177,22 @@ def test_execute_samples_greedily_and_reports_logprobs(models):
     expected = reference_logits(ref, A)[-1]
     assert result.tokens == [int(expected.argmax())]
     assert abs(result.logprobs[0] - float(torch.log_softmax(expected, -1).max())) < 1e-4
+
+
+def test_execute_returns_the_top_logprobs_a_row_asks_for(models):
+    """From the raw logits whatever the sampling parameters; a row that asks for none
+    gets none."""
+    ref, model = models
+    pools = pools_for(model, 2)
+    runner = ModelRunner(model, pools)
+    kv_a, kv_b = scattered_kv([len(A), len(B)], 1, seed=8)
+    sampling = {"temperature": 0.7, "top_k": 3, "min_p": 0.2, "seed": 1, "top_logprobs": 5}
+    penalties = Penalties.of(1.5, 1.0, 1.0, A, A[:4])
+    rows = [row(A, 0, kv_a, 2, penalties=penalties, **sampling), row(B, 0, kv_b, 3)]
+    result = runner.execute(rows, DeferredOps(clears=[2, 3]))
+    expected = torch.log_softmax(reference_logits(ref, A)[-1], -1)
+    values, ids = torch.topk(expected, 5)
+    top_ids, top_lps = result.top[0]
+    assert top_ids == ids.tolist() and torch.allclose(torch.tensor(top_lps), values, atol=1e-4)
+    assert abs(result.logprobs[0] - float(expected[result.tokens[0]])) < 1e-4
+    assert result.top[1] == ([], [])

@@ -24,4 +24,5 @@ def complete(engine: EngineCore, plan: StepPlan, result: StepResult) -> list[Req
         dict(zip(rids, result.tokens.tolist(), strict=True)),
         dict(zip(rids, result.logprobs.tolist(), strict=True)),
         set(result.failed_moves),
+        dict(zip(rids, result.top, strict=True)),
     )

@@ -37,6 +37,7 @@ from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SessionManager
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
+from shared.messages.sampling import Top
 
 
 class EngineCore:
@@ -145,9 +146,11 @@ class EngineCore:
         sampled: dict[str, int],
         logprobs: dict[str, float] | None = None,
         failed_moves: set[int] | None = None,
+        top: dict[str, Top] | None = None,
     ) -> list[Request]:
         """Apply the executor's result of `plan` (`failed_moves`: indices of its tier moves
-        that did not happen); returns the requests that ended."""
+        that did not happen; `top`: the top log probabilities of the rows that asked);
+        returns the requests that ended."""
         self.in_flight.pop_oldest(plan)
         self.sessions.moves.landed(plan.tier, failed_moves or set())
         ended = []
@@ -164,9 +167,7 @@ class EngineCore:
                 req.slots.track.record(row.snapshot_slot, row.snapshot_len)
             if row.sample:
                 token = int(sampled[row.rid])
-                req.output.append(token)
-                if logprobs is not None and row.rid in logprobs:
-                    req.logprobs.append(float(logprobs[row.rid]))
+                req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
                 req.finish_reason = finish_reason(
                     req, token, self.config.eos_token_ids, self.config.context_len, self.decode
                 )

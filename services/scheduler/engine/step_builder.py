@@ -14,6 +14,7 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.records.request import Request
 from services.scheduler.records.row_plan import RowPlan
 from shared.messages.forward import StepRow
+from shared.messages.sampling import Penalties
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
 
@@ -56,7 +57,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     if snap_len > max(start, req.slots.track.latest_len):
         slot = req.slots.track.begin_snapshot() or 0
     read, write = req.slots.state.advance()
-    params = req.params
+    params, sample = req.params, end == req.length + future
     wire = StepRow.of(
         np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,
@@ -66,11 +67,14 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         mamba_out=write,
         snapshot_slot=slot,
         snapshot_len=snap_len if slot else 0,
-        sample=end == req.length + future,
+        sample=sample,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
         seed=params.seed,
+        min_p=params.min_p,
+        penalties=penalties(req) if sample and params.penalised else None,
+        top_logprobs=params.top_logprobs,
         future=future,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
@@ -79,6 +83,15 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt))
     req.inflight.append(row)
     return row
+
+
+def penalties(req: Request) -> Penalties:
+    """What the executor needs to penalise `req`'s next token: no one keeps counts
+    between steps (shared/messages/sampling.py). A future token is counted there."""
+    p = req.params
+    return Penalties.of(
+        p.repetition_penalty, p.frequency_penalty, p.presence_penalty, req.prompt, req.output
+    )
 
 
 @dataclass

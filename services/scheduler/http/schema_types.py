@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from services.scheduler.records.sampling import SEED_MAX
+from shared.messages.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 256
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
@@ -20,6 +21,11 @@ Temperature = Annotated[
     float, Meta(ge=0, le=100, description="below 1e-5 the executor samples greedily")
 ]
 TopP = Annotated[float, Meta(gt=0, le=1)]
+# vLLM's extensions (msgspec refuses NaN and numbers past a float, so these stay finite)
+MinP = Annotated[float, Meta(ge=0, le=1)]
+RepetitionPenalty = Annotated[float, Meta(gt=0, description="1: off; > 1 discourages")]
+Penalty = Annotated[float, Meta(ge=-2, le=2, description="0: off; > 0 discourages")]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 # msgspec cannot bound an int past int64: the upper bound is documented here and checked
 # by `check_seed`.
 Seed = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": SEED_MAX})]
@@ -66,3 +72,18 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def extension_params(body: Any) -> dict[str, Any]:
+    """The sampling extensions both APIs share (top_k, min_p, stop ids, ignore_eos, the
+    penalties) as SamplingParams fields; a null is the default."""
+    given = {
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "ignore_eos": body.ignore_eos,
+    }
+    params = {name: value for name, value in given.items() if value is not None}
+    return params | {"stop_token_ids": tuple(body.stop_token_ids or ())}

@@ -127,23 +127,29 @@ def sampling_schema(limits: st.Limits) -> type:
         stop_token_ids: StopTokenIds | None = None
         ignore_eos: bool = False
         no_stop_trim: bool = False
+        min_p: st.MinP | None = None
+        repetition_penalty: st.RepetitionPenalty | None = None
+        frequency_penalty: st.Penalty | None = None
+        presence_penalty: st.Penalty | None = None
 
         def __post_init__(self) -> None:
             if self.top_k == 0:
                 raise ValueError("sampling_params.top_k must be -1 (off) or at least 1, got 0")
             st.check_seed("sampling_params.seed", self.seed)
 
-        def engine_params(self, max_new_tokens: int) -> SamplingParams:
+        def engine_params(
+            self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
+        ) -> SamplingParams:
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
-                top_k=self.top_k,
                 seed=self.seed,
-                stop_token_ids=tuple(self.stop_token_ids or ()),
                 stop=st.stop_strings(self.stop),
-                ignore_eos=self.ignore_eos,
                 no_stop_trim=self.no_stop_trim,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs if logprobs else 0,
+                **st.extension_params(self),
             )
 
     return GenerateSamplingParams
@@ -163,6 +169,7 @@ def generate_schema(limits: st.Limits) -> type:
         rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
         stream: bool = False
         return_logprob: bool = False
+        top_logprobs_num: st.TopLogprobs = 0  # with return_logprob: output_top_logprobs
 
         def __post_init__(self) -> None:
             if (self.text is None) == (self.input_ids is None):

@@ -1,8 +1,10 @@
 """The bodies of the OpenAI-compatible routes as msgspec structs (see `schemas.py`).
 
-Every optional field may be null, as in OpenAI's own schema. Fields custody does not
-implement (`user`, `logit_bias`, `frequency_penalty`, `tools`...) are ignored; `n` other
-than 1 is refused, since it would silently change what the client gets.
+Every optional field may be null, as in OpenAI's own schema; a null is the default.
+vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
+penalties) are honoured. Fields custody does not implement (`user`, `logit_bias`,
+`tools`...) are ignored; `n` other than 1 is refused, since it would silently change
+what the client gets.
 """
 
 # No `from __future__ import annotations`: the structs of `openai_schemas` are defined
@@ -13,13 +15,19 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct
 
 from services.scheduler.http.schema_types import (
+    MAX_STOP_TOKEN_IDS,
     Limits,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Seed,
     Stop,
     Temperature,
     Text,
+    TopLogprobs,
     TopP,
     check_seed,
+    extension_params,
     stop_strings,
 )
 from services.scheduler.records.sampling import SamplingParams
@@ -52,14 +60,22 @@ class OpenAIRequest(Struct, kw_only=True):
         """The field that limits the output, and its value (None: not given)."""
         return "max_tokens", self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        """None: no logprobs; else how many top alternatives per output token."""
+        return None
+
     def engine_params(self, max_new_tokens: int) -> SamplingParams:
+        """Each route's struct adds vLLM's extensions (`openai_schemas`)."""
+        wanted = self.wanted_logprobs()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
-            logprobs=bool(self.logprobs),
+            logprobs=wanted is not None,
             stop=stop_strings(self.stop),
+            top_logprobs=wanted or 0,
+            **extension_params(self),
         )
 
     def include_usage(self) -> bool:
@@ -74,8 +90,26 @@ class ChatMessage(Struct):
 def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequest]]:
     """The structs of /v1/completions and /v1/chat/completions, bounded by `limits`."""
     MaxTokens = limits.max_tokens
+    TopK = Annotated[int, Meta(ge=-1, le=limits.vocab_size, description="-1 or 0: off")]
+    StopTokenIds = Annotated[list[limits.token], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
-    class CompletionRequest(OpenAIRequest, kw_only=True):
+    class Extended(OpenAIRequest, kw_only=True):
+        """vLLM's sampling extensions, bounded by the vocabulary."""
+
+        top_k: TopK | None = None
+        min_p: MinP | None = None
+        stop_token_ids: StopTokenIds | None = None
+        ignore_eos: bool | None = None
+        repetition_penalty: RepetitionPenalty | None = None
+        frequency_penalty: Penalty | None = None
+        presence_penalty: Penalty | None = None
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.top_k == 0:  # vLLM's other spelling of off
+                self.top_k = -1
+
+    class CompletionRequest(Extended, kw_only=True):
         """A prompt as text or as token ids."""
 
         prompt: Text | limits.input_ids
@@ -86,7 +120,10 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
             super().__post_init__()
             limits.check_input("prompt", self.prompt)
 
-    class ChatCompletionRequest(OpenAIRequest, kw_only=True):
+        def wanted_logprobs(self) -> int | None:
+            return self.logprobs
+
+    class ChatCompletionRequest(Extended, kw_only=True):
         """A conversation; with `session_id`, custody appends to the session what follows
         the last assistant message."""
 
@@ -94,6 +131,15 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
         logprobs: bool | None = None
+        top_logprobs: TopLogprobs | None = None
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.top_logprobs and not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+
+        def wanted_logprobs(self) -> int | None:
+            return (self.top_logprobs or 0) if self.logprobs else None
 
         def requested_tokens(self) -> tuple[str, int | None]:
             if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -24,6 +24,7 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import Lease
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.sampling import SamplingParams
+from shared.messages.sampling import Top
 
 if TYPE_CHECKING:
     from services.scheduler.records.row_plan import RowPlan
@@ -60,7 +61,8 @@ class Request:
     cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the model's, per output token
+    top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)
     inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
 
@@ -87,6 +89,16 @@ class Request:
     @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def record(self, token: int, logprob: float | None, top: Top | None) -> None:
+        """A sampled token, its log probability and its top alternatives. Kept beside the
+        output, which a retract keeps: what is recorded is never sampled again."""
+        self.output.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if self.params.top_logprobs:
+            ids, lps = top if top is not None else ((), ())
+            self.top_logprobs.append((list(ids), list(lps)))
 
     def committed_output(self) -> list[int]:
         """The output as it enters a session's history: a stop token is trimmed unless

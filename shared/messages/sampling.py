@@ -1,0 +1,100 @@
+"""What sampling adds to the forward wire (forward.py): a row's penalties with the token
+ids they count, and a result's top log probabilities, packed.
+
+Penalties need the tokens a request has seen, and nothing keeps them between steps: each
+sampling row that is penalised carries them (the distinct prompt ids for the repetition
+penalty, the output ids the scheduler knows), so a re-prefill after a retract or a new
+executor life needs no rebuilt state. The one output token the scheduler cannot know is
+a future token (forward.StepRow.future): the executor adds it (services/executor/
+sampling.py). The cost: 4 bytes per distinct prompt id and per output token, on every
+sampling step of a penalised request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from shared.messages.envelope import WireError, pack, unpack
+
+I4, F4 = "<i4", "<f4"
+MAX_TOP_LOGPROBS = 20  # the most top log probabilities a row may ask for (OpenAI's limit)
+Top = tuple[Sequence[int], Sequence[float]]  # one position's top ids and their logprobs
+
+
+class Penalties(msgspec.Struct, kw_only=True):
+    """vLLM's penalties of one sampling row, and the ids they count: `prompt` the
+    distinct prompt ids (empty unless `repetition` != 1), `output` the output so far."""
+
+    repetition: float = 1.0  # > 1 divides positive logits of seen ids, multiplies negative
+    frequency: float = 0.0  # subtracted once per occurrence in the output
+    presence: float = 0.0  # subtracted once if present in the output
+    packed_prompt: bytes = msgspec.field(name="prompt", default=b"")
+    packed_output: bytes = msgspec.field(name="output", default=b"")
+
+    def __post_init__(self) -> None:
+        """Cut arrays are refused as the row is decoded."""
+        unpack(self.packed_prompt, I4)
+        unpack(self.packed_output, I4)
+
+    @classmethod
+    def of(
+        cls,
+        repetition: float,
+        frequency: float,
+        presence: float,
+        prompt: Sequence[int] | np.ndarray,
+        output: Sequence[int],
+    ) -> Penalties:
+        """`prompt`: the whole prompt; only its distinct ids travel, and only when the
+        repetition penalty uses them."""
+        seen = np.unique(np.asarray(prompt)) if repetition != 1.0 else ()
+        return cls(
+            repetition=repetition,
+            frequency=frequency,
+            presence=presence,
+            packed_prompt=pack(seen, I4),
+            packed_output=pack(output, I4),
+        )
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return unpack(self.packed_prompt, I4)
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return unpack(self.packed_output, I4)
+
+
+def pack_top(top: Sequence[Top]) -> tuple[bytes, bytes, bytes]:
+    """Per sampling row its top ids and logprobs (any count, 0 included) as three packed
+    arrays: the counts, then every row's ids and logprobs end to end."""
+    counts = [len(ids) for ids, _ in top]
+    counts = counts if any(counts) else []  # nobody asked: no counts at all
+    ids = [i for row_ids, _ in top for i in row_ids]
+    logprobs = [lp for _, row_lps in top for lp in row_lps]
+    return pack(counts, I4), pack(ids, I4), pack(logprobs, F4)
+
+
+def unpack_top(counts: bytes, ids: bytes, logprobs: bytes, rows: int) -> list[Top]:
+    """The inverse of `pack_top` for `rows` sampling rows (no counts at all: nobody asked);
+    a WireError when the lengths disagree."""
+    n, flat_ids, flat_lps = unpack(counts, I4), unpack(ids, I4), unpack(logprobs, F4)
+    if not len(n):
+        if len(flat_ids) or len(flat_lps):
+            raise WireError(f"{len(flat_ids)} top ids without counts")
+        return [((), ())] * rows
+    if len(n) != rows or int(n.min()) < 0:
+        raise WireError(f"top counts {n.tolist()} for {rows} rows")
+    if not int(n.sum()) == len(flat_ids) == len(flat_lps):
+        raise WireError(
+            f"{len(flat_ids)} top ids and {len(flat_lps)} logprobs for counts summing to "
+            f"{int(n.sum())}"
+        )
+    ends = np.cumsum(n)
+    return [
+        (flat_ids[end - k : end], flat_lps[end - k : end])
+        for k, end in zip(n.tolist(), ends.tolist(), strict=True)
+    ]

@@ -1,0 +1,83 @@
+"""vLLM's penalties end to end: a penalised, seeded generation gives the same tokens
+(and log probabilities) uninterrupted, after a retract and across an executor killed
+mid-generation, because no token counts are kept between steps (each penalised row
+carries the ids it counts; shared/messages/sampling.py); and the penalties do change
+what is generated."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from custody.inprocess import InProcess
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
+from tests.services_harness import POOLS, call
+
+PROMPT = list(range(40, 70))
+PENALISED = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "min_p": 0.02,
+    "seed": 11,
+    "repetition_penalty": 1.3,
+    "frequency_penalty": 0.4,
+    "presence_penalty": 0.3,
+    "ignore_eos": True,
+}
+
+
+def generate(n: int, retract_after: int | None = None, **sampling: object) -> Request:
+    """A request run to its end in one process; with `retract_after`, retracted once
+    that many tokens are out (it re-prefills prompt and output, then goes on)."""
+    local = InProcess(Settings(**POOLS))
+    params = SamplingParams(max_new_tokens=n, top_logprobs=3, **sampling)
+    req = local.engine.submit(Request("x", np.asarray(PROMPT), params))
+    while retract_after is not None and len(req.output) < retract_after:
+        local.step()
+    if retract_after is not None:
+        local.engine.retract(req)
+        assert local.engine.retractions == 1 and req.computed == 0
+    local.run_until_idle()
+    assert len(req.logprobs) == len(req.top_logprobs) == len(req.output) == n
+    return req
+
+
+def test_a_penalised_generation_is_the_same_after_a_retract():
+    whole = generate(40, **PENALISED)
+    retracted = generate(40, retract_after=17, **PENALISED)
+    assert retracted.output == whole.output
+    assert np.allclose(retracted.logprobs, whole.logprobs, atol=1e-4)
+    assert [ids for ids, _ in retracted.top_logprobs] == [ids for ids, _ in whole.top_logprobs]
+
+
+def test_penalties_change_the_generation_away_from_repeats():
+    plain = generate(60, ignore_eos=True).output  # greedy: the tiny model repeats itself
+    penalised = generate(60, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.output != plain
+    repeats = lambda out: len(out) - len(set(out))  # noqa: E731
+    assert repeats(penalised.output) < repeats(plain)
+
+
+def test_a_penalised_generation_is_the_same_across_an_executor_restart(stack):
+    """The service pipelines (each decode row feeds the token the step before sampled as
+    a future token, which the executor counts), and a killed executor's successor
+    re-prefills: both must give the tokens of one uninterrupted in-process run."""
+    port, n = stack.settings.port, 600
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n, **PENALISED}}
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=call(port, "/generate", body)))
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive(), result
+    stack.kill("executor")  # SIGKILL in the middle of the decode
+    deadline = time.monotonic() + 120
+    while worker.is_alive() and time.monotonic() < deadline:
+        stack.supervise_once()
+        time.sleep(0.2)
+    worker.join(timeout=1)
+    assert stack.restarts["executor"] == 1
+    assert result["out"]["output_ids"] == generate(n, **PENALISED).output
