@@ -13,7 +13,7 @@ import torch
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.tiers import build_tiers
-from services.executor.weights import load_model
+from services.executor.weights import load_model, model_dtype
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.records.request import Request
 from shared.config import Settings
@@ -23,7 +23,7 @@ from shared.tokenizer import load_tokenizer
 
 class InProcess:
     def __init__(self, settings: Settings) -> None:
-        self.model = load_model(settings.model, torch.device("cpu"))
+        self.model = load_model(settings.model, torch.device("cpu"), settings.dtype)
         self.tokenizer = load_tokenizer(settings.model)
         self.engine = build_engine(settings, self.model.cfg, self.tokenizer, strict=True)
         self.pools = self.engine.pools
@@ -31,6 +31,7 @@ class InProcess:
             self.model.cfg,
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             torch.device("cpu"),
+            model_dtype(self.model),
         )
         tiers = build_tiers(settings, self.model.cfg, device_pools)
         self.runner = ModelRunner(self.model, device_pools, tiers)

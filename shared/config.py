@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from shared.dtypes import check_dtype, sizing_dtype
 from shared.model_config import ModelConfig
 from shared.tiers import TierSizes
 
@@ -16,6 +17,9 @@ from shared.tiers import TierSizes
 class Settings:
     redis_url: str = ""  # empty: `custody up` starts a private Redis
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
+    # weights, KV and conv state: auto (the checkpoint's on a GPU, float32 on CPU),
+    # float32, bfloat16 or float16 (shared/dtypes.py)
+    dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 30000  # the HTTP API (scheduler)
     store_port: int = 30001  # the session store's HTTP (ledger, sessions, metrics)
@@ -69,6 +73,7 @@ class Settings:
                 raise ValueError(f"{name} must be >= 0")
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:
             raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
+        check_dtype(self.dtype)
         if self.pipeline_depth not in (0, 1):
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:
@@ -90,6 +95,7 @@ class Settings:
             self.host_state_bytes,
             self.disk_state_bytes if self.state_dir is not None else 0,
             self.context_len,
+            sizing_dtype(self.dtype),
         )
 
     def session_limit(self, tiers: TierSizes) -> int:

@@ -2,8 +2,9 @@
 
 The scheduler (its ledger pools) and the executor (its host tensors and blob budget)
 compute them with this one function from the same settings and model shapes, so slot
-numbers the scheduler plans always exist on the executor. State is float32 (as the
-executor's pools keep it), so bytes follow from the shapes alone, without torch.
+numbers the scheduler plans always exist on the executor. KV and conv state take the
+`--dtype`'s bytes (shared/dtypes.py; `auto` is sized as float32), SSM state float32, so
+bytes follow from the shapes and the setting alone, without torch or a device.
 
 - Host tier: KV pages and Mamba slots, like the device pools, in the device pools'
   proportion of pages to slots, as many as `host_state_bytes` pays for.
@@ -16,30 +17,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.dtypes import ITEMSIZE, SSM_DTYPE
 from shared.model_config import ModelConfig
 
-FLOAT32 = 4
 BLOB_OVERHEAD = 4096  # header and checksum of a blob, bounded
 
 
 @dataclass(frozen=True)
 class StateShapes:
     """Bytes of one KV page (every attention layer, K and V) and one Mamba slot (every
-    Mamba layer, conv and SSM state)."""
+    Mamba layer, conv and SSM state) in `dtype` (a concrete name of shared/dtypes.py)."""
 
     page_size: int
     kv_page_bytes: int
     mamba_slot_bytes: int
 
     @classmethod
-    def of(cls, model: ModelConfig, page_size: int) -> StateShapes:
+    def of(cls, model: ModelConfig, page_size: int, dtype: str = "float32") -> StateShapes:
         kv_token = 2 * len(model.attention_layers) * model.num_key_value_heads * model.head_dim
-        conv = model.conv_dim * (model.conv_kernel - 1)
+        conv = model.conv_dim * (model.conv_kernel - 1) * ITEMSIZE[dtype]
         ssm = model.mamba_num_heads * model.mamba_head_dim * model.ssm_state_size
         return cls(
             page_size,
-            kv_token * page_size * FLOAT32,
-            len(model.mamba_layers) * (conv + ssm) * FLOAT32,
+            kv_token * page_size * ITEMSIZE[dtype],
+            len(model.mamba_layers) * (conv + ssm * ITEMSIZE[SSM_DTYPE]),
         )
 
     def session_bytes(self, tokens: int) -> int:
@@ -64,11 +65,12 @@ class TierSizes:
         host_state_bytes: int,
         disk_state_bytes: int,
         context_len: int,
+        dtype: str = "float32",
     ) -> TierSizes:
         """0 bytes: no such tier (its pools have no slots; nothing moves there)."""
         if host_state_bytes < 0 or disk_state_bytes < 0:
             raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
-        shapes = StateShapes.of(model, page_size)
+        shapes = StateShapes.of(model, page_size, dtype)
         device = (
             device_kv_pages * shapes.kv_page_bytes + device_mamba_slots * shapes.mamba_slot_bytes
         )

@@ -122,6 +122,25 @@ class ModelRunner:
             top=top_logprobs(logits, sampling),
         )
 
+    def warm_up(self) -> None:
+        """One step on the padding sink, run before the executor announces itself: the
+        first real step must not pay for lazy set-up (allocations, kernel choice, the
+        Triton slot kernels' compilation on a GPU), or the scheduler sees a slow first
+        step. A prefill and a decode row read and write slot 0 and page 0 only; the sink
+        is zeroed after, so the pools are bit for bit as they were."""
+        sink = [0, min(1, self.pools.sizes.page_size - 1)]  # KV indices of page 0
+        rows = [StepRow.of([0, 0], 0, sink, 0), StepRow.of([0], 0, sink[:1], 0)]
+        context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+        with context, torch.inference_mode():
+            self._forward(rows, keep_logits=False)
+            zero = to_device(torch.zeros(1, dtype=torch.long), self.device)
+            copy_slots(self.pools.state_tensors, zero, zero)
+            clear_slots(self.pools.state_tensors, zero)
+            for kv in (self.pools.k, self.pools.v):
+                kv[:, : self.pools.sizes.page_size] = 0
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def apply_ops(self, ops: DeferredOps) -> None:
         """Clears, then copies, over every Mamba layer's conv and SSM state."""
         if not ops:

@@ -27,7 +27,7 @@ from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
 from services.executor.tiers import build_tiers
-from services.executor.weights import load_model
+from services.executor.weights import load_model, model_dtype
 from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError, encode
@@ -59,14 +59,18 @@ class ExecutorService:
             # forward runs (the scheduler plans the next step meanwhile); torch's idle
             # threads spin-waiting on every core would take it from them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-        model = load_model(settings.model, device)
+        model = load_model(settings.model, device, settings.dtype)
         self.pools = DevicePools(
             model.cfg,
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             model.lm_head.weight.device,
+            model_dtype(model),
         )
         mover = build_tiers(settings, model.cfg, self.pools, mark=self._mark_in_flight)
         self.runner = ModelRunner(model, self.pools, mover)
+        started = time.perf_counter()
+        self.runner.warm_up()  # before the first heartbeat: no step waits for set-up
+        log.info("warmed up in %.2f s (%s)", time.perf_counter() - started, self.pools.dtype)
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client)
         self._beat = 0.0

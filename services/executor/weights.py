@@ -1,5 +1,7 @@
 """Building the model: the built-in tiny model with seeded random weights, or a
-NemotronH checkpoint directory (`config.json` + `*.safetensors`, transformers' names)."""
+NemotronH checkpoint directory (`config.json` + `*.safetensors`, transformers' names),
+in the dtype `--dtype` resolves to on its device (shared/dtypes.py). The pools take the
+model's dtype from its weights, so one setting decides both."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ from safetensors.torch import load_file
 
 from services.executor.model.mamba2 import Mamba2Mixer
 from services.executor.model.nemotron_h import NemotronH
+from shared.dtypes import resolve_dtype
 from shared.model_config import ModelConfig, builtin_config
 
 BUILTIN_SEED = 20261122
 
 
-def load_model(
-    path: Path | None, device: torch.device, dtype: torch.dtype = torch.float32
-) -> NemotronH:
+def load_model(path: Path | None, device: torch.device, dtype: str = "auto") -> NemotronH:
+    """`dtype`: a `--dtype` value; `auto` reads the checkpoint's and the device."""
     if path is None:
         model = builtin_model()
     else:
@@ -36,7 +38,13 @@ def load_model(
             raise ValueError(
                 f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-    return model.to(device=device, dtype=dtype).eval()
+    resolved = resolve_dtype(dtype, model.cfg, gpu=device.type == "cuda")
+    return model.to(device=device, dtype=getattr(torch, resolved)).eval()
+
+
+def model_dtype(model: NemotronH) -> torch.dtype:
+    """The dtype the model's pools must hold: its weights'."""
+    return model.lm_head.weight.dtype
 
 
 def _checkpoint_name(name: str) -> str:

@@ -1,6 +1,6 @@
 """The Triton slot kernels, run by the Triton interpreter on CPU, against the torch
-fallback: identical bytes. The interpreter is chosen at import time, so the kernels run
-in a child process with TRITON_INTERPRET=1."""
+fallback: identical bytes, in float32 and bfloat16. The interpreter is chosen at import
+time, so the kernels run in a child process with TRITON_INTERPRET=1."""
 
 import os
 import subprocess
@@ -22,7 +22,8 @@ CHECK = textwrap.dedent(
         ssm = torch.randn(3, 9, 2, 4, 300, generator=g)  # rows longer than one block
         conv[1, 4, 0, 0] = float("nan")
         ssm[2, 6, 1, 1, 5] = float("inf")
-        return [conv, ssm]
+        half = torch.randn(3, 9, 6, 3, generator=g).to(torch.bfloat16)  # --dtype bfloat16
+        return [conv, ssm, half]
 
     clears, src, dst = torch.tensor([2, 7]), torch.tensor([1, 3, 6]), torch.tensor([4, 5, 8])
     assert triton_enabled(torch.zeros(1))
@@ -35,7 +36,7 @@ CHECK = textwrap.dedent(
     clear_slots(by_torch, clears)
     copy_slots(by_torch, src, dst)
     for a, b in zip(by_triton, by_torch):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "bytes differ"
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "bytes differ"
     assert torch.equal(by_torch[1][:, 8].view(torch.int32), tensors()[1][:, 6].view(torch.int32))
     print("identical")
     """

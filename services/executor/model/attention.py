@@ -1,6 +1,8 @@
 """Grouped-query attention without positional encoding, over the paged KV pool: each row
 writes the K and V of its new positions through its KV indices, then attends over its
-whole context read back through the same indices."""
+whole context read back through the same indices. It computes in the model's dtype
+whatever the pool keeps: writes and reads convert (a no-op when they agree, as
+`--dtype` makes them)."""
 
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ class Attention(nn.Module):
         t = h.shape[0]
         q = self.q_proj(h).view(t, self.heads, self.head_dim)
         k_cache, v_cache = pools.k[layer], pools.v[layer]
-        k_cache[batch.new_kv] = self.k_proj(h).view(t, self.kv_heads, self.head_dim)
-        v_cache[batch.new_kv] = self.v_proj(h).view(t, self.kv_heads, self.head_dim)
+        for cache, proj in ((k_cache, self.k_proj), (v_cache, self.v_proj)):
+            new = proj(h).view(t, self.kv_heads, self.head_dim)
+            cache[batch.new_kv] = new.to(cache.dtype)
         out = torch.empty_like(q)
         if batch.decode:
             out[batch.decode_positions] = self._decode(q, batch, k_cache, v_cache)
@@ -42,16 +45,14 @@ class Attention(nn.Module):
             idx = to_device(batch.kv[i], h.device)
             positions = torch.arange(row.start, row.end, device=h.device)
             mask = torch.arange(row.end, device=h.device)[None, :] <= positions[:, None]
-            out[span] = self._attend(
-                q[span][None], k_cache[idx][None], v_cache[idx][None], mask[None]
-            )[0]
+            k, v = (cache[idx].to(q.dtype) for cache in (k_cache, v_cache))
+            out[span] = self._attend(q[span][None], k[None], v[None], mask[None])[0]
         return self.o_proj(out.view(t, -1))
 
     def _decode(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         idx, mask = batch.decode_context  # padded with index 0, the padding sink
-        return self._attend(
-            q[batch.decode_positions][:, None], k_cache[idx], v_cache[idx], mask[:, None]
-        )[:, 0]
+        k, v = (cache[idx].to(q.dtype) for cache in (k_cache, v_cache))
+        return self._attend(q[batch.decode_positions][:, None], k, v, mask[:, None])[:, 0]
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         """q [R, n, H, d], k/v [R, m, KH, d], mask [R, n, m] -> [R, n, H, d]."""

@@ -19,7 +19,9 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMS norm per group of channels, applied after gating with silu(gate)."""
+    """RMS norm per group of channels, applied after gating with silu(gate), in float32;
+    the result in the gate's dtype (the model's), so a float32 scan output is gated
+    before it is rounded."""
 
     def __init__(self, size: int, groups: int, eps: float) -> None:
         super().__init__()
@@ -31,7 +33,7 @@ class GatedRMSNorm(nn.Module):
         x32 = x.float() * F.silu(gate.float())
         grouped = x32.view(*x32.shape[:-1], self.groups, -1)
         grouped = F.rms_norm(grouped, (grouped.shape[-1],), eps=self.eps)
-        return self.weight * grouped.view_as(x32).to(x.dtype)
+        return (self.weight.float() * grouped.view_as(x32)).to(gate.dtype)
 
 
 class MLP(nn.Module):

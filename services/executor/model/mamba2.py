@@ -1,6 +1,11 @@
 """The Mamba2 mixer of NemotronH over pooled state: every row reads the conv and SSM
 state from one slot and writes the state after its tokens to another (or the same), and
-can leave a snapshot of both, taken after a given position, in a third."""
+can leave a snapshot of both, taken after a given position, in a third.
+
+The conv window is computed in the model's dtype, the SSM scan and its state in float32
+(the pool keeps it so), and the scan's output is gated and normed in float32 before the
+out projection, as transformers does; a conv state read from or written to a pool of
+another dtype converts."""
 
 from __future__ import annotations
 
@@ -57,8 +62,7 @@ class Mamba2Mixer(nn.Module):
             self._decode(xbc, dt, A, y, batch, pools, layer)
         for i in batch.prefill:
             self._prefill(xbc, dt, A, y, batch.rows[i], batch.span(i), pools, layer)
-        out = self.norm(y.view(h.shape[0], self.inner).to(h.dtype), gate)
-        return self.out_proj(out)
+        return self.out_proj(self.norm(y.view(h.shape[0], self.inner), gate))
 
     def _split(self, conv_out: torch.Tensor):
         x, B, C = conv_out.split(
@@ -72,7 +76,7 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, A, y, batch: ForwardBatch, pools: DevicePools, layer: int) -> None:
         pos, slots = batch.decode_positions, batch.decode_slots
-        window = torch.cat([pools.conv[layer, slots], xbc[pos].unsqueeze(-1)], dim=-1)
+        window = torch.cat([pools.conv[layer, slots].to(xbc.dtype), xbc[pos, :, None]], dim=-1)
         conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias
@@ -92,19 +96,20 @@ class Mamba2Mixer(nn.Module):
         y[pos] = out.reshape(rows, self.heads, self.head_dim)
         state = state.view(rows, self.heads, self.head_dim, self.n)
         out_slots = batch.decode_out_slots
-        pools.conv[layer, out_slots] = window[..., 1:]
+        kept = window[..., 1:].to(pools.conv.dtype)
+        pools.conv[layer, out_slots] = kept
         pools.ssm[layer, out_slots] = state
         for j, i in enumerate(batch.decode):
             row = batch.rows[i]
             if row.snapshot_slot and row.snapshot_len == row.end:
-                pools.conv[layer, row.snapshot_slot] = window[j, :, 1:]
+                pools.conv[layer, row.snapshot_slot] = kept[j]
                 pools.ssm[layer, row.snapshot_slot] = state[j]
 
     def _prefill(
         self, xbc, dt, A, y, row: StepRow, span: slice, pools: DevicePools, layer: int
     ) -> None:
         keep = self.cfg.conv_kernel - 1
-        full = torch.cat([pools.conv[layer, row.mamba_slot], xbc[span].T], dim=-1)
+        full = torch.cat([pools.conv[layer, row.mamba_slot].to(xbc.dtype), xbc[span].T], dim=-1)
         conv = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         x, B, C = self._split(F.silu(conv[0].T))
         dts, D, state = dt[span], self.D.float(), pools.ssm[layer, row.mamba_slot]
@@ -118,8 +123,10 @@ class Mamba2Mixer(nn.Module):
             )
             outs.append(out)
             if row.snapshot_slot and hi == cut:
-                pools.conv[layer, row.snapshot_slot] = full[:, cut : cut + keep]
+                pools.conv[layer, row.snapshot_slot] = full[:, cut : cut + keep].to(
+                    pools.conv.dtype
+                )
                 pools.ssm[layer, row.snapshot_slot] = state
         y[span] = torch.cat(outs)
-        pools.conv[layer, row.mamba_out] = full[:, full.shape[1] - keep :]
+        pools.conv[layer, row.mamba_out] = full[:, full.shape[1] - keep :].to(pools.conv.dtype)
         pools.ssm[layer, row.mamba_out] = state

@@ -5,25 +5,39 @@ the scheduler, so every slot it plans exists here."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from services.executor.model.pools import DevicePools
 from services.executor.tiers.blob_store import BlobStore
 from services.executor.tiers.host_tier import HostTier
 from services.executor.tiers.mover import Mark, TierMover
+from shared.dtypes import sizing_dtype
 from shared.model_config import ModelConfig
 from shared.tiers import StateShapes, TierSizes
 
 if TYPE_CHECKING:
     from shared.config import Settings
 
+log = logging.getLogger("custody.executor.tiers")
+
 
 def build_tiers(
     settings: Settings, model: ModelConfig, device: DevicePools, mark: Mark | None = None
 ) -> TierMover:
     """The host tier, the blob store and their mover, sized from `settings` (the service
-    and the in-process runtime build them the same way)."""
+    and the in-process runtime build them the same way), in the device pools' dtype."""
     sizes = settings.tier_sizes(model)
+    dtype = str(device.dtype).removeprefix("torch.")
+    if dtype != sizing_dtype(settings.dtype):
+        log.warning(
+            "--dtype %s is %s here, but every service sizes the tiers for %s (it cannot see"
+            " this device): they fill their byte budgets part way; pass --dtype %s to fill them",
+            settings.dtype,
+            dtype,
+            sizing_dtype(settings.dtype),
+            dtype,
+        )
     host = HostTier(model, sizes, device.dtype, pin=device.device.type == "cuda")
     blobs = BlobStore(settings.state_dir, sizes.disk_slots, settings.page_size)
     return TierMover(
@@ -40,6 +54,7 @@ def build_tiers(
 def no_tiers(device: DevicePools) -> TierMover:
     """A mover over empty tiers: every move is refused as out of range."""
     page_size = device.sizes.page_size
-    sizes = TierSizes(0, 0, 0, StateShapes.of(device.model, page_size))
+    dtype = str(device.dtype).removeprefix("torch.")
+    sizes = TierSizes(0, 0, 0, StateShapes.of(device.model, page_size, dtype))
     host = HostTier(device.model, sizes, device.dtype)
     return TierMover(device, host, BlobStore(None, 0), page_size)
