@@ -23,23 +23,36 @@ def load_model(path: Path | None, device: torch.device, dtype: str = "auto") -> 
     """`dtype`: a `--dtype` value; `auto` reads the checkpoint's and the device."""
     if path is None:
         model = builtin_model()
-    else:
-        path = Path(path)
-        model = NemotronH(ModelConfig.from_dir(path))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} holds no *.safetensors")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        state = {_checkpoint_name(k): v for k, v in state.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-    resolved = resolve_dtype(dtype, model.cfg, gpu=device.type == "cuda")
-    return model.to(device=device, dtype=getattr(torch, resolved)).eval()
+        resolved = resolve_dtype(dtype, model.cfg, gpu=device.type == "cuda")
+        return model.to(device=device, dtype=getattr(torch, resolved)).eval()
+    cfg = ModelConfig.from_dir(Path(path))
+    resolved = getattr(torch, resolve_dtype(dtype, cfg, gpu=device.type == "cuda"))
+    return load_checkpoint(Path(path), cfg, device, resolved).eval()
+
+
+def load_checkpoint(
+    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> NemotronH:
+    """The model built without memory (meta device) and its parameters taken from the
+    files, each converted once to `dtype` on `device`: a 16-bit checkpoint never exists
+    as a float32 copy. Multi-token-prediction weights (`mtp.*`) are skipped, as
+    transformers skips them: custody does not speculate."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in load_file(str(f), device=str(device)).items():
+            if not name.startswith("mtp."):
+                state[_checkpoint_name(name)] = tensor.to(dtype)
+    with torch.device("meta"):
+        model = NemotronH(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return model
 
 
 def model_dtype(model: NemotronH) -> torch.dtype:

@@ -70,7 +70,7 @@ def test_moe_layers_are_refused_clearly(tmp_path):
 
 def test_byte_tokenizer_round_trips_text_and_skips_specials():
     tok = ByteTokenizer()
-    ids = tok.encode("héllo ✓")
+    ids = tok.encode("héllo ✓", True)
     assert all(0 <= i < 256 for i in ids)
     assert tok.decode([*ids, BYTE_EOS]) == "héllo ✓"
 
@@ -82,8 +82,8 @@ def test_tokenizer_json_beside_the_weights_is_used(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(tmp_path)
-    assert loaded.encode("hello world hello") == [0, 1, 0]
-    assert load_tokenizer(None).encode("a") == [97]
+    assert loaded.encode("hello world hello", True) == [0, 1, 0]
+    assert load_tokenizer(None).encode("a", True) == [97]
 
 
 def test_config_values_the_executor_does_not_implement_are_refused_by_name():
@@ -105,3 +105,17 @@ def test_config_values_the_executor_does_not_implement_are_refused_by_name():
             assert key in str(err)
         else:
             raise AssertionError(f"{key}={value!r} was accepted")
+
+
+def test_multi_token_prediction_weights_are_skipped_as_transformers_skips_them(tmp_path):
+    """A checkpoint may ship `mtp.*` layers for speculative decoding; custody does not
+    speculate, so they are not loaded, and the model loads in the asked dtype directly."""
+    from safetensors.torch import save_file
+
+    from tests.executor.oracle import build_reference
+
+    build_reference(tmp_path)
+    save_file({"mtp.layers.0.norm.weight": torch.ones(4)}, str(tmp_path / "mtp.safetensors"))
+    model = load_model(tmp_path, torch.device("cpu"), "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.device.type == "cpu" for p in model.parameters())
