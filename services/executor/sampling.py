@@ -81,19 +81,21 @@ def penalise(logits: torch.Tensor, row: StepRow) -> torch.Tensor:
     if pen is None:
         return logits
     output = torch.tensor(_output_ids(row, pen), dtype=torch.long, device=logits.device)
-    out = logits.clone()
+    out, info = logits.clone(), torch.finfo(logits.dtype)
+    fit = lambda x, low: min(max(x, low), info.max)  # noqa: E731 (no inf * 0 = NaN below)
     rep = pen.repetition
     if math.isfinite(rep) and rep > 0 and rep != 1.0:
+        rep = fit(rep, info.tiny)
         prompt = torch.tensor(pen.prompt_ids, dtype=torch.long, device=logits.device)
         seen = torch.unique(torch.cat([prompt, output]))
         picked = out[seen]
         out[seen] = torch.where(picked > 0, picked / rep, picked * rep)
     freq, pres = pen.frequency, pen.presence
     if len(output) and math.isfinite(freq) and math.isfinite(pres) and (freq or pres):
-        counts = torch.bincount(output, minlength=logits.numel()).to(out.dtype)
-        out = out - freq * counts - pres * (counts > 0).to(out.dtype)
-    big = torch.finfo(out.dtype).max
-    return torch.where(torch.isfinite(logits), out.clamp(-big, big), logits)
+        freq, pres = fit(freq, -info.max), fit(pres, -info.max)
+        counts = torch.bincount(output, minlength=logits.numel())
+        out = torch.where(counts > 0, out - freq * counts.to(out.dtype) - pres, out)
+    return torch.where(torch.isfinite(logits), out.clamp(-info.max, info.max), logits)
 
 
 def _output_ids(row: StepRow, pen: Penalties) -> np.ndarray:

@@ -163,11 +163,21 @@ def test_min_p_drops_tokens_below_its_share_of_the_most_likely():
 
 
 @pytest.mark.parametrize(
-    "pens", [(1e30, 0, 0), (1e-30, 0, 0), (1.0, 1e30, -1e30), (float("nan"),) * 3, (-1.0, 0, 0)]
+    "pens",
+    [
+        (1e30, 0, 0),
+        (1e-30, 0, 0),
+        (1e300, 1e300, -1e300),  # past float32: they must not become inf * 0
+        (1e-300, -1e300, 1e300),
+        (1.0, 1e30, -1e30),
+        (float("nan"),) * 3,
+        (-1.0, 0, 0),
+    ],
 )
 def test_no_penalty_breaks_the_distribution(pens):
     """Extreme or invalid penalties keep a finite distribution whose argmax survives."""
     logits = LOGITS[0] * 1e30
+    logits[5] = 0.0  # a zero logit times an infinite penalty would be NaN
     for sampling in (dict(), dict(temperature=1.0, top_p=0.5, min_p=0.5, seed=1)):
         row = StepRow.of([3], 9, torch.arange(1, 11), 1, **sampling)
         row.penalties = Penalties.of(*pens, list(range(50)), [3, 3, 7])

@@ -98,7 +98,7 @@ class Request:
             self.logprobs.append(logprob)
         if self.params.top_logprobs:
             ids, lps = top if top is not None else ((), ())
-            self.top_logprobs.append((list(ids), list(lps)))
+            self.top_logprobs.append(([int(i) for i in ids], [float(x) for x in lps]))
 
     def committed_output(self) -> list[int]:
         """The output as it enters a session's history: a stop token is trimmed unless
