@@ -27,7 +27,7 @@ def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
     for k, text in enumerate((TURNS * turns)[:turns]):
         params = SamplingParams(max_new_tokens=max_new_tokens)
         start = time.perf_counter()
-        tokens = np.asarray(local.tokenizer.encode(text))
+        tokens = np.asarray(local.tokenizer.encode(text, k == 0))
         turn = local.engine.submit_turn(sid, tokens, f"turn{k}", params)
         first = None
         while not turn.done:

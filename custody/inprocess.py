@@ -24,7 +24,7 @@ from shared.tokenizer import load_tokenizer
 class InProcess:
     def __init__(self, settings: Settings) -> None:
         self.model = load_model(settings.model, torch.device("cpu"), settings.dtype)
-        self.tokenizer = load_tokenizer(settings.model)
+        self.tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.engine = build_engine(settings, self.model.cfg, self.tokenizer, strict=True)
         self.pools = self.engine.pools
         device_pools = DevicePools(

@@ -11,12 +11,15 @@ from pathlib import Path
 from shared.dtypes import check_dtype, sizing_dtype
 from shared.model_config import ModelConfig
 from shared.tiers import TierSizes
+from shared.tokenizer import TOKENIZER_KINDS
 
 
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = ""  # empty: `custody up` starts a private Redis
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
+    # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
+    tokenizer: str = "auto"
     # weights, KV and conv state: auto (the checkpoint's on a GPU, float32 on CPU),
     # float32, bfloat16 or float16 (shared/dtypes.py)
     dtype: str = "auto"
@@ -74,6 +77,8 @@ class Settings:
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:
             raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
         check_dtype(self.dtype)
+        if self.tokenizer not in TOKENIZER_KINDS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}")
         if self.pipeline_depth not in (0, 1):
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:

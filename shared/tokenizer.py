@@ -1,45 +1,82 @@
 """Text <-> token ids. The built-in model is byte-level (ids 0-255 are bytes, then BOS
 and EOS); a checkpoint with a `tokenizer.json` uses it through the `tokenizers` package.
-No torch here: the scheduler tokenizes."""
+A checkpoint without one runs ids-only: token ids work, text is refused naming the file
+(its vocabulary is not bytes, so guessing would feed the model nonsense); `--tokenizer
+byte` opts in to the byte tokenizer anyway. No torch here: the scheduler tokenizes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 BYTE_VOCAB, BYTE_BOS, BYTE_EOS = 258, 256, 257
+TOKENIZER_KINDS = ("auto", "byte")
+
+
+class TokenizerMissing(ValueError):
+    """Text was given to a deployment that runs ids-only (a 400 at the edge)."""
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`add_special_tokens`: what the tokenizer's post-processor adds (a BOS) for a
+        raw text that starts a sequence; False for a rendered chat template (it emits
+        its own) and for a session turn after the first."""
+        ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """Special tokens skipped; an incomplete UTF-8 sequence ends in U+FFFD."""
+        ...
 
 
 class ByteTokenizer:
-    def encode(self, text: str) -> list[int]:
+    """UTF-8 bytes; it has no post-processor, so it adds no special tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class FileTokenizer:
-    """A `tokenizer.json` (Hugging Face `tokenizers` format)."""
+    """A `tokenizer.json` (Hugging Face `tokenizers` format), as transformers uses it."""
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def load_tokenizer(model_dir: Path | None) -> Tokenizer:
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").exists():
-        return FileTokenizer(Path(model_dir) / "tokenizer.json")
-    return ByteTokenizer()
+class NoTokenizer:
+    """Ids-only: encoding refuses, naming the missing file; output text is empty."""
+
+    def __init__(self, missing: Path) -> None:
+        self.missing = missing
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        raise TokenizerMissing(
+            f"this model runs ids-only: {self.missing} is missing, so text and chat "
+            "input are refused; send input_ids (or start with --tokenizer byte)"
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+
+def load_tokenizer(model_dir: Path | None, kind: str = "auto") -> Tokenizer:
+    """The byte tokenizer for the built-in model or when asked (`kind` "byte"), else the
+    checkpoint's `tokenizer.json`, else ids-only."""
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}, got {kind!r}")
+    if model_dir is None or kind == "byte":
+        return ByteTokenizer()
+    path = Path(model_dir) / "tokenizer.json"
+    return FileTokenizer(path) if path.exists() else NoTokenizer(path)

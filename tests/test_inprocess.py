@@ -30,7 +30,9 @@ def one_shot(prompt: list[int], n: int) -> list[int]:
 
 
 def turn(local: InProcess, sid: str, text: str, n: int, rid: str) -> Request:
-    tokens = np.asarray(local.tokenizer.encode(text))
+    tokens = np.asarray(
+        local.tokenizer.encode(text, not local.engine.sessions.get(sid).history.size)
+    )
     return local.engine.submit_turn(sid, tokens, rid, SamplingParams(max_new_tokens=n))
 
 
@@ -41,7 +43,7 @@ def test_session_turns_equal_one_shot_generation_over_the_history():
     for k, text in enumerate(["Hello there, model.", " Tell me more.", " And once more!"]):
         t = turn(local, sid, text, 7, f"t{k}")
         local.run_until_idle()
-        prompt = history + local.tokenizer.encode(text)
+        prompt = history + local.tokenizer.encode(text, not history)
         assert t.prompt.tolist() == prompt
         assert t.cached_tokens == (len(history) - 1 if history else 0)
         assert t.output == one_shot(prompt, 7)
@@ -65,7 +67,7 @@ def test_an_aborted_turn_keeps_the_cache_with_real_state():
     local.run_until_idle()
     history = first.prompt.tolist() + first.output
     assert third.cached_tokens >= len(history) - 1
-    assert third.output == one_shot(history + local.tokenizer.encode(" Third."), 6)
+    assert third.output == one_shot(history + local.tokenizer.encode(" Third.", False), 6)
     local.engine.sessions.close(sid)
     local.run_until_idle()
     assert local.engine.check(idle=True).ok

@@ -36,7 +36,7 @@ class Scheduler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         model = builtin_config() if settings.model is None else ModelConfig.from_dir(settings.model)
-        tokenizer = load_tokenizer(settings.model)
+        tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.engine = build_engine(settings, model, tokenizer, strict=False)
         self.redis = aioredis.from_url(settings.redis_url)
         shipper = EventShipper(self.engine.pools.ledger)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.sessions.manager import SessionManager
+from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
 from shared.messages.sampling import Top
@@ -46,12 +47,12 @@ class EngineCore:
         pools: Pools,
         config: EngineConfig,
         strict: bool = True,
-        decode: Callable[[list[int]], str] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         config.check(pools.config)
         self.pools = pools
         self.config = config
-        self.decode = decode  # detokenizer, for stop strings
+        self.decode = decode  # the tokenizer's, for each request's output text
         self.cache = RadixCache(pools)
         self.sessions = SessionManager(pools, self.cache, limit=config.max_sessions)
         self.waiting: deque[Request] = deque()
@@ -71,9 +72,7 @@ class EngineCore:
         req.params.validate(self.config.vocab_size)
         self._check_rid(req.rid)
         check_prompt_length(len(req.prompt), self.config.context_len)
-        self.requests[req.rid] = req
-        self.waiting.append(req)
-        return req
+        return self._queue(req)
 
     def submit_turn(
         self,
@@ -91,9 +90,15 @@ class EngineCore:
         turn = self.sessions.begin_turn(
             sid, tokens, params, rid, self.config.context_len, session_params
         )
-        self.requests[turn.rid] = turn
-        self.waiting.append(turn)
-        return turn
+        return self._queue(turn)
+
+    def _queue(self, req: Request) -> Request:
+        """Queue a checked request, its output text to be detokenized incrementally."""
+        if self.decode is not None:
+            req.text = OutputText(self.decode, req.params.stop, not req.params.no_stop_trim)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return req
 
     def abort(self, rid: str, reason: str = "aborted by request") -> list[Request]:
         """Abort `rid` now, running or not (its rows still in flight are dropped).
@@ -169,7 +174,7 @@ class EngineCore:
                 token = int(sampled[row.rid])
                 req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
                 req.finish_reason = finish_reason(
-                    req, token, self.config.eos_token_ids, self.config.context_len, self.decode
+                    req, token, self.config.eos_token_ids, self.config.context_len
                 )
                 if req.finish_reason is not None:
                     self._finish(req)

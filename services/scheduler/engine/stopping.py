@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request
 
@@ -13,18 +11,16 @@ def finish_reason(
     token: int,
     eos_token_ids: frozenset[int],
     context_len: int,
-    decode: Callable[[list[int]], str] | None,
 ) -> FinishReason | None:
-    """A stop token (its id is `matched`), a stop string (decoded from the output's tail),
-    the request's token limit, or the context length; None to go on."""
+    """A stop token (its id is `matched`), a stop string (found in the output's text,
+    detokenized incrementally: `records/request.py`'s `text`), the request's token
+    limit, or the context length; None to go on."""
     if req.params.stops_at(token, eos_token_ids):
         return FinishReason("stop", matched=token)
-    if req.params.stop and decode is not None:
-        window = max(len(s) for s in req.params.stop) + 8  # tokens of the tail to decode
-        tail = decode(req.output[-window:])
-        for stop in req.params.stop:
-            if stop in tail:
-                return FinishReason("stop", matched=stop)
+    if req.params.stop and req.text is not None:
+        stop = req.text.find_stop(req.output)
+        if stop is not None:
+            return FinishReason("stop", matched=stop)
     return length_limit(req, context_len)
 
 

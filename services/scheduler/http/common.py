@@ -5,6 +5,7 @@ key that opened a session may use it)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TypeVar
 
 from aiohttp import web
@@ -17,7 +18,8 @@ from services.scheduler.http.tenancy import check_owner
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
-from services.scheduler.runtime.front_door import FrontDoor, Progress
+from services.scheduler.runtime.front_door import Progress
+from shared.tokenizer import NoTokenizer, TokenizerMissing
 
 T = TypeVar("T")
 
@@ -65,6 +67,9 @@ async def run_generation(
     if sid is not None:
         own_session(request, sid)
     door = request.app[FRONT_DOOR]
+    if params.stop and isinstance(door.tokenizer, NoTokenizer):
+        missing = door.tokenizer.missing
+        raise TokenizerMissing(f"stop strings need text, but {missing} is missing (ids-only)")
     return await door.generate(rid, tokens, params, sid, session_params, progress)
 
 
@@ -97,10 +102,47 @@ class EventStream:
 EVENT_STREAM = web.RequestKey("event_stream", EventStream)
 
 
-def output_text(door: FrontDoor, req: Request) -> str:
-    """The decoded output, cut before a matched stop string unless no_stop_trim."""
-    text = door.tokenizer.decode(req.output)
-    matched = req.finish_reason.matched if req.finish_reason else None
-    if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
-        text = text[: text.index(matched)]
-    return text
+def output_text(req: Request) -> str:
+    """The whole output text of an ended request (`records/request.py`'s `text`: cut
+    before a matched stop string unless no_stop_trim; empty when ids-only)."""
+    return "" if req.text is None else req.text.final(req.output)
+
+
+def prompt_tokens(request: web.Request, text: str, sid: str | None) -> list[int]:
+    """A raw text prompt's ids, with the special tokens the tokenizer's post-processor
+    adds (a BOS) only where the token sequence starts: never for a session turn after
+    the first, whose text continues the history."""
+    starts = sid is None or own_session(request, sid).history.size == 0
+    return request.app[FRONT_DOOR].tokenizer.encode(text, starts)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed chunk of a request: its new text, the text so far, and the output
+    ids it covers (`output[start:end]`, what per-chunk extras such as logprobs cut)."""
+
+    delta: str
+    text: str
+    start: int
+    end: int
+
+
+class StreamCursor:
+    """What a stream has sent of one request, so each chunk carries only what is new
+    and the last one (at the end) the rest: streamed text joined is the final text."""
+
+    def __init__(self) -> None:
+        self.chars = self.tokens = 0
+        self.ended = False
+
+    def next(self, req: Request) -> Chunk | None:
+        """The chunk to send now; None when nothing is new (or the end was sent)."""
+        if self.ended:
+            return None
+        text = "" if req.text is None else req.text.shown(req.output, req.done)
+        start, end = self.tokens, len(req.output)
+        if len(text) == self.chars and start == end and not req.done:
+            return None
+        chunk = Chunk(text[self.chars :], text, start, end)
+        self.chars, self.tokens, self.ended = len(text), end, req.done
+        return chunk

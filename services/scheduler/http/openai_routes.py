@@ -17,8 +17,10 @@ from aiohttp import web
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.common import (
     EventStream,
+    StreamCursor,
     output_text,
     own_session,
+    prompt_tokens,
     read_body,
     run_generation,
     token_limit,
@@ -90,14 +92,14 @@ async def respond(
     params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
     if not body.stream:
         done = await run_generation(request, claim.server, tokens, params, sid, {})
-        choice = reply.choice(output_text(door, done), finish(done))
+        choice = reply.choice(output_text(done), finish(done))
         return web.json_response(reply.body([choice], usage=usage(done)))
-    sse, sent = EventStream(request), [0]
+    sse, cursor = EventStream(request), StreamCursor()
 
     async def progress(r: Request) -> None:
-        new, sent[0] = r.output[sent[0] :], len(r.output)
-        text = door.tokenizer.decode(new)
-        await sse.send(reply.body([reply.choice(text, finish(r) if r.done else None)]))
+        chunk = cursor.next(r)
+        if chunk is not None:
+            await sse.send(reply.body([reply.choice(chunk.delta, finish(r) if r.done else None)]))
 
     done = await run_generation(request, claim.server, tokens, params, sid, {}, progress)
     if body.include_usage():
@@ -116,8 +118,7 @@ async def models(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].completions)
     prompt = body.prompt
-    tokenizer = request.app[FRONT_DOOR].tokenizer
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    tokens = prompt_tokens(request, prompt, body.session_id) if isinstance(prompt, str) else prompt
     return await respond(request, body, tokens, False)
 
 
@@ -129,7 +130,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         messages = messages[last + 1 :]
         if not messages:
             raise InvalidRequest("nothing new after the last assistant message")
-    tokens = request.app[FRONT_DOOR].tokenizer.encode(render(messages))
+    tokens = request.app[FRONT_DOOR].tokenizer.encode(render(messages), False)
     return await respond(request, body, tokens, True)
 
 

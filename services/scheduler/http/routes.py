@@ -16,8 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.common import (
     EventStream,
+    StreamCursor,
     output_text,
     own_session,
+    prompt_tokens,
     read_body,
     run_generation,
     token_limit,
@@ -31,8 +33,11 @@ from services.scheduler.runtime.front_door import FrontDoor
 DEFAULT_MAX_NEW_TOKENS = 16
 
 
-def response_of(door: FrontDoor, req: Request, rid: str, logprobs: bool = False) -> dict:
-    """The SGLang response; `rid` is the client's (the engine's is internal)."""
+def response_of(
+    door: FrontDoor, req: Request, rid: str, logprobs: bool = False, text: str | None = None
+) -> dict:
+    """The SGLang response; `rid` is the client's (the engine's is internal); `text`:
+    what a stream shows so far (default: the whole text of the ended request)."""
     meta = {
         "id": rid,
         "finish_reason": msgspec.to_builtins(req.finish_reason),
@@ -45,7 +50,8 @@ def response_of(door: FrontDoor, req: Request, rid: str, logprobs: bool = False)
             [lp, tok, door.tokenizer.decode([tok])]
             for lp, tok in zip(req.logprobs, req.output, strict=False)
         ]
-    return {"text": output_text(door, req), "output_ids": list(req.output), "meta_info": meta}
+    text = output_text(req) if text is None else text
+    return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -112,8 +118,8 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].generate)
     door = request.app[FRONT_DOOR]
-    tokens = body.input_ids or door.tokenizer.encode(body.text)
     sampling, sid = body.sampling(), body.session_id()
+    tokens = body.input_ids or prompt_tokens(request, body.text, sid)
     rid = request.app[TENANCY].claim(request, body.rid)
     limit = token_limit(
         request,
@@ -128,10 +134,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not body.stream:
         done = await run_generation(request, rid.server, tokens, params, sid, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
-    sse = EventStream(request)
+    sse, cursor = EventStream(request), StreamCursor()
 
-    async def progress(r: Request) -> None:
-        await sse.send(response_of(door, r, rid.shown, logprobs))
+    async def progress(r: Request) -> None:  # SGLang's chunks are cumulative
+        chunk = cursor.next(r)
+        if chunk is not None:
+            await sse.send(response_of(door, r, rid.shown, logprobs, chunk.text))
 
     await run_generation(request, rid.server, tokens, params, sid, options, progress)
     await sse.send("[DONE]")

@@ -24,6 +24,7 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import Lease
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.text.output import OutputText
 from shared.messages.sampling import Top
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class Request:
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)
     inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
+    text: OutputText | None = None  # the output as text (set by the engine with a tokenizer)
 
     @property
     def sequence(self) -> np.ndarray:
