@@ -25,6 +25,7 @@ from services.scheduler.http.common import (
     run_generation,
     token_limit,
 )
+from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest
@@ -64,11 +65,13 @@ class Reply:
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
-    def choice(self, text: str, reason: str | None) -> dict:
+    def choice(self, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+        """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked."""
         if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         part = "message" if reason is not None and not self.stream else "delta"
-        return {"index": 0, "finish_reason": reason, part: {"role": "assistant", "content": text}}
+        message = {part: {"role": "assistant", "content": text}, "logprobs": logprobs}
+        return {"index": 0, "finish_reason": reason} | message
 
     def body(self, choices: list[dict], **extra: object) -> dict:
         kind = f"{self.kind}.chunk" if self.stream else self.kind
@@ -92,14 +95,18 @@ async def respond(
     params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
     if not body.stream:
         done = await run_generation(request, claim.server, tokens, params, sid, {})
-        choice = reply.choice(output_text(done), finish(done))
+        lps = openai_logprobs(door.tokenizer, done, chat)
+        choice = reply.choice(output_text(done), finish(done), lps)
         return web.json_response(reply.body([choice], usage=usage(done)))
     sse, cursor = EventStream(request), StreamCursor()
 
     async def progress(r: Request) -> None:
         chunk = cursor.next(r)
         if chunk is not None:
-            await sse.send(reply.body([reply.choice(chunk.delta, finish(r) if r.done else None)]))
+            sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
+            lps = openai_logprobs(door.tokenizer, r, chat, chunk.start, chunk.end, sent)
+            choice = reply.choice(chunk.delta, finish(r) if r.done else None, lps)
+            await sse.send(reply.body([choice]))
 
     done = await run_generation(request, claim.server, tokens, params, sid, {}, progress)
     if body.include_usage():

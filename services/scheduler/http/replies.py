@@ -29,7 +29,10 @@ class MetaInfo(Struct):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # with return_logprob: [logprob, token id, token text] per output token, and per
+    # output token its top_logprobs_num alternatives (when asked) in the same shape
     output_token_logprobs: list[tuple[float, int, str]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str]]] | None = None
 
 
 class GenerateReply(Struct):
@@ -87,11 +90,41 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(Struct):
+    """Per output token (of this chunk, in a stream): its text, its log probability,
+    the `logprobs` most likely tokens and the sampled one with theirs, and the offset of
+    its text in the output."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None  # null unless the request set logprobs
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token text's UTF-8
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]  # the request's top_logprobs most likely tokens
+
+
+class ChatLogprobs(Struct):
+    """Per output token (of this chunk, in a stream)."""
+
+    content: list[TokenLogprob]
 
 
 class Completion(Struct):
@@ -115,6 +148,7 @@ class ChatChoice(Struct):
     index: int
     finish_reason: Literal["stop", "length", "abort"] | None
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None  # with logprobs: true
 
 
 class ChatCompletion(Struct):
@@ -130,6 +164,7 @@ class ChatDeltaChoice(Struct):
     index: int
     finish_reason: Literal["stop", "length", "abort"] | None
     delta: AssistantMessage
+    logprobs: ChatLogprobs | None = None  # with logprobs: true
 
 
 class ChatCompletionChunk(Struct):

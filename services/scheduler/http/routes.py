@@ -25,6 +25,7 @@ from services.scheduler.http.common import (
     token_limit,
 )
 from services.scheduler.http.limits import open_session_within_limits
+from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
@@ -45,11 +46,8 @@ def response_of(
         "completion_tokens": len(req.output),
         "cached_tokens": req.cached_tokens,
     }
-    if logprobs:  # SGLang's shape: [logprob, token id, token text]
-        meta["output_token_logprobs"] = [
-            [lp, tok, door.tokenizer.decode([tok])]
-            for lp, tok in zip(req.logprobs, req.output, strict=False)
-        ]
+    if logprobs:  # cumulative in a stream, as SGLang's chunks are
+        meta |= sglang_logprobs(door.tokenizer, req)
     text = output_text(req) if text is None else text
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
@@ -129,7 +127,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sampling.max_new_tokens,
         DEFAULT_MAX_NEW_TOKENS,
     )
-    params, logprobs = sampling.engine_params(limit), body.return_logprob
+    logprobs = body.return_logprob
+    params = sampling.engine_params(limit, logprobs, body.top_logprobs_num)
     options = body.session_options()
     if not body.stream:
         done = await run_generation(request, rid.server, tokens, params, sid, options)

@@ -1,0 +1,106 @@
+"""The output's log probabilities in each API's own format, for the output tokens
+`output[start:end]` (a stream's chunk covers the tokens that arrived since the one
+before; SGLang's cumulative chunks cover them all).
+
+The numbers are the executor's: the raw logits' log-softmax, whatever the sampling
+parameters (vLLM's default), kept per output token on the request (`Request.record`).
+A token's text is its own decoding, so a token that holds part of a multi-byte
+character shows as U+FFFD, as in vLLM; its `bytes` are that text's UTF-8.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.records.request import Request
+from shared.tokenizer import Tokenizer
+
+
+class TokenTexts:
+    """Each token id's own text, decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.seen: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self.seen.get(token)
+        if text is None:
+            text = self.seen[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _top(req: Request, i: int) -> list[tuple[int, float]]:
+    """The top alternatives of output position `i` (none unless asked for)."""
+    if i >= len(req.top_logprobs):
+        return []
+    ids, lps = req.top_logprobs[i]
+    return list(zip(ids, lps, strict=True))
+
+
+def sglang(tokenizer: Tokenizer, req: Request, end: int | None = None) -> dict:
+    """SGLang's `meta_info` fields: `output_token_logprobs` [[logprob, id, text]] and,
+    when `top_logprobs_num` asked for them, `output_top_logprobs`, per position."""
+    text, end = TokenTexts(tokenizer), len(req.output) if end is None else end
+    pairs = list(zip(req.logprobs[:end], req.output[:end], strict=False))
+    meta: dict = {"output_token_logprobs": [[lp, tok, text(tok)] for lp, tok in pairs]}
+    if req.params.top_logprobs:
+        meta["output_top_logprobs"] = [
+            [[lp, tok, text(tok)] for tok, lp in _top(req, i)] for i in range(end)
+        ]
+    return meta
+
+
+def completion(
+    tokenizer: Tokenizer, req: Request, start: int = 0, end: int | None = None, offset: int = 0
+) -> dict:
+    """/v1/completions' `choice.logprobs`: per token its text, logprob, a dict of the top
+    `logprobs` alternatives and the sampled token (so up to logprobs + 1 entries, as
+    OpenAI says), and its text's offset; `offset`: the characters sent before `start`."""
+    text, end = TokenTexts(tokenizer), len(req.output) if end is None else end
+    tokens, offsets, tops = [], [], []
+    for i in range(start, end):
+        tok = req.output[i]
+        offsets.append(offset)
+        tokens.append(text(tok))
+        offset += len(tokens[-1])
+        tops.append({text(t): lp for t, lp in _top(req, i)} | {text(tok): req.logprobs[i]})
+    return {
+        "tokens": tokens,
+        "token_logprobs": req.logprobs[start:end],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def openai(
+    tokenizer: Tokenizer,
+    req: Request,
+    chat: bool,
+    start: int = 0,
+    end: int | None = None,
+    offset: int = 0,
+) -> dict | None:
+    """A choice's `logprobs` in the route's format, or None when the request did not ask
+    for them (OpenAI's null)."""
+    if not req.params.logprobs:
+        return None
+    if chat:
+        return chat_logprobs(tokenizer, req, start, end)
+    return completion(tokenizer, req, start, end, offset)
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, req: Request, start: int = 0, end: int | None = None
+) -> dict:
+    """/v1/chat/completions' `choice.logprobs`: per token its text, logprob and bytes,
+    and the `top_logprobs` most likely tokens in the same shape."""
+    text, end = TokenTexts(tokenizer), len(req.output) if end is None else end
+    content = []
+    for i in range(start, end):
+        entry = _entry(text(req.output[i]), req.logprobs[i])
+        entry["top_logprobs"] = [_entry(text(t), lp) for t, lp in _top(req, i)]
+        content.append(entry)
+    return {"content": content}
