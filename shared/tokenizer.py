@@ -29,6 +29,16 @@ class Tokenizer(Protocol):
         """Special tokens skipped; an incomplete UTF-8 sequence ends in U+FFFD."""
         ...
 
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The strings `encode` turns into special tokens (none for bytes)."""
+        ...
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` with special-token strings in it encoded as plain text (chat message
+        content, docs/chat.md); no special tokens added."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes; it has no post-processor, so it adds no special tokens."""
@@ -38,6 +48,11 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    special_tokens: tuple[str, ...] = ()
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
 
 class FileTokenizer:
@@ -54,6 +69,18 @@ class FileTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        added = self._tok.get_added_tokens_decoder().values()
+        return tuple(t.content for t in added if t.special)
+
+    def encode_plain(self, text: str) -> list[int]:
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
+
 
 class NoTokenizer:
     """Ids-only: encoding refuses, naming the missing file; output text is empty."""
@@ -69,6 +96,11 @@ class NoTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return ""
+
+    special_tokens: tuple[str, ...] = ()
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False)
 
 
 def load_tokenizer(model_dir: Path | None, kind: str = "auto") -> Tokenizer:

@@ -198,13 +198,14 @@ def test_the_probe_sees_torch_when_it_is_loaded():
 
 
 # What the HTTP edge may import of the scheduler: its own package, the front door, the
-# records it reads, and the pure input rules. Never the engine core, sessions, cache,
+# records it reads, and the pure input and text rules. Never the engine core, sessions, cache,
 # allocators or ownership: handlers go through the front door.
 EDGE_MAY_IMPORT = (
     "services.scheduler.http.",
     "services.scheduler.runtime.front_door",
     "services.scheduler.records.",
     "services.scheduler.engine.validation",
+    "services.scheduler.text.",  # pure text rules: chat templates, detokenizing
 )
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.scheduler.http import openai_routes, routes
-from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.errors import errors
 from services.scheduler.http.openapi import add_openapi_route
 from services.scheduler.http.schemas import request_schemas
 from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.http.tenancy import middleware as tenancy_middleware
 from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.text.chat_template import ChatTemplate
+from services.scheduler.text.chat_tokens import ChatEncoder
 
 MAX_BODY = 8 * 1024 * 1024
 
@@ -24,6 +26,7 @@ def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:
     )
     schemas = request_schemas(door.vocab_size, door.context_len)
     app[FRONT_DOOR], app[SCHEMAS], app[TENANCY] = door, schemas, tenancy
+    app[CHAT] = ChatEncoder(ChatTemplate.load(door.settings.model), door.tokenizer)
     for method, path, handler in routes.ROUTES + openai_routes.ROUTES:
         app.router.add_route(method, path, handler)
     add_openapi_route(app, schemas)

@@ -1,5 +1,5 @@
 """What the application carries for its handlers: the scheduler's front door, the body
-schemas of this deployment, and the key and tenancy policy."""
+schemas of this deployment, the key and tenancy policy, and the chat template."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from aiohttp import web
 from services.scheduler.http.schemas import RequestSchemas
 from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.text.chat_tokens import ChatEncoder
 
 FRONT_DOOR = web.AppKey("front_door", FrontDoor)
 SCHEMAS = web.AppKey("schemas", RequestSchemas)
 TENANCY = web.AppKey("tenancy", Tenancy)
+CHAT = web.AppKey("chat", ChatEncoder)

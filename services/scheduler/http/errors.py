@@ -15,6 +15,7 @@ from aiohttp import web
 from services.scheduler.http.common import EVENT_STREAM, error_body
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
+from services.scheduler.text.chat_template import ChatRefused
 from shared.tokenizer import TokenizerMissing
 
 log = logging.getLogger("custody.scheduler.http")
@@ -26,7 +27,7 @@ def classify(err: Exception) -> tuple[int, str, str]:
     """Status, message and type of the answer to `err`."""
     if isinstance(err, SessionError):
         return SESSION_STATUS.get(err.kind, 400), str(err), f"session_{err.kind}"
-    if isinstance(err, InvalidRequest | TokenizerMissing):
+    if isinstance(err, InvalidRequest | TokenizerMissing | ChatRefused):
         return 400, str(err), "invalid_request_error"
     if isinstance(err, web.HTTPRequestEntityTooLarge):
         return 413, err.text or "request body too large", "request_too_large"

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 
-from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.common import (
     EventStream,
     StreamCursor,
@@ -31,15 +32,9 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest
 
 if TYPE_CHECKING:
-    from services.scheduler.http.schemas_openai import ChatMessage, OpenAIRequest
+    from services.scheduler.http.schemas_openai import OpenAIRequest
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
-
-
-def render(messages: list[ChatMessage], generation_prompt: bool = True) -> str:
-    """The chat template of the built-in byte-level model."""
-    text = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
-    return text + ("<|assistant|>\n" if generation_prompt else "")
 
 
 def usage(req: Request) -> dict:
@@ -131,13 +126,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
-    messages, sid = body.messages, body.session_id
+    encoder, sid = request.app[CHAT], body.session_id
+    messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
     if sid is not None and own_session(request, sid).history.size:
-        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         messages = messages[last + 1 :]
         if not messages:
             raise InvalidRequest("nothing new after the last assistant message")
-    tokens = request.app[FRONT_DOOR].tokenizer.encode(render(messages), False)
+    tokens = encoder.tokens(messages, True, body.tools)
     return await respond(request, body, tokens, True)
 
 

@@ -3,14 +3,14 @@
 Every optional field may be null, as in OpenAI's own schema; a null is the default.
 vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
 penalties) are honoured. Fields custody does not implement (`user`, `logit_bias`,
-`tools`...) are ignored; `n` other than 1 is refused, since it would silently change
+`tool_choice`...) are ignored; `n` other than 1 is refused, since it would silently change
 what the client gets.
 """
 
 # No `from __future__ import annotations`: the structs of `openai_schemas` are defined
 # inside it, and msgspec must see their annotations as objects.
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
@@ -82,9 +82,32 @@ class OpenAIRequest(Struct, kw_only=True):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatMessage(Struct):
+class ContentPart(Struct):
+    """One part of a message's content; only text parts (the model reads no images)."""
+
+    type: str
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported, only 'text'")
+        if self.text is None:
+            raise ValueError("a text content part needs its text")
+
+
+class ChatMessage(Struct, omit_defaults=True):
+    """A message as the chat template sees it (absent and null fields are left out, as
+    transformers leaves them out); docs/chat.md."""
+
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, given to the template
+    tool_call_id: str | None = None  # a tool message's answer to one of them
+
+    def __post_init__(self) -> None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
 
 
 def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequest]]:
@@ -124,10 +147,10 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
             return self.logprobs
 
     class ChatCompletionRequest(Extended, kw_only=True):
-        """A conversation; with `session_id`, custody appends to the session what follows
-        the last assistant message."""
+        """A conversation for the chat template; sessions: docs/chat.md."""
 
         messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=limits.context_len)]
+        tools: list[dict[str, Any]] | None = None  # given to the template as they come
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
         logprobs: bool | None = None
