@@ -145,6 +145,7 @@ def build_app(store: StoreService, admin_api_keys: str = "") -> web.Application:
                 "working_slot": rec.working,
                 "kv_pages": rec.kv_pages().tolist(),
                 "executor": rec.executor,
+                "chat": None if rec.chat is None else [[e.digest, e.end] for e in rec.chat],
             }
         )
 

@@ -18,6 +18,7 @@ consumer never meets a message it would half-apply.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import NamedTuple
 
 import msgspec
@@ -140,6 +141,15 @@ class Events(Message, tag="events"):
         return len(self.reasons)
 
 
+class ChatEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One message of a chat session's conversation (docs/chat.md): a digest of it as the
+    template saw it, and `end`, the length of the canonical tokens of the conversation
+    through it (the template's rendering up to it, without a generation prompt)."""
+
+    digest: str
+    end: int
+
+
 class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A session's durable record: the history always, and its row, working Mamba slot
     and KV pages only while the session itself holds them (then a restarted scheduler
@@ -158,11 +168,12 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     pages: bytes | None = None  # packed PAGE
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
     disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
+    chat: list[ChatEntry] | None = None  # its conversation; None: raw tokens or empty
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)
         if self.closed:
-            rest = (self.timeout, self.tenant, self.history, self.disk, *slots)
+            rest = (self.timeout, self.tenant, self.history, self.disk, self.chat, *slots)
             if self.cached_len or any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")
             return
@@ -172,6 +183,9 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise WireError(f"the record of session {self.sid} names some of its slots")
         if self.disk is not None and (self.row is not None or self.disk < 1):
             raise WireError(f"the record of session {self.sid} names a blob {self.disk}")
+        ends = [entry.end for entry in self.chat or ()]
+        if any(b < a for a, b in pairwise([0, *ends])):
+            raise WireError(f"the record of session {self.sid} has chat spans out of order")
         self.tokens()
         self.kv_pages()
 

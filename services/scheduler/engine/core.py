@@ -34,6 +34,7 @@ from services.scheduler.ownership.invariants import (
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
+from services.scheduler.records.session import ChatTurn
 from services.scheduler.sessions.manager import SessionManager
 from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
@@ -81,14 +82,15 @@ class EngineCore:
         rid: str,
         params: SamplingParams,
         session_params: dict | None = None,
+        chat: ChatTurn | None = None,
     ) -> Request:
         """Queue the next turn of session `sid` (the prompt becomes history + input; the
-        session builds the request)."""
+        session builds the request); `chat`: a chat turn's conversation."""
         tokens = check_tokens(new_tokens, self.config.vocab_size)
         params.validate(self.config.vocab_size)
         self._check_rid(rid)
         turn = self.sessions.begin_turn(
-            sid, tokens, params, rid, self.config.context_len, session_params
+            sid, tokens, params, rid, self.config.context_len, session_params, chat
         )
         return self._queue(turn)
 
@@ -180,8 +182,11 @@ class EngineCore:
                     self._finish(req)
                     ended.append(req)
                     continue
-            if row.snapshot_slot and row.prefill and req.session is None:
-                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md)
+            start = req.turn_start
+            fresh = start is None or (req.chat is not None and start.rollback is None)
+            if row.snapshot_slot and row.prefill and fresh:
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md); a
+                # chat turn's too when it has no rollback copy: a re-encoded reply needs it
                 self._cache_prefix(req)
         return ended
 
@@ -263,9 +268,7 @@ class EngineCore:
     def _finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self._stop(req)
-        if req.session is not None:
-            self.sessions.save(req)
-        else:
+        if req.session is None or not self.sessions.save(req):  # save: True if it kept them
             self._cache_prefix(req)
             req.release(self.pools, self.cache)
         req.slots = None

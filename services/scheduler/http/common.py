@@ -17,7 +17,7 @@ from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.tenancy import check_owner
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.records.session import Session
+from services.scheduler.records.session import ChatTurn, Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tokenizer import NoTokenizer, TokenizerMissing
 
@@ -59,10 +59,11 @@ async def run_generation(
     sid: object,
     session_params: dict,
     progress: Progress | None = None,
+    chat: ChatTurn | None = None,
 ) -> Request:
     """Run a plain request, or the next turn of a session the caller owns (with API keys
-    on, a session is visible only to the key that opened it), to its end; refused with a
-    503 while the waiting queue is full."""
+    on, a session is visible only to the key that opened it; `chat`: a chat turn's
+    conversation), to its end; refused with a 503 while the waiting queue is full."""
     check_queue(request)
     if sid is not None:
         own_session(request, sid)
@@ -70,7 +71,7 @@ async def run_generation(
     if params.stop and isinstance(door.tokenizer, NoTokenizer):
         missing = door.tokenizer.missing
         raise TokenizerMissing(f"stop strings need text, but {missing} is missing (ids-only)")
-    return await door.generate(rid, tokens, params, sid, session_params, progress)
+    return await door.generate(rid, tokens, params, sid, session_params, progress, chat)
 
 
 def own_session(request: web.Request, sid: object) -> Session:

@@ -20,7 +20,14 @@ from shared.tokenizer import TokenizerMissing
 
 log = logging.getLogger("custody.scheduler.http")
 
-SESSION_STATUS = {"not_found": 404, "closed": 404, "busy": 409, "invalid": 400, "limit": 429}
+SESSION_STATUS = {
+    "not_found": 404,
+    "closed": 404,
+    "busy": 409,
+    "conflict": 409,  # a chat's messages differ from the session's (docs/chat.md)
+    "invalid": 400,
+    "limit": 429,
+}
 
 
 def classify(err: Exception) -> tuple[int, str, str]:

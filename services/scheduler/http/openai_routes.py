@@ -2,9 +2,9 @@
 streamed), with `usage.prompt_tokens_details.cached_tokens`.
 
 A session is named with the extension field `session_id`. An agent loop sends its whole
-conversation every time; custody appends to the session only what follows the last
-assistant message (the reply it produced itself), so each turn prefills only its new
-tokens.
+conversation every time; custody appends to the session what the checkpoint's chat
+template renders after the stored conversation (`chat_session.py`, docs/chat.md), so
+each turn prefills only its new tokens and has the tokens of the stateless request.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.common import (
     EventStream,
     StreamCursor,
@@ -29,10 +30,10 @@ from services.scheduler.http.common import (
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import InvalidRequest
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
+    from services.scheduler.records.session import ChatTurn
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 
@@ -75,7 +76,11 @@ class Reply:
 
 
 async def respond(
-    request: web.Request, body: OpenAIRequest, tokens: list[int], chat: bool
+    request: web.Request,
+    body: OpenAIRequest,
+    tokens: list[int],
+    chat: bool,
+    turn: ChatTurn | None = None,
 ) -> web.StreamResponse:
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
@@ -89,7 +94,7 @@ async def respond(
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
     if not body.stream:
-        done = await run_generation(request, claim.server, tokens, params, sid, {})
+        done = await run_generation(request, claim.server, tokens, params, sid, {}, chat=turn)
         lps = openai_logprobs(door.tokenizer, done, chat)
         choice = reply.choice(output_text(done), finish(done), lps)
         return web.json_response(reply.body([choice], usage=usage(done)))
@@ -103,7 +108,7 @@ async def respond(
             choice = reply.choice(chunk.delta, finish(r) if r.done else None, lps)
             await sse.send(reply.body([choice]))
 
-    done = await run_generation(request, claim.server, tokens, params, sid, {}, progress)
+    done = await run_generation(request, claim.server, tokens, params, sid, {}, progress, turn)
     if body.include_usage():
         await sse.send(reply.body([], usage=usage(done)))
     await sse.send("[DONE]")
@@ -128,13 +133,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
     encoder, sid = request.app[CHAT], body.session_id
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
-    if sid is not None and own_session(request, sid).history.size:
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        messages = messages[last + 1 :]
-        if not messages:
-            raise InvalidRequest("nothing new after the last assistant message")
-    tokens = encoder.tokens(messages, True, body.tools)
-    return await respond(request, body, tokens, True)
+    if sid is None:
+        return await respond(request, body, encoder.tokens(messages, True, body.tools), True)
+    session = own_session(request, sid)
+    tokens, turn = plan_turn(encoder, session, messages, body.tools, output_text)
+    return await respond(request, body, tokens, True, turn)
 
 
 ROUTES = (

@@ -29,7 +29,7 @@ from shared.messages.sampling import Top
 
 if TYPE_CHECKING:
     from services.scheduler.records.row_plan import RowPlan
-    from services.scheduler.records.session import Session
+    from services.scheduler.records.session import ChatTurn, Session
 
 
 class Status(Enum):
@@ -62,6 +62,7 @@ class Request:
     cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
+    chat: ChatTurn | None = None  # a chat turn's conversation (records/session.py)
     logprobs: list[float] = field(default_factory=list)  # the model's, per output token
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)

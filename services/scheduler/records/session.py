@@ -1,8 +1,10 @@
-"""One streaming session: its committed history and, between turns, its state slots."""
+"""One streaming session: its committed history and, between turns, its state slots;
+for a chat session, the conversation its history renders (docs/chat.md)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +15,7 @@ from services.scheduler.allocators.tier_slots import DiskState, HostState
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
+from shared.messages.ownership import ChatEntry
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
@@ -26,7 +29,7 @@ class SessionError(InvalidRequest):
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "not_found", "closed", "busy", "invalid", "limit"
+        self.kind = kind  # "not_found", "closed", "busy", "conflict", "invalid", "limit"
 
 
 def check_session_params(params: dict) -> None:
@@ -41,6 +44,19 @@ def check_session_params(params: dict) -> None:
             "append-only; send only the new input",
             "invalid",
         )
+
+
+@dataclass(eq=False)
+class ChatTurn:
+    """What a chat turn hands its session, prepared by the HTTP edge (which owns the
+    template) so the engine never renders: the history length its new tokens follow,
+    the conversation's entries through the prompt, and `reply`, which gives the reply's
+    entry and the canonical history (the conversation with the reply, rendered without
+    a generation prompt and tokenized), or None if that cannot be rendered."""
+
+    base: int
+    messages: tuple[ChatEntry, ...]
+    reply: Callable[[Request], tuple[ChatEntry, np.ndarray] | None]
 
 
 @dataclass(eq=False)
@@ -59,6 +75,7 @@ class Session:
     closing: bool = False  # close asked while a turn runs: completes when it ends
     closed: bool = False
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
+    chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
 
     @property
     def state_tier(self) -> str | None:

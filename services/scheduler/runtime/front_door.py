@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.records.session import Session, SessionError
+from services.scheduler.records.session import ChatTurn, Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -86,16 +86,18 @@ class FrontDoor:
         sid: str | None = None,
         session_params: dict | None = None,
         progress: Progress | None = None,
+        chat: ChatTurn | None = None,
     ) -> Request:
         """Run a plain request, or the next turn of session `sid` (`tokens` are then only
-        its new input), to its end; `progress` is called as tokens arrive."""
+        its new input; `chat`: a chat turn's conversation), to its end; `progress` is
+        called as tokens arrive."""
         engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
         if sid is None:
             return await self._intake.run(
                 lambda: engine.submit(Request(rid, tokens, params)), progress
             )
         return await self._intake.run(
-            lambda: engine.submit_turn(sid, tokens, rid, params, session_params), progress
+            lambda: engine.submit_turn(sid, tokens, rid, params, session_params, chat), progress
         )
 
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:

@@ -56,6 +56,8 @@ class LiveState(Collector):
             engine.guard.failures,
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
+        redo = "chat replies re-encoded from their text (docs/chat.md)"
+        yield _counter("custody_session_reencodes", redo, engine.sessions.reencoded)
         yield _counter(
             "custody_dropped_rows",
             "rows of steps in flight whose request ended or was re-queued first (wasted work)",

@@ -30,10 +30,12 @@ from services.scheduler.records.request import Request, TurnStart
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
     SESSION_ID,
+    ChatTurn,
     Session,
     SessionError,
     check_session_params,
 )
+from services.scheduler.sessions.chat_log import Reencoding, settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.records import DurableRecords
 from services.scheduler.sessions.tier_moves import TierMoves
@@ -44,7 +46,7 @@ log = logging.getLogger("custody.sessions")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 
 
-class SessionManager(DurableRecords):
+class SessionManager(DurableRecords, Reencoding):
     def __init__(
         self,
         pools: Pools,
@@ -60,6 +62,7 @@ class SessionManager(DurableRecords):
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
         self.states_dropped = 0
+        self.reencoded = 0  # chat replies re-encoded (chat_log.py)
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
         self.tiers = TierPolicy(self.moves, self.sessions)
@@ -112,19 +115,22 @@ class SessionManager(DurableRecords):
         rid: str,
         context_len: int,
         session_params: dict | None = None,
+        chat: ChatTurn | None = None,
     ) -> Request:
         """A turn extends the history with `new_tokens`; checked before anything moves."""
         session = self.get(sid)
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {sid} already has a turn in flight", "busy")
+        if chat is not None and chat.base != len(session.history):
+            raise SessionError(f"session {sid} changed while this turn was prepared", "busy")
         prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
         if len(prompt) >= context_len:
             raise InvalidRequest(
                 f"session {sid}: history ({len(session.history)}) plus input "
                 f"({len(new_tokens)}) tokens reach the context length {context_len}"
             )
-        req = Request(rid, prompt, params, session=session)
+        req = Request(rid, prompt, params, session=session, chat=chat)
         session.turn = req
         self._touch(session, self.clock())
         return req
@@ -218,9 +224,13 @@ class SessionManager(DurableRecords):
         req.computed = req.cached_tokens = session.cached_len
         return slots
 
-    def save(self, req: Request) -> None:
-        """The turn finished: its state and history become the session's."""
-        session = req.session
+    def save(self, req: Request) -> bool:
+        """The turn finished: its state and history become the session's. False when a
+        chat reply was re-encoded and the turn had no state to return to: the caller
+        releases its slots."""
+        session, canonical = req.session, settle(req)
+        if canonical is not None:
+            return self._reencode(req, canonical)
         row = req.slots.row.slot
         # an over-allocated tail (scenario S5, docs/scenarios.md)
         self.pools.kv.free_tail(row, req.computed, "trim")
@@ -228,12 +238,11 @@ class SessionManager(DurableRecords):
             req.turn_start.rollback.release("turn_done")
         session.slots = handover.save(self.pools, req.slots, session.owner)
         session.cache_node, req.cache_node = req.cache_node, None
-        session.history = np.concatenate(
-            [req.prompt, np.asarray(req.committed_output(), dtype=np.int64)]
-        )
+        session.history = turn_history(req)
         session.cached_len = req.computed
         self.dirty.add(session.sid)
         self._end_turn(req)
+        return True
 
     def rollback(self, req: Request, keep_turn: bool) -> None:
         """Abort or retract: back to the state at the turn's start. With `keep_turn` the
@@ -244,13 +253,19 @@ class SessionManager(DurableRecords):
             if start is None or start.rollback is None:
                 req.release(self.pools, self.cache)  # the session had no state: it stays empty
             else:
-                self.pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
-                session.slots = handover.save(self.pools, req.slots, session.owner, start.rollback)
-                session.cache_node, req.cache_node = req.cache_node, None
+                self._back_to_start(req)
         req.slots, req.turn_start = None, None
         req.computed = 0
         if not keep_turn:
             self._end_turn(req)
+
+    def _back_to_start(self, req: Request) -> None:
+        """The session takes back its state copied at the turn's start (the turn's state
+        and KV past that point are freed)."""
+        session, start = req.session, req.turn_start
+        self.pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
+        session.slots = handover.save(self.pools, req.slots, session.owner, start.rollback)
+        session.cache_node, req.cache_node = req.cache_node, None
 
     def claims(self) -> list[Claim]:
         out: list[Claim] = []

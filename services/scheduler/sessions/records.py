@@ -2,10 +2,11 @@
 the session store persists for it, and how a restarted scheduler takes its sessions back
 from those records.
 
-A record carries the history always, the owner (a hash of the API key, never the key)
-and, only while the session itself holds them (not lent to a turn, not borrowing cache
-pages), its row, working Mamba slot and KV pages: only then can a restarted scheduler
-take them over. A session closed, or closing during a turn, is recorded closed at once.
+A record carries the history always (and a chat session's conversation), the owner (a
+hash of the API key, never the key) and, only while the session itself holds them (not
+lent to a turn, not borrowing cache pages), its row, working Mamba slot and KV pages:
+only then can a restarted scheduler take them over. A session closed, or closing during
+a turn, is recorded closed at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DurableRecords:
                 tenant=s.tenant,  # its owner survives a restart (a hash, never a key)
                 history=pack(s.history, TOKEN),
                 cached_len=s.cached_len,
+                chat=None if s.chat is None else list(s.chat),  # docs/chat.md
             )
             if s.disk is not None and s.disk.ready:
                 rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
@@ -73,6 +75,7 @@ class DurableRecords:
                 continue
             session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
             session.history = rec.tokens().astype(np.int64)
+            session.chat = None if rec.chat is None else tuple(rec.chat)
             if rec.disk is not None:  # a valid blob outlives every executor
                 self.pools.disk.take(np.array([rec.disk]), session.owner, "rebuild")
                 lease = new_lease(self.pools.disk, session.owner, rec.disk)

@@ -1,0 +1,104 @@
+"""A chat turn on a session (docs/chat.md): it appends exactly what the template renders
+after the stored conversation, so a session's turn N has the tokens of the stateless
+rendering of the same messages.
+
+The client sends the whole conversation every time. Its messages must begin with the
+session's stored conversation (compared by digest: a 409 names the first message that
+differs); the turn's tokens are the rendering of all of them with a generation prompt,
+of which the session's history must be a prefix (else the template is not prefix-stable
+for this conversation: a 409, nothing changes); the turn appends the rest. At the turn's
+end the session re-encodes the reply if its generated ids are not canonical
+(sessions/chat_log.py), with what `reply` here computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.session import ChatTurn, Session, SessionError
+from services.scheduler.text.chat_tokens import ChatEncoder
+from shared.messages.ownership import ChatEntry
+
+log = logging.getLogger("custody.scheduler.chat")
+
+
+def digest(message: dict) -> str:
+    """A message as the template sees it, hashed (key order and spacing do not count)."""
+    text = json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_conversation(session: Session, digests: list[str]) -> int:
+    """How many of the messages the session holds already; a 409 if they are not the
+    start of its conversation, or if its history is not a conversation at all."""
+    stored = session.chat
+    if stored is None:
+        if session.history.size:
+            raise SessionError(
+                f"session {session.sid} holds tokens that are not a chat conversation "
+                "(from /generate); continue it with /generate, or chat in a new session",
+                "conflict",
+            )
+        return 0
+    if len(digests) < len(stored):
+        raise SessionError(
+            f"{len(digests)} messages are fewer than the {len(stored)} of session "
+            f"{session.sid}'s conversation: send them all, then the new ones",
+            "conflict",
+        )
+    for i, entry in enumerate(stored):
+        if digests[i] != entry.digest:
+            raise SessionError(
+                f"message {i} differs from session {session.sid}'s conversation: send "
+                f"its {len(stored)} stored messages unchanged, then the new ones",
+                "conflict",
+            )
+    if len(digests) == len(stored):
+        raise InvalidRequest(f"no new message after session {session.sid}'s conversation")
+    return len(stored)
+
+
+def plan_turn(
+    encoder: ChatEncoder,
+    session: Session,
+    messages: list[dict],
+    tools: list[dict] | None,
+    reply_text: Callable[[Request], str],
+) -> tuple[list[int], ChatTurn]:
+    """The turn's new tokens and what its session keeps of it; `messages` as the
+    template sees them, `reply_text` the reply as the client gets it."""
+    digests = [digest(m) for m in messages]
+    known = check_conversation(session, digests)
+    full = encoder.tokens(messages, True, tools)
+    history = session.history
+    if len(full) < len(history) or not np.array_equal(full[: len(history)], history):
+        raise SessionError(
+            f"the chat template renders session {session.sid}'s conversation differently "
+            "once these messages follow (it is not prefix-stable here), so the session "
+            "cannot continue it; send the conversation without session_id",
+            "conflict",
+        )
+    entries = list(session.chat or ())
+    for j in range(known, len(messages)):
+        end = len(encoder.tokens(messages[: j + 1], False, tools))
+        entries.append(ChatEntry(digests[j], end))
+
+    def reply(req: Request) -> tuple[ChatEntry, np.ndarray] | None:
+        """Run by the engine at the turn's end; it must not raise."""
+        try:
+            message = {"role": "assistant", "content": reply_text(req)}
+            canonical = encoder.tokens([*messages, message], False, tools)
+        except Exception:
+            log.exception("session %s: its reply has no canonical rendering", session.sid)
+            return None
+        return ChatEntry(digest(message), len(canonical)), np.asarray(canonical, dtype=np.int64)
+
+    turn = ChatTurn(len(history), tuple(entries), reply)
+    return full[len(history) :], turn

@@ -1,0 +1,71 @@
+"""A chat turn's end (docs/chat.md): the session's conversation gains the reply, and a
+reply whose generated ids are not the canonical encoding of its text is re-encoded.
+
+The client sends a reply back as text, and the template renders that text with its
+end-of-turn suffix; the ids the model generated need not be what the tokenizer makes of
+that text (a stop string's tokens, a special token the text leaves out, a different BPE
+split). If the session kept them, turn N's tokens would differ from the stateless
+rendering of the same conversation. So when the turn's history is not a prefix of the
+canonical tokens, the session returns to its state at the turn's start (the rollback copy
+every turn takes), its history becomes the canonical tokens, and the next turn prefills
+what lies past that state, the canonical reply included.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from services.scheduler.records.request import Request
+    from services.scheduler.records.session import Session
+
+
+def turn_history(req: Request) -> np.ndarray:
+    """What the turn would leave as its session's history: prompt and committed output."""
+    return np.concatenate([req.prompt, np.asarray(req.committed_output(), dtype=np.int64)])
+
+
+def settle(req: Request) -> np.ndarray | None:
+    """Record the turn's conversation in its session; returns the canonical history when
+    the turn's own history is not a prefix of it (the reply must be re-encoded)."""
+    session: Session = req.session
+    if req.chat is None:
+        session.chat = None  # raw tokens (/generate): the history is no conversation now
+        return None
+    settled = req.chat.reply(req)
+    if settled is None:
+        session.chat = None
+        return None
+    entry, canonical = settled
+    session.chat = (*req.chat.messages, entry)
+    history = turn_history(req)
+    if len(history) <= len(canonical) and np.array_equal(canonical[: len(history)], history):
+        return None
+    return canonical
+
+
+class Reencoding:
+    """The re-encoding half of `SessionManager` (which provides these attributes)."""
+
+    dirty: set[str]
+    reencoded: int  # replies re-encoded (a metric)
+
+    def _back_to_start(self, req: Request) -> None: ...
+
+    def _end_turn(self, req: Request) -> None: ...
+
+    def _reencode(self, req: Request, canonical: np.ndarray) -> bool:
+        """Back to the turn's start with the canonical history. False when the turn had
+        no state to return to: the caller releases its slots (as a plain request's)."""
+        self.reencoded += 1
+        session, start = req.session, req.turn_start
+        kept = start is not None and start.rollback is not None
+        if kept:
+            self._back_to_start(req)
+        session.history = canonical
+        session.cached_len = start.cached_len if kept else 0
+        self.dirty.add(session.sid)
+        self._end_turn(req)
+        return kept
