@@ -222,7 +222,7 @@ def bad_inputs() -> list[tuple[str, bytes]]:
         ("/abort_request", b"[1]"),
         ("/v1/completions", json.dumps({"prompt": 3}).encode()),
         ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -5}).encode()),
-        ("/v1/completions", json.dumps({"prompt": "x", "n": 3}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "x", "n": 17}).encode()),
         ("/v1/completions", json.dumps({"prompt": "x", "stop": 5}).encode()),
         ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
         (

@@ -93,7 +93,7 @@ def test_values_no_layer_can_hold_get_json_400s(stack):
     assert "stop[0]" in refusal(port, "/generate", generate([1], stop=["x" * 257]))
     assert "context length" in refusal(port, "/generate", generate([1] * CONTEXT))
     assert "exactly one" in refusal(port, "/generate", {"text": "a", "input_ids": [1]})
-    assert "$.n" in refusal(port, "/v1/completions", {"prompt": "x", "n": 2})
+    assert "$.n" in refusal(port, "/v1/completions", {"prompt": "x", "n": 17})
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_unimplemented_and_unknown_fields_are_ignored(stack):
         {"session_id": "ignored", "capacity_of_str_len": 1000, "streaming": True, "x": [1]},
     )
     sglang = {
-        **generate([1, 2, 3], frequency_penalty=0.5, min_p=0.1, json_schema="{}"),
+        **generate([1, 2, 3], json_schema="{}", spaces_between_special_tokens=True),
         "session_params": {"id": sid, "rid": "r"},
         "lora_path": "adapter",
         "logprob_start_len": 0,
@@ -163,7 +163,7 @@ def test_unimplemented_and_unknown_fields_are_ignored(stack):
         "no_such_field": {"nested": [1, 2]},
     }
     assert len(call(port, "/generate", sglang)["output_ids"]) == 2
-    openai = {"max_tokens": 2, "user": "u", "logit_bias": {"5": -100}, "presence_penalty": 1}
+    openai = {"max_tokens": 2, "user": "u", "logit_bias": {"5": -100}, "service_tier": "auto"}
     assert call(port, "/v1/completions", {"prompt": "hi", "echo": False, **openai})["usage"]
     chat = {"messages": [{"role": "user", "content": "hi", "name": "n"}], "tools": [], **openai}
     assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 2

@@ -3,7 +3,8 @@ test checkpoint (tests/checkpoints.py: a trained byte-level BPE full of multi-by
 characters whose post-processor adds a BOS): streamed text equals non-streamed text in
 both APIs, stop strings are trimmed in streams too, raw text gets the BOS transformers
 adds (and a later session turn does not), and a checkpoint without tokenizer.json runs
-ids-only. One stack per module: starting one costs seconds."""
+ids-only; OpenAI's `n` and SGLang's batch /generate fan out into requests, each counted
+against the queue limit (3 here). One stack per module: starting one costs seconds."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def clean_database(redis_url: str, db: int) -> str:
 @pytest.fixture(scope="module")
 def bpe_stack(redis_url: str, chat_checkpoint: Path) -> Iterator[Stack]:
     url = clean_database(redis_url, 3)
-    running = start_stack(stack_settings(url, model=chat_checkpoint))
+    running = start_stack(stack_settings(url, model=chat_checkpoint, max_queued_requests=3))
     yield running
     running.stop()
     clean_database(redis_url, 3)
@@ -152,3 +153,54 @@ def test_tokenizer_byte_opts_in_to_bytes(chat_checkpoint):
     assert isinstance(load_tokenizer(chat_checkpoint), FileTokenizer)
     with pytest.raises(ValueError, match="tokenizer"):
         Settings.resolve(None, {"CUSTODY_TOKENIZER": "words"})
+
+
+def refusal(port: int, path: str, body: dict) -> tuple[int, str]:
+    status, raw = raw_call(port, path, json.dumps(body).encode())
+    return status, json.loads(raw)["error"]["message"]
+
+
+def test_n_choices_are_requests_with_derived_seeds(bpe_stack):
+    """Choice i samples with seed + i: it is the request with that seed alone."""
+    oai, port = client(bpe_stack), bpe_stack.settings.port
+    args = {"model": bpe_stack.settings.model_name, "prompt": PROMPT, "max_tokens": 12}
+    args |= {"temperature": 1.0, "seed": 11}
+    many = oai.completions.create(**args, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [c.text for c in many.choices]
+    alone = [oai.completions.create(**(args | {"seed": 11 + i})) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone] and len(set(texts)) == 3
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    joined = ["", "", ""]
+    for chunk in oai.completions.create(**args, n=3, stream=True):
+        for choice in chunk.choices:
+            joined[choice.index] += choice.text
+    assert joined == texts
+    sid = call(port, "/open_session", {"session_id": "one-reply"})
+    status, message = refusal(port, "/v1/completions", {"prompt": "x", "n": 2, "session_id": sid})
+    assert status == 400 and "session" in message
+    call(port, "/close_session", {"session_id": sid})
+    assert refusal(port, "/v1/completions", {"prompt": "x", "n": 17})[0] == 400
+    status, message = refusal(port, "/v1/completions", {"prompt": "x", "n": 4})
+    assert status == 503 and "4 requests" in message  # 4 choices, 3 queue places
+
+
+def test_a_batch_generate_answers_a_list(bpe_stack):
+    port, texts = bpe_stack.settings.port, [PROMPT, " Ça va?", "🙂🚀"]
+    greedy = {"max_new_tokens": 5, "ignore_eos": True}
+    alone = [generate(bpe_stack, text=t, sampling_params=greedy) for t in texts]
+    many = generate(bpe_stack, text=texts, sampling_params=greedy)
+    assert [m["text"] for m in many] == [a["text"] for a in alone]
+    assert [m["output_ids"] for m in many] == [a["output_ids"] for a in alone]
+    ids = generate(bpe_stack, input_ids=[[5, 6, 7], [8, 9]], rid=["a", "b"])
+    assert [r["meta_info"]["id"] for r in ids] == ["a", "b"]
+    body = {"text": texts, "sampling_params": greedy, "stream": True}
+    events = sse_events(port, "/generate", body)
+    last = {e["index"]: e["text"] for e in events}  # cumulative: the last one per item
+    assert last == {i: a["text"] for i, a in enumerate(alone)}
+    session = {"input_ids": [[1], [2]], "session_params": {"id": "any"}}
+    assert "session" in refusal(port, "/generate", session)[1]
+    assert refusal(port, "/generate", {"text": ["a"] * 65})[0] == 400
+    status, message = refusal(port, "/generate", {"text": ["a"] * 4})
+    assert status == 503 and "4 requests" in message

@@ -4,6 +4,7 @@ key that opened a session may use it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,7 +20,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import ChatTurn, Session
 from services.scheduler.runtime.front_door import Progress
-from shared.tokenizer import NoTokenizer, TokenizerMissing
+from shared.tokenizer import NoTokenizer, Tokenizer, TokenizerMissing
 
 T = TypeVar("T")
 
@@ -68,10 +69,44 @@ async def run_generation(
     if sid is not None:
         own_session(request, sid)
     door = request.app[FRONT_DOOR]
-    if params.stop and isinstance(door.tokenizer, NoTokenizer):
-        missing = door.tokenizer.missing
-        raise TokenizerMissing(f"stop strings need text, but {missing} is missing (ids-only)")
+    check_text(door.tokenizer, params)
     return await door.generate(rid, tokens, params, sid, session_params, progress, chat)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of several run at once: an OpenAI choice, a batch item."""
+
+    rid: str
+    tokens: list[int]
+    params: SamplingParams
+    progress: Progress | None = None
+
+
+async def run_all(request: web.Request, jobs: list[Job]) -> list[Request]:
+    """Run plain requests at once, each to its end, in the order of `jobs`. All are
+    counted against the queue limit before any is submitted (a 503 refuses the lot), and
+    if one fails the others are aborted (their waits are cancelled, which aborts)."""
+    check_queue(request, len(jobs))
+    door = request.app[FRONT_DOOR]
+    for job in jobs:
+        check_text(door.tokenizer, job.params)
+    try:
+        async with asyncio.TaskGroup() as group:
+            runs = [
+                group.create_task(door.generate(j.rid, j.tokens, j.params, progress=j.progress))
+                for j in jobs
+            ]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [run.result() for run in runs]
+
+
+def check_text(tokenizer: Tokenizer, params: SamplingParams) -> None:
+    """Stop strings are matched on text: ids-only, they are refused naming the file."""
+    if params.stop and isinstance(tokenizer, NoTokenizer):
+        missing = tokenizer.missing
+        raise TokenizerMissing(f"stop strings need text, but {missing} is missing (ids-only)")
 
 
 def own_session(request: web.Request, sid: object) -> Session:
@@ -92,12 +127,14 @@ class EventStream:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         request[EVENT_STREAM] = self
+        self._order = asyncio.Lock()  # requests run at once (`run_all`) share one stream
 
     async def send(self, payload: dict | str) -> None:
-        if not self.response.prepared:
-            await self.response.prepare(self.request)
         data = payload if isinstance(payload, str) else json.dumps(payload)
-        await self.response.write(f"data: {data}\n\n".encode())
+        async with self._order:
+            if not self.response.prepared:
+                await self.response.prepare(self.request)
+            await self.response.write(f"data: {data}\n\n".encode())
 
 
 EVENT_STREAM = web.RequestKey("event_stream", EventStream)

@@ -39,14 +39,16 @@ def open_session_within_limits(
         raise Refused(429, str(err), "session_limit") from None
 
 
-def check_queue(request: web.Request) -> None:
-    """503 with Retry-After while the engine's waiting queue is full (0: no limit)."""
+def check_queue(request: web.Request, count: int = 1) -> None:
+    """503 with Retry-After when `count` more requests (OpenAI's `n` choices, a batch's
+    items: each is a request) would not fit in the engine's waiting queue (0: no limit)."""
     door = request.app[FRONT_DOOR]
     limit, waiting = door.settings.max_queued_requests, door.queued
-    if limit and waiting >= limit:
+    if limit and waiting + count > limit:
+        asked = "" if count == 1 else f"; this asks for {count} requests"
         raise Refused(
             503,
-            f"{waiting} requests are waiting, as many as this server queues; "
+            f"{waiting} requests are waiting and this server queues {limit}{asked}; "
             f"retry in {RETRY_AFTER_SECONDS} s",
             "overloaded",
             {"Retry-After": str(RETRY_AFTER_SECONDS)},

@@ -10,6 +10,7 @@ each turn prefills only its new tokens and has the tokens of the stateless reque
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -19,17 +20,21 @@ from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.common import (
     EventStream,
+    Job,
     StreamCursor,
     output_text,
     own_session,
     prompt_tokens,
     read_body,
+    run_all,
     run_generation,
     token_limit,
 )
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from services.scheduler.runtime.front_door import Progress
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
@@ -38,12 +43,15 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 
 
-def usage(req: Request) -> dict:
+def usage(reqs: list[Request]) -> dict:
+    """Of all choices: the prompt counted once (as OpenAI counts it), the completions
+    summed; `cached_tokens` is the fewest prompt tokens any choice reused."""
+    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs)
     return {
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(req.output),
-        "total_tokens": len(req.prompt) + len(req.output),
-        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": min(r.cached_tokens for r in reqs)},
     }
 
 
@@ -61,13 +69,15 @@ class Reply:
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
-    def choice(self, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+    def choice(
+        self, text: str, reason: str | None, logprobs: dict | None = None, index: int = 0
+    ) -> dict:
         """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked."""
         if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+            return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
         part = "message" if reason is not None and not self.stream else "delta"
         message = {part: {"role": "assistant", "content": text}, "logprobs": logprobs}
-        return {"index": 0, "finish_reason": reason} | message
+        return {"index": index, "finish_reason": reason} | message
 
     def body(self, choices: list[dict], **extra: object) -> dict:
         kind = f"{self.kind}.chunk" if self.stream else self.kind
@@ -88,31 +98,66 @@ async def respond(
         raise Refused(
             404, f"model {body.model!r} is not served here; {served!r} is", "model_not_found"
         )
-    claim = request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")
-    sid, reply = body.session_id, Reply(claim.shown, chat, body.stream, served)
+    n, sid = body.n or 1, body.session_id
+    if n > 1 and sid is not None:
+        raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
+    claims = [request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")]
+    claims += [request.app[TENANCY].claim(request, None) for _ in range(n - 1)]
+    reply = Reply(claims[0].shown, chat, body.stream, served)
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
+    jobs = [Job(c.server, tokens, p) for c, p in zip(claims, choice_params(params, n), strict=True)]
     if not body.stream:
-        done = await run_generation(request, claim.server, tokens, params, sid, {}, chat=turn)
-        lps = openai_logprobs(door.tokenizer, done, chat)
-        choice = reply.choice(output_text(done), finish(done), lps)
-        return web.json_response(reply.body([choice], usage=usage(done)))
-    sse, cursor = EventStream(request), StreamCursor()
+        done = await run_choices(request, jobs, sid, turn)
+        choices = [
+            reply.choice(output_text(r), finish(r), openai_logprobs(door.tokenizer, r, chat), i)
+            for i, r in enumerate(done)
+        ]
+        return web.json_response(reply.body(choices, usage=usage(done)))
+    sse = EventStream(request)
+    jobs = [replace(job, progress=streamer(request, reply, sse, i)) for i, job in enumerate(jobs)]
+    done = await run_choices(request, jobs, sid, turn)
+    if body.include_usage():
+        await sse.send(reply.body([], usage=usage(done)))
+    await sse.send("[DONE]")
+    return sse.response
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each choice's parameters: choice i samples with seed + i (mod 2**64), so it is
+    what a request with that seed alone gives; without a seed each draws its own."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % (SEED_MAX + 1)) for i in range(n)]
+
+
+async def run_choices(
+    request: web.Request, jobs: list[Job], sid: str | None, turn: ChatTurn | None
+) -> list[Request]:
+    """One choice: a plain request or a session's turn; more: plain requests at once."""
+    if len(jobs) > 1:
+        return await run_all(request, jobs)
+    job = jobs[0]
+    return [
+        await run_generation(request, job.rid, job.tokens, job.params, sid, {}, job.progress, turn)
+    ]
+
+
+def streamer(request: web.Request, reply: Reply, sse: EventStream, index: int) -> Progress:
+    """The chunks of choice `index`: its new text, and the logprobs of the tokens that
+    arrived since its chunk before."""
+    tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
 
     async def progress(r: Request) -> None:
         chunk = cursor.next(r)
         if chunk is not None:
             sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
-            lps = openai_logprobs(door.tokenizer, r, chat, chunk.start, chunk.end, sent)
-            choice = reply.choice(chunk.delta, finish(r) if r.done else None, lps)
+            lps = openai_logprobs(tokenizer, r, reply.chat, chunk.start, chunk.end, sent)
+            choice = reply.choice(chunk.delta, finish(r) if r.done else None, lps, index)
             await sse.send(reply.body([choice]))
 
-    done = await run_generation(request, claim.server, tokens, params, sid, {}, progress, turn)
-    if body.include_usage():
-        await sse.send(reply.body([], usage=usage(done)))
-    await sse.send("[DONE]")
-    return sse.response
+    return progress
 
 
 async def models(request: web.Request) -> web.Response:

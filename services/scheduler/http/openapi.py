@@ -29,6 +29,7 @@ class Doc:
     reply: type | dict | None = None
     events: type | None = None
     media: str = "application/json"
+    batch: str | None = None  # the body of the batch form, answered with a list of replies
 
 
 BOOLEAN = {"type": "boolean"}
@@ -48,7 +49,11 @@ ROUTES = {
     ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/generate"): Doc(
-        "Generate (SGLang)", "generate", replies.GenerateReply, replies.GenerateReply
+        "Generate (SGLang); a list of texts or of id lists is a batch",
+        "generate",
+        replies.GenerateReply,
+        replies.GenerateReply,
+        batch="generate_batch",
     ),
     ("GET", "/v1/models"): Doc("The served model (OpenAI)", reply=replies.ModelList),
     ("POST", "/v1/completions"): Doc(
@@ -94,6 +99,8 @@ def openapi_document(router: web.UrlDispatcher, schemas: RequestSchemas) -> dict
 
 def operation(path: str, doc: Doc, ref: dict, schemas: RequestSchemas) -> dict:
     reply = ref[doc.reply] if isinstance(doc.reply, type) else doc.reply
+    if doc.batch is not None:
+        reply = {"anyOf": [reply, {"type": "array", "items": reply}]}
     content = {doc.media: {"schema": reply}}
     described = "OK"
     if doc.events is not None:
@@ -116,6 +123,8 @@ def operation(path: str, doc: Doc, ref: dict, schemas: RequestSchemas) -> dict:
     op = {"summary": doc.summary, "responses": responses}
     if doc.body is not None:
         body = ref[getattr(schemas, doc.body)]
+        if doc.batch is not None:
+            body = {"anyOf": [body, ref[getattr(schemas, doc.batch)]]}
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     return op
 

@@ -36,11 +36,13 @@ class MetaInfo(Struct):
 
 
 class GenerateReply(Struct):
-    """One /generate reply, or one event of a streamed one (the output so far)."""
+    """One /generate reply, or one event of a streamed one (the output so far); a batch
+    answers a list of them, and each event of its stream names its item (`index`)."""
 
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+    index: int | None = None
 
 
 class Health(Struct):

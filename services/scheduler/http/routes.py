@@ -9,6 +9,9 @@ moves; a client that disconnects aborts its request, with the abort semantics of
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -16,20 +19,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.common import (
     EventStream,
+    Job,
     StreamCursor,
     output_text,
     own_session,
     prompt_tokens,
     read_body,
+    run_all,
     run_generation,
     token_limit,
 )
 from services.scheduler.http.limits import open_session_within_limits
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
+from services.scheduler.http.schemas import decode_body
+from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
-from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.runtime.front_door import FrontDoor, Progress
 
 DEFAULT_MAX_NEW_TOKENS = 16
 
@@ -114,35 +122,79 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_body(request, request.app[SCHEMAS].generate)
+    raw, schemas = await request.read(), request.app[SCHEMAS]
+    if is_batch(raw):
+        return await generate_batch(request, decode_body(raw, schemas.generate_batch))
+    body = decode_body(raw, schemas.generate)
     door = request.app[FRONT_DOOR]
-    sampling, sid = body.sampling(), body.session_id()
+    sid = body.session_id()
     tokens = body.input_ids or prompt_tokens(request, body.text, sid)
     rid = request.app[TENANCY].claim(request, body.rid)
-    limit = token_limit(
-        request,
-        sid,
-        len(tokens),
-        "sampling_params.max_new_tokens",
-        sampling.max_new_tokens,
-        DEFAULT_MAX_NEW_TOKENS,
-    )
-    logprobs = body.return_logprob
-    params = sampling.engine_params(limit, logprobs, body.top_logprobs_num)
+    logprobs, params = body.return_logprob, engine_params(request, body, sid, len(tokens))
     options = body.session_options()
     if not body.stream:
         done = await run_generation(request, rid.server, tokens, params, sid, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
-    sse, cursor = EventStream(request), StreamCursor()
-
-    async def progress(r: Request) -> None:  # SGLang's chunks are cumulative
-        chunk = cursor.next(r)
-        if chunk is not None:
-            await sse.send(response_of(door, r, rid.shown, logprobs, chunk.text))
-
+    sse = EventStream(request)
+    progress = streamer(door, sse, rid.shown, logprobs)
     await run_generation(request, rid.server, tokens, params, sid, options, progress)
     await sse.send("[DONE]")
     return sse.response
+
+
+async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
+    """SGLang's batch: one request per item, run at once; a list of replies in item
+    order, or one stream whose (cumulative) chunks carry their item's `index`."""
+    door = request.app[FRONT_DOOR]
+    inputs = body.input_ids or [prompt_tokens(request, text, None) for text in body.text]
+    claims = [request.app[TENANCY].claim(request, rid) for rid in body.rid or [None] * len(inputs)]
+    jobs = [
+        Job(claim.server, ids, engine_params(request, body, None, len(ids)))
+        for claim, ids in zip(claims, inputs, strict=True)
+    ]
+    logprobs = body.return_logprob
+    if not body.stream:
+        done = await run_all(request, jobs)
+        replies = [
+            response_of(door, r, c.shown, logprobs) for r, c in zip(done, claims, strict=True)
+        ]
+        return web.json_response(replies)
+    sse = EventStream(request)
+    jobs = [
+        replace(job, progress=streamer(door, sse, claim.shown, logprobs, i))
+        for i, (job, claim) in enumerate(zip(jobs, claims, strict=True))
+    ]
+    await run_all(request, jobs)
+    await sse.send("[DONE]")
+    return sse.response
+
+
+def engine_params(request: web.Request, body: Any, sid: str | None, tokens: int) -> SamplingParams:
+    """A /generate request's parameters, its output budget cut to the context's room."""
+    sampling = body.sampling()
+    limit = token_limit(
+        request,
+        sid,
+        tokens,
+        "sampling_params.max_new_tokens",
+        sampling.max_new_tokens,
+        DEFAULT_MAX_NEW_TOKENS,
+    )
+    return sampling.engine_params(limit, body.return_logprob, body.top_logprobs_num)
+
+
+def streamer(
+    door: FrontDoor, sse: EventStream, rid: str, logprobs: bool, index: int | None = None
+) -> Progress:
+    """A request's stream: SGLang's chunks are cumulative; a batch item's carry `index`."""
+    cursor, tag = StreamCursor(), {} if index is None else {"index": index}
+
+    async def progress(r: Request) -> None:
+        chunk = cursor.next(r)
+        if chunk is not None:
+            await sse.send(response_of(door, r, rid, logprobs, chunk.text) | tag)
+
+    return progress
 
 
 ROUTES = (

@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from services.scheduler.http import schema_types as st
+from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import SESSION_ID
@@ -35,6 +36,7 @@ ONE_INPUT = {
         {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
     ]
 }
+ONE_BATCH = {"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
 
 T = TypeVar("T")
 
@@ -45,6 +47,7 @@ class RequestSchemas:
     a rule its schema states beside the struct's own)."""
 
     generate: Any
+    generate_batch: Any
     open_session: type
     close_session: type
     place_session: type
@@ -96,8 +99,10 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
     """The structs of the SGLang and OpenAI bodies, bounded for this deployment."""
     limits = st.Limits(vocab_size, context_len)
     completions, chat = openai_schemas(limits)
+    generate = generate_schema(limits)
     return RequestSchemas(
-        Annotated[generate_schema(limits), Meta(extra_json_schema=ONE_INPUT)],
+        Annotated[generate, Meta(extra_json_schema=ONE_INPUT)],
+        Annotated[batch_schema(generate, limits), Meta(extra_json_schema=ONE_BATCH)],
         OpenSessionRequest,
         CloseSessionRequest,
         PlaceSessionRequest,

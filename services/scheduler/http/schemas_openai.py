@@ -3,8 +3,7 @@
 Every optional field may be null, as in OpenAI's own schema; a null is the default.
 vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
 penalties) are honoured. Fields custody does not implement (`user`, `logit_bias`,
-`tool_choice`...) are ignored; `n` other than 1 is refused, since it would silently change
-what the client gets.
+`tool_choice`...) are ignored. `n` (1..16) choices are each their own request.
 """
 
 # No `from __future__ import annotations`: the structs of `openai_schemas` are defined
@@ -32,6 +31,8 @@ from services.scheduler.http.schema_types import (
 )
 from services.scheduler.records.sampling import SamplingParams
 
+MAX_CHOICES = 16
+
 
 class StreamOptions(Struct):
     include_usage: bool | None = None
@@ -45,7 +46,7 @@ class OpenAIRequest(Struct, kw_only=True):
     max_tokens: int | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     seed: Seed | None = None
     stop: Stop | None = None
     stream: bool | None = None
