@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests.executor.oracle import tiny_config
+
 # ruff: noqa: RUF001 (the ambiguous characters are the point of this corpus)
 CORPUS = [
     "Grüße aus Köln! Ça va? naïve café résumé — “quotes” and plain English words.",
@@ -67,7 +69,7 @@ def train_tokenizer():
 def build_chat_checkpoint(directory: Path, template_in: str = "jinja") -> Path:
     """Save tokenizer and model into `directory`. `template_in`: "jinja" (transformers'
     default, chat_template.jinja) or "config" (tokenizer_config.json's chat_template)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedTokenizerFast
+    from transformers import NemotronHForCausalLM, PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(), bos_token="<|bos|>", eos_token="<|im_end|>"
@@ -75,24 +77,8 @@ def build_chat_checkpoint(directory: Path, template_in: str = "jinja") -> Path:
     fast.chat_template = TEMPLATE
     fast.save_pretrained(directory, save_jinja_files=template_in == "jinja")
     torch.manual_seed(0)
-    cfg = NemotronHConfig(
-        vocab_size=len(fast),
-        hidden_size=48,
-        layers_block_type=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        intermediate_size=64,
-        ssm_state_size=8,
-        mamba_num_heads=6,
-        mamba_head_dim=8,
-        n_groups=2,
-        conv_kernel=4,
-        chunk_size=8,
-        initializer_range=0.15,
-        use_conv_bias=True,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
+    cfg = tiny_config(
+        len(fast), LAYERS, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id
     )
     NemotronHForCausalLM(cfg).float().eval().save_pretrained(directory, safe_serialization=True)
     return directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -90,3 +91,21 @@ def ledger_when_idle(stack: Stack) -> dict:
         if not busy or time.monotonic() > deadline:
             return view
         time.sleep(0.2)
+
+
+def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict:
+    """POST `body` to `path` and SIGKILL the executor while it runs; supervise until the
+    reply comes (the executor restarted once) and return it."""
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=call(port, path, body)))
+    worker.start()
+    time.sleep(0.5)
+    assert worker.is_alive(), result
+    stack.kill("executor")  # SIGKILL in the middle of the request's decode
+    deadline = time.monotonic() + 120
+    while worker.is_alive() and time.monotonic() < deadline:
+        stack.supervise_once()
+        time.sleep(0.2)
+    worker.join(timeout=1)
+    assert stack.restarts["executor"] == 1
+    return result["out"]

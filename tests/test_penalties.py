@@ -7,8 +7,6 @@ what is generated. Bad ranges are 400s in both APIs; nulls mean defaults."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from services.scheduler.http.schemas import decode_body, request_schemas
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from shared.config import Settings
-from tests.services_harness import POOLS, call
+from tests.services_harness import POOLS, kill_executor_during
 
 PROMPT = list(range(40, 70))
 PENALISED = {
@@ -71,19 +69,8 @@ def test_a_penalised_generation_is_the_same_across_an_executor_restart(stack):
     re-prefills: both must give the tokens of one uninterrupted in-process run."""
     port, n = stack.settings.port, 600
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n, **PENALISED}}
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(out=call(port, "/generate", body)))
-    worker.start()
-    time.sleep(0.5)
-    assert worker.is_alive(), result
-    stack.kill("executor")  # SIGKILL in the middle of the decode
-    deadline = time.monotonic() + 120
-    while worker.is_alive() and time.monotonic() < deadline:
-        stack.supervise_once()
-        time.sleep(0.2)
-    worker.join(timeout=1)
-    assert stack.restarts["executor"] == 1
-    assert result["out"]["output_ids"] == generate(n, **PENALISED).output
+    out = kill_executor_during(stack, port, "/generate", body)
+    assert out["output_ids"] == generate(n, **PENALISED).output
 
 
 SCHEMAS = request_schemas(vocab_size=256, context_len=1024)

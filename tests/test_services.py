@@ -16,7 +16,14 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.forward import decode_step
 from shared.redis_server import free_port
-from tests.services_harness import POOLS, call, capacities, ledger_when_idle, one_shot
+from tests.services_harness import (
+    POOLS,
+    call,
+    capacities,
+    kill_executor_during,
+    ledger_when_idle,
+    one_shot,
+)
 
 
 def test_three_sessions_four_turns_equal_one_shot_generations(stack):
@@ -92,32 +99,12 @@ def test_an_executor_killed_mid_turn_loses_nothing(stack):
         },
     )
     history = list(range(1, 40)) + first["output_ids"]
-    result = {}
-
-    def long_turn():
-        result["started"] = time.monotonic()
-        result["out"] = call(
-            port,
-            "/generate",
-            {
-                "input_ids": [5, 6, 7],
-                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
-                "session_params": {"id": sid},
-            },
-        )
-
-    worker = threading.Thread(target=long_turn)
-    worker.start()
-    time.sleep(0.5)
-    assert worker.is_alive(), result
-    stack.kill("executor")  # SIGKILL in the middle of the turn's decode
-    deadline = time.monotonic() + 120
-    while worker.is_alive() and time.monotonic() < deadline:
-        stack.supervise_once()
-        time.sleep(0.2)
-    worker.join(timeout=1)
-    assert stack.restarts["executor"] == 1
-    out = result["out"]
+    turn = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        "session_params": {"id": sid},
+    }
+    out = kill_executor_during(stack, port, "/generate", turn)
     # retried transparently: the same tokens as without the crash
     assert out["output_ids"] == one_shot([*history, 5, 6, 7], 900)
     history += [5, 6, 7] + out["output_ids"]

@@ -23,15 +23,14 @@ LAYERS = [
 ]
 
 
-def build_reference(directory: Path):
-    """transformers' NemotronHForCausalLM with n_groups > 1, saved to `directory`."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+def tiny_config(vocab_size: int, layers: list[str], **extra: object):
+    """A transformers NemotronHConfig small enough for CPU tests, with n_groups > 1."""
+    from transformers import NemotronHConfig
 
-    torch.manual_seed(0)
-    cfg = NemotronHConfig(
-        vocab_size=96,
+    return NemotronHConfig(
+        vocab_size=vocab_size,
         hidden_size=48,
-        layers_block_type=LAYERS,
+        layers_block_type=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=12,
@@ -44,9 +43,16 @@ def build_reference(directory: Path):
         chunk_size=8,
         initializer_range=0.15,
         use_conv_bias=True,
-        eos_token_id=None,
+        **extra,
     )
-    ref = NemotronHForCausalLM(cfg).float().eval()
+
+
+def build_reference(directory: Path):
+    """transformers' NemotronHForCausalLM, saved to `directory`."""
+    from transformers import NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    ref = NemotronHForCausalLM(tiny_config(96, LAYERS, eos_token_id=None)).float().eval()
     ref.save_pretrained(directory, safe_serialization=True)
     return ref
 

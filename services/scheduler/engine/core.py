@@ -182,10 +182,11 @@ class EngineCore:
                     self._finish(req)
                     ended.append(req)
                     continue
-            fresh = req.turn_start is None or req.turn_start.rollback is None
+            start = req.turn_start
+            fresh = start is None or (req.chat is not None and start.rollback is None)
             if row.snapshot_slot and row.prefill and fresh:
-                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md),
-                # unless it extends a session's own state, which no other prompt shares
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md); a
+                # chat turn's too when it has no rollback copy: a re-encoded reply needs it
                 self._cache_prefix(req)
         return ended
 
