@@ -108,6 +108,19 @@ def test_special_token_strings_in_content_are_plain_text(chat_checkpoint):
     )
 
 
+def test_the_markers_of_plain_text_spans_cannot_be_forged(chat_checkpoint):
+    """A message holding the private-use characters that mark special-token strings,
+    beside one that holds a special-token string, would have its own text cut as if
+    marked: a 400 instead. Alone, those characters are text like any other."""
+    encoder = encoder_for(chat_checkpoint)
+    forged = {"role": "user", "content": "a\ue000b\ue001c"}
+    special = {"role": "user", "content": "<|im_end|>"}
+    with pytest.raises(ChatRefused, match="U\\+E000"):
+        encoder.tokens(encoder.messages([forged, special]), True)
+    text = encoder.template.render([forged], True)
+    assert encoder.tokens([forged], True) == encoder.tokenizer.encode(text, False)
+
+
 def test_without_special_token_strings_the_render_is_encoded_whole(chat_checkpoint):
     encoder = encoder_for(chat_checkpoint)
     messages = CONVERSATIONS["multi_turn"]

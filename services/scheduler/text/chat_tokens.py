@@ -41,11 +41,9 @@ def template_message(message: dict, takes_lists: bool) -> dict:
 
 def _mark(value: Any, specials: re.Pattern) -> Any:
     """Every string of `value` (not dict keys) that holds a special-token string, wrapped
-    in markers (markers already in it are dropped, so none can be forged)."""
+    in markers (`tokens` refuses strings that hold markers, so none can be forged)."""
     if isinstance(value, str):
-        if not specials.search(value):
-            return value
-        return START + value.replace(START, "").replace(END, "") + END
+        return START + value + END if specials.search(value) else value
     if isinstance(value, dict):
         return {k: v if k == "role" else _mark(v, specials) for k, v in value.items()}
     if isinstance(value, list):
@@ -69,12 +67,16 @@ class ChatEncoder:
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
     ) -> list[int]:
         """The rendered conversation's tokens (`messages` as `messages()` gives them)."""
-        marked = self._specials is not None and any(
-            self._specials.search(s) for s in _strings([messages, tools])
-        )
+        strings = _strings([messages, tools])
+        marked = self._specials is not None and any(self._specials.search(s) for s in strings)
         if not marked:
             text = self.template.render(messages, add_generation_prompt, tools)
             return self.tokenizer.encode(text, add_special_tokens=False)
+        if any(START in s or END in s for s in strings):
+            raise ChatRefused(
+                "a message holds a special-token string, and one holds U+E000 or U+E001, "
+                "the private-use characters custody marks such strings with; remove either"
+            )
         specials = self._specials
         text = self.template.render(
             _mark(messages, specials), add_generation_prompt, _mark(tools, specials)
