@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.scheduler.http.chat_session import digest, plan_turn
+from services.scheduler.http.chat_session import MAX_NEW_MESSAGES, digest, plan_turn
+from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 from services.scheduler.text.chat_template import ChatTemplate
 from services.scheduler.text.chat_tokens import ChatEncoder
@@ -53,3 +54,17 @@ def test_a_session_of_raw_tokens_is_no_conversation():
     with pytest.raises(SessionError, match="/generate") as refused:
         plan_turn(encoder, session, [USER], None, str)
     assert refused.value.kind == "conflict"
+
+
+def test_a_session_turn_adds_a_bounded_number_of_messages():
+    """Each new message's token end costs a render of the conversation up to it, on the
+    event loop: thousands of tiny messages in one turn would block every other request
+    for seconds. More than MAX_NEW_MESSAGES is a 400 that changes nothing."""
+    encoder = ChatEncoder(ChatTemplate.load(None), ByteTokenizer())
+    session = Session("many", None, None, 0.0)
+    many = [USER] * (MAX_NEW_MESSAGES + 1)
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_NEW_MESSAGES} messages"):
+        plan_turn(encoder, session, many, None, str)
+    assert session.chat is None and session.history.size == 0
+    _, turn = plan_turn(encoder, session, many[:MAX_NEW_MESSAGES], None, str)
+    assert len(turn.messages) == MAX_NEW_MESSAGES

@@ -28,6 +28,11 @@ from shared.messages.ownership import ChatEntry
 
 log = logging.getLogger("custody.scheduler.chat")
 
+# Each new message's token end costs a render of the conversation up to it, on the
+# scheduler's event loop: a turn adding k messages to n costs k renders of up to n+k
+# messages, so k is bounded (agent loops add one to three a turn).
+MAX_NEW_MESSAGES = 32
+
 
 def digest(message: dict) -> str:
     """A message as the template sees it, hashed (key order and spacing do not count)."""
@@ -76,6 +81,11 @@ def plan_turn(
     template sees them, `reply_text` the reply as the client gets it."""
     digests = [digest(m) for m in messages]
     known = check_conversation(session, digests)
+    if len(messages) - known > MAX_NEW_MESSAGES:
+        raise InvalidRequest(
+            f"a chat turn on a session adds at most {MAX_NEW_MESSAGES} messages, not "
+            f"{len(messages) - known}; send a longer conversation without session_id"
+        )
     full = encoder.tokens(messages, True, tools)
     history = session.history
     if len(full) < len(history) or not np.array_equal(full[: len(history)], history):
