@@ -147,7 +147,10 @@ def test_an_explicit_limit_past_the_context_names_both_numbers(stack):
     assert view["violations"] == [] and view["leaked"] == {}
 
 
-def test_unimplemented_and_unknown_fields_are_ignored(stack):
+def test_unknown_fields_are_ignored_and_unimplemented_ones_refused_unless_neutral(stack):
+    """Fields that change nothing custody computes are ignored; fields that would change
+    the output and that custody does not implement are accepted at their neutral value
+    (clients send defaults) and otherwise refused naming the field, never ignored."""
     port = stack.settings.port
     sid = call(
         port,
@@ -155,7 +158,7 @@ def test_unimplemented_and_unknown_fields_are_ignored(stack):
         {"session_id": "ignored", "capacity_of_str_len": 1000, "streaming": True, "x": [1]},
     )
     sglang = {
-        **generate([1, 2, 3], json_schema="{}", spaces_between_special_tokens=True),
+        **generate([1, 2, 3], json_schema=None, logit_bias={}, n=1, min_new_tokens=0),
         "session_params": {"id": sid, "rid": "r"},
         "lora_path": "adapter",
         "logprob_start_len": 0,
@@ -163,11 +166,27 @@ def test_unimplemented_and_unknown_fields_are_ignored(stack):
         "no_such_field": {"nested": [1, 2]},
     }
     assert len(call(port, "/generate", sglang)["output_ids"]) == 2
-    openai = {"max_tokens": 2, "user": "u", "logit_bias": {"5": -100}, "service_tier": "auto"}
-    assert call(port, "/v1/completions", {"prompt": "hi", "echo": False, **openai})["usage"]
+    neutral = {"logit_bias": {}, "echo": False, "best_of": 1, "response_format": {"type": "text"}}
+    openai = {"max_tokens": 2, "user": "u", "service_tier": "auto", **neutral}
+    assert call(port, "/v1/completions", {"prompt": "hi", **openai})["usage"]
     chat = {"messages": [{"role": "user", "content": "hi", "name": "n"}], "tools": [], **openai}
     assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 2
+    for path, body, field in [
+        ("/generate", generate([1], json_schema="{}"), "sampling_params.json_schema"),
+        ("/generate", generate([1], logit_bias={"5": -100}), "sampling_params.logit_bias"),
+        ("/generate", generate([1], min_new_tokens=3), "sampling_params.min_new_tokens"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        (
+            "/v1/chat/completions",
+            {**chat, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ]:
+        status, _, raw = post(port, path, body)
+        assert status == 400 and f"{field} is not implemented" in raw.decode(), (path, field)
     call(port, "/close_session", {"session_id": sid, "extra": 1})
+    assert ledger_when_idle(stack)["leaked"] == {}
 
 
 def test_openapi_document_covers_every_route(stack):

@@ -87,3 +87,57 @@ def extension_params(body: Any) -> dict[str, Any]:
     }
     params = {name: value for name, value in given.items() if value is not None}
     return params | {"stop_token_ids": tuple(body.stop_token_ids or ())}
+
+
+# Fields that change the output, which custody does not implement. Each is accepted at
+# its neutral value (clients send defaults: `logit_bias: {}`, `echo: false`); any other
+# value is refused naming the field, rather than answered as if it had not been asked.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "min_tokens": (None, 0),
+    "min_new_tokens": (None, 0),
+    "n": (None, 1),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+}
+
+
+def neutral_only(name: str) -> Any:
+    """The type of an unimplemented field: anything, documented as its neutral values
+    (so /openapi.json says what is accepted, and a fuzzer's valid cases are valid)."""
+    return Annotated[Any, Meta(extra_json_schema={"enum": list(NEUTRAL[name])})]
+
+
+OPENAI_UNIMPLEMENTED = (
+    "logit_bias",
+    "response_format",
+    "echo",
+    "best_of",
+    "suffix",
+    "min_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+SGLANG_UNIMPLEMENTED = ("logit_bias", "min_new_tokens", "n", "json_schema", "regex", "ebnf")
+
+
+def refuse_unimplemented(body: Any, names: tuple[str, ...], prefix: str = "") -> None:
+    for name in names:
+        value = getattr(body, name)
+        if not any(value == ok and type(value) is type(ok) for ok in NEUTRAL[name]):
+            raise ValueError(
+                f"{prefix}{name} is not implemented by custody (got {value!r}); leave it "
+                "out or send its neutral value"
+            )

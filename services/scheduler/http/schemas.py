@@ -136,11 +136,19 @@ def sampling_schema(limits: st.Limits) -> type:
         repetition_penalty: st.RepetitionPenalty | None = None
         frequency_penalty: st.Penalty | None = None
         presence_penalty: st.Penalty | None = None
+        # not implemented: refused unless neutral (schema_types.NEUTRAL)
+        logit_bias: st.neutral_only("logit_bias") = None
+        min_new_tokens: st.neutral_only("min_new_tokens") = None
+        n: st.neutral_only("n") = None
+        json_schema: st.neutral_only("json_schema") = None
+        regex: st.neutral_only("regex") = None
+        ebnf: st.neutral_only("ebnf") = None
 
         def __post_init__(self) -> None:
             if self.top_k == 0:
                 raise ValueError("sampling_params.top_k must be -1 (off) or at least 1, got 0")
             st.check_seed("sampling_params.seed", self.seed)
+            st.refuse_unimplemented(self, st.SGLANG_UNIMPLEMENTED, "sampling_params.")
 
         def engine_params(
             self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0

@@ -2,8 +2,9 @@
 
 Every optional field may be null, as in OpenAI's own schema; a null is the default.
 vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
-penalties) are honoured. Fields custody does not implement (`user`, `logit_bias`,
-`tool_choice`...) are ignored. `n` (1..16) choices are each their own request.
+penalties) are honoured. Fields that would change the output and that custody does not
+implement (`logit_bias`, `response_format`, `echo`...) are refused unless neutral;
+others (`user`, `tool_choice`...) are ignored. `n` (1..16) choices are each their own request.
 """
 
 # No `from __future__ import annotations`: the structs of `openai_schemas` are defined
@@ -15,6 +16,7 @@ from msgspec import Meta, Struct
 
 from services.scheduler.http.schema_types import (
     MAX_STOP_TOKEN_IDS,
+    OPENAI_UNIMPLEMENTED,
     Limits,
     MinP,
     Penalty,
@@ -27,6 +29,8 @@ from services.scheduler.http.schema_types import (
     TopP,
     check_seed,
     extension_params,
+    neutral_only,
+    refuse_unimplemented,
     stop_strings,
 )
 from services.scheduler.records.sampling import SamplingParams
@@ -53,9 +57,21 @@ class OpenAIRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     session_id: str | None = None
+    # not implemented: refused unless neutral (schema_types.NEUTRAL)
+    logit_bias: neutral_only("logit_bias") = None
+    response_format: neutral_only("response_format") = None
+    echo: neutral_only("echo") = None
+    best_of: neutral_only("best_of") = None
+    suffix: neutral_only("suffix") = None
+    min_tokens: neutral_only("min_tokens") = None
+    guided_json: neutral_only("guided_json") = None
+    guided_regex: neutral_only("guided_regex") = None
+    guided_choice: neutral_only("guided_choice") = None
+    guided_grammar: neutral_only("guided_grammar") = None
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
+        refuse_unimplemented(self, OPENAI_UNIMPLEMENTED)
 
     def requested_tokens(self) -> tuple[str, int | None]:
         """The field that limits the output, and its value (None: not given)."""
@@ -86,7 +102,7 @@ class OpenAIRequest(Struct, kw_only=True):
 class ContentPart(Struct):
     """One part of a message's content; only text parts (the model reads no images)."""
 
-    type: str
+    type: Annotated[str, Meta(extra_json_schema={"const": "text"})]
     text: str | None = None
 
     def __post_init__(self) -> None:
@@ -96,12 +112,15 @@ class ContentPart(Struct):
             raise ValueError("a text content part needs its text")
 
 
+TextPart = Annotated[ContentPart, Meta(extra_json_schema={"required": ["type", "text"]})]
+
+
 class ChatMessage(Struct, omit_defaults=True):
     """A message as the chat template sees it (absent and null fields are left out, as
     transformers leaves them out); docs/chat.md."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, given to the template
     tool_call_id: str | None = None  # a tool message's answer to one of them
@@ -109,6 +128,19 @@ class ChatMessage(Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content may be null only in an assistant message with tool_calls")
+
+
+# What ChatMessage.__post_init__ enforces, stated in its schema.
+CONTENT_OR_CALLS = {
+    "anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {
+            "required": ["role", "tool_calls"],
+            "properties": {"role": {"const": "assistant"}, "tool_calls": {"minItems": 1}},
+        },
+    ]
+}
+Message = Annotated[ChatMessage, Meta(extra_json_schema=CONTENT_OR_CALLS)]
 
 
 def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequest]]:
@@ -150,7 +182,7 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
     class ChatCompletionRequest(Extended, kw_only=True):
         """A conversation for the chat template; sessions: docs/chat.md."""
 
-        messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=limits.context_len)]
+        messages: Annotated[list[Message], Meta(min_length=1, max_length=limits.context_len)]
         tools: list[dict[str, Any]] | None = None  # given to the template as they come
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
