@@ -9,15 +9,32 @@ build on `custody.up`, and only this package imports them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.config import Settings
 
+if TYPE_CHECKING:
+    from custody.bench.multiturn_workload import Workload
+
 # The choices of `custody bench`, known without importing the benchmarks (torch); a test
 # checks them against `benchmarks()`.
-BENCHMARK_NAMES = ("allocators", "e2e", "events", "executor", "sessions")
+BENCHMARK_NAMES = ("allocators", "e2e", "events", "executor", "multiturn", "sessions")
+REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
+# `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
+# custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
+MULTITURN_FLAGS = {
+    "num_clients": (int, "conversations, one session each in the sessions mode"),
+    "num_rounds": (int, "rounds per conversation"),
+    "request_length": (int, "tokens of each conversation's first prompt"),
+    "sub_question_input_length": (int, "new tokens of every later round"),
+    "output_length": (int, "tokens generated per round"),
+    "max_parallel": (int, "rounds in flight at once, over all clients"),
+    "seed": (int, "seed of the prompts and of the arrival gaps"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure custody side by side with its references")
     bench.add_argument("name", nargs="?", choices=BENCHMARK_NAMES, help="one (default: all)")
     bench.add_argument("--json", action="store_true", help="print the combined JSON object")
-    bench.add_argument("--repeats", type=int, default=7, help="repeats per figure (median)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"repeats per figure (default {REPEATS}; multiturn 1)",
+    )
+    _add_multiturn_arguments(bench)
     demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
     demo.add_argument(
         "--model",
@@ -49,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)
     return parser
+
+
+def _add_multiturn_arguments(bench: argparse.ArgumentParser) -> None:
+    group = bench.add_argument_group("multiturn", "read by `custody bench multiturn` only")
+    for name, (kind, help_text) in MULTITURN_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    group.add_argument(
+        "--request-rate",
+        dest="request_rates",
+        type=float,
+        nargs="+",
+        help="requests/s over all clients (Poisson); one run per rate and mode",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,25 +124,43 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def benchmarks() -> dict[str, Callable[[int], dict]]:
     """Each benchmark's entry point (repeats -> result with a markdown "table"); imports
     them all, torch included."""
-    from custody.bench import allocators, e2e, events, executor, sessions
+    from custody.bench import allocators, e2e, events, executor, multiturn, sessions
 
     return {
         "allocators": allocators.run,
         "e2e": e2e.run,
         "events": events.run,
         "executor": executor.run,
+        "multiturn": multiturn.run,
         "sessions": sessions.run,
     }
 
 
+def _multiturn_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Workload:
+    """The workload the multiturn flags given describe (the defaults for the rest)."""
+    from custody.bench.multiturn_workload import Workload
+
+    knobs = {k: getattr(args, k) for k in [*MULTITURN_FLAGS, "request_rates"]}
+    knobs = {k: tuple(v) if k == "request_rates" else v for k, v in knobs.items() if v is not None}
+    if knobs and args.name != "multiturn":
+        parser.error("the multiturn flags apply to `custody bench multiturn` only")
+    try:
+        return Workload(**knobs)
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    workload = _multiturn_workload(parser, args)
     runs = benchmarks()
+    runs["multiturn"] = functools.partial(runs["multiturn"], workload=workload)
     names = [args.name] if args.name else list(BENCHMARK_NAMES)
     combined = {}
     for name in names:
-        result = runs[name](args.repeats)
+        default = 1 if name == "multiturn" else REPEATS
+        result = runs[name](default if args.repeats is None else args.repeats)
         combined[name] = {k: v for k, v in result.items() if k != "table"}
         if not args.json:
             print(f"## {name}\n\n{result['table']}\n")
