@@ -21,7 +21,7 @@ TURNS = [
 
 
 def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
-    local = InProcess(Settings(model=model_dir))
+    local = InProcess(Settings(model=model_dir, compile=False))  # starts at once, eager
     sid = local.engine.sessions.open().sid
     print(f"session {sid}: {turns} turns, {max_new_tokens} new tokens each\n")
     for k, text in enumerate((TURNS * turns)[:turns]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from services.executor.compiled_decode import CompiledDecode
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.tiers import build_tiers
@@ -34,7 +35,13 @@ class InProcess:
             model_dtype(self.model),
         )
         tiers = build_tiers(settings, self.model.cfg, device_pools)
-        self.runner = ModelRunner(self.model, device_pools, tiers)
+        compiled = (
+            CompiledDecode(self.model, device_pools, settings.max_running_requests)
+            if settings.compile
+            else None
+        )
+        self.runner = ModelRunner(self.model, device_pools, tiers, compiled)
+        self.runner.warm_up()
 
     def step(self) -> list[Request]:
         """Plan, run and complete one step; returns the requests that ended."""

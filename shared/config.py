@@ -36,6 +36,9 @@ class Settings:
     max_step_tokens: int = 2048
     track_interval: int = 64
     pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0 or 1
+    # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
+    # before the executor's first heartbeat; false: eager
+    compile: bool = True
     stream_maxlen: int = 100_000
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
@@ -150,8 +153,20 @@ class Settings:
         }
 
 
+def _flag(text: str) -> bool:
+    """A boolean setting as a flag or an environment variable spells it."""
+    words = {"1": True, "true": True, "yes": True, "on": True}
+    words |= {"0": False, "false": False, "no": False, "off": False}
+    try:
+        return words[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"not a boolean: {text!r} (true/false, on/off, yes/no, 1/0)") from None
+
+
 def _kind(annotation: object):
     text = str(annotation)
+    if text == "bool":
+        return _flag
     if "Path" in text:
         return Path
     if "float" in text:

@@ -27,6 +27,7 @@ POOLS = {
     "chunk_size": 32,
     "max_step_tokens": 128,
     "track_interval": 8,
+    "compile": False,  # the suite runs eager; tests/executor/test_compiled_decode.py compiles
 }
 
 

@@ -11,6 +11,7 @@ from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
 SMALL = Settings(
+    compile=False,
     page_size=4,
     kv_pages=256,
     mamba_slots=16,

@@ -50,6 +50,7 @@ def test_240_sessions_take_a_second_turn_from_saved_state(redis_url, redis_clien
     """The default pools hold about 80 such histories on the device; every second turn
     still starts from its saved state (device, host or disk), never recomputing."""
     settings = Settings(
+        compile=False,
         redis_url=redis_url,
         port=stack_settings(redis_url).port,
         store_port=stack_settings(redis_url).store_port,
@@ -73,7 +74,9 @@ def test_240_sessions_take_a_second_turn_from_saved_state(redis_url, redis_clien
                 )
             )
         expected = one_shots(
-            Settings(), [histories[i] + tokens(SECOND, 10_000 + i) for i in range(SESSIONS)], OUT
+            Settings(compile=False),
+            [histories[i] + tokens(SECOND, 10_000 + i) for i in range(SESSIONS)],
+            OUT,
         )
         for i, reply in enumerate(seconds):
             assert reply["meta_info"]["cached_tokens"] >= len(histories[i]) - 16, i

@@ -57,6 +57,7 @@ class Soak:
             track_interval=64,
             heartbeat_seconds=0.2,
             executor_timeout_seconds=2.0,
+            compile=False,  # eager, so the executor the chaos kills is back at once
             api_keys=",".join(TENANT_KEYS) if keys else "",
             admin_api_keys=ADMIN_KEY if keys else "",
             **(TIERED if chaos else POOLS),

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
+from services.executor.compiled_decode import CompiledDecode
 from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
@@ -73,9 +74,14 @@ class Sampled:
 
 class ModelRunner:
     def __init__(
-        self, model: NemotronH, pools: DevicePools, mover: TierMover | None = None
+        self,
+        model: NemotronH,
+        pools: DevicePools,
+        mover: TierMover | None = None,
+        compiled: CompiledDecode | None = None,
     ) -> None:
-        self.model, self.pools = model, pools
+        """`compiled`: the compiled decode path (steps of one-token rows), else eager."""
+        self.model, self.pools, self.compiled = model, pools, compiled
         self.mover = mover if mover is not None else no_tiers(pools)
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -110,10 +116,15 @@ class ModelRunner:
             return sampled
 
     def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
-        batch = ForwardBatch(rows, self.device)
-        hidden = self.model(batch, self.pools)
-        logits = self.model.lm_head(hidden[batch.last_positions])
         sampling = [r for r in rows if r.sample]
+        if self.compiled is not None and self.compiled.covers(rows):
+            logits = self.compiled.logits(rows)
+            if len(sampling) < len(rows):
+                logits = logits[[i for i, r in enumerate(rows) if r.sample]]
+        else:
+            batch = ForwardBatch(rows, self.device)
+            hidden = self.model(batch, self.pools)
+            logits = self.model.lm_head(hidden[batch.last_positions])
         tokens, logprobs = sample(logits, sampling)
         return Sampled(
             tokens.tolist(),
@@ -126,12 +137,15 @@ class ModelRunner:
         """One step on the padding sink, run before the executor announces itself: the
         first real step must not pay for lazy set-up (allocations, kernel choice, the
         Triton slot kernels' compilation on a GPU), or the scheduler sees a slow first
-        step. A prefill and a decode row read and write slot 0 and page 0 only; the sink
-        is zeroed after, so the pools are bit for bit as they were."""
+        step. A prefill and a decode row read and write slot 0 and page 0 only, and so
+        does the compilation of every decode bucket; the sink is zeroed after, so the pools
+        are bit for bit as they were."""
         sink = [0, min(1, self.pools.sizes.page_size - 1)]  # KV indices of page 0
         rows = [StepRow.of([0, 0], 0, sink, 0), StepRow.of([0], 0, sink[:1], 0)]
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
+            if self.compiled is not None:
+                self.compiled.warm_up()
             self._forward(rows, keep_logits=False)
             zero = to_device(torch.zeros(1, dtype=torch.long), self.device)
             copy_slots(self.pools.state_tensors, zero, zero)

@@ -22,6 +22,7 @@ import redis
 import torch
 from prometheus_client import Counter, Histogram, start_http_server
 
+from services.executor.compiled_decode import CompiledDecode
 from services.executor.fence import SchedulerFence
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
@@ -67,10 +68,20 @@ class ExecutorService:
             model_dtype(model),
         )
         mover = build_tiers(settings, model.cfg, self.pools, mark=self._mark_in_flight)
-        self.runner = ModelRunner(model, self.pools, mover)
+        compiled = (
+            CompiledDecode(model, self.pools, settings.max_running_requests)
+            if settings.compile
+            else None
+        )
+        self.runner = ModelRunner(model, self.pools, mover, compiled)
         started = time.perf_counter()
         self.runner.warm_up()  # before the first heartbeat: no step waits for set-up
-        log.info("warmed up in %.2f s (%s)", time.perf_counter() - started, self.pools.dtype)
+        log.info(
+            "warmed up in %.2f s (%s, decode %s)",
+            time.perf_counter() - started,
+            self.pools.dtype,
+            "compiled" if compiled else "eager",
+        )
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client)
         self._beat = 0.0

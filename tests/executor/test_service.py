@@ -29,7 +29,9 @@ PROMPT = [5, 9, 33, 71, 2, 8]
 @pytest.fixture
 def service(redis_url: str, redis_client: redis.Redis) -> Iterator[ExecutorService]:
     threads = torch.get_num_threads()
-    yield ExecutorService(Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8))
+    yield ExecutorService(
+        Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8, compile=False)
+    )
     torch.set_num_threads(threads)  # the service leaves a core to the others
 
 

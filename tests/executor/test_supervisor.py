@@ -36,7 +36,7 @@ def test_the_stack_restarts_a_dying_service_later_each_time_until_it_ran_60_s(mo
     """A real child process that exits at once ('python -m' of no module)."""
     monkeypatch.setattr(up, "SERVICES", {"flaky": "custody.no_such_module"})
     clock = Clock()
-    stack = Stack(Settings(redis_url="redis://127.0.0.1:1"), clock=clock).start_all()
+    stack = Stack(Settings(redis_url="redis://127.0.0.1:1", compile=False), clock=clock).start_all()
     try:
 
         def restart_after(delay: float) -> None:

@@ -285,7 +285,7 @@ def test_the_service_answers_a_step_of_moves_with_its_failed_ones_and_marks_them
     sizes = {"page_size": PAGE, "kv_pages": 16, "mamba_slots": 8, "context_len": 48}
     room = {"host_state_bytes": 1 << 20, "disk_state_bytes": 1 << 20}
     service = ExecutorService(
-        Settings(redis_url=redis_url, state_dir=tmp_path / "state", **sizes, **room)
+        Settings(redis_url=redis_url, state_dir=tmp_path / "state", compile=False, **sizes, **room)
     )
     torch.set_num_threads(threads)  # the service leaves a core to the others
     seen = []

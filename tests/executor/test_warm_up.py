@@ -30,7 +30,7 @@ def test_no_heartbeat_until_the_warm_up_forward_has_run(
     threads = torch.get_num_threads()
     try:
         service = ExecutorService(
-            Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8)
+            Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8, compile=False)
         )
     finally:
         torch.set_num_threads(threads)  # the service leaves a core to the others

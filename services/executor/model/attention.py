@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.model.batch import ForwardBatch, to_device
+from services.executor.model.batch import DecodeRows, ForwardBatch, to_device
 from services.executor.model.pools import DevicePools
 from shared.model_config import ModelConfig
 
@@ -31,15 +31,12 @@ class Attention(nn.Module):
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, pools: DevicePools, layer: int
     ) -> torch.Tensor:
-        t = h.shape[0]
-        q = self.q_proj(h).view(t, self.heads, self.head_dim)
-        k_cache, v_cache = pools.k[layer], pools.v[layer]
-        for cache, proj in ((k_cache, self.k_proj), (v_cache, self.v_proj)):
-            new = proj(h).view(t, self.kv_heads, self.head_dim)
-            cache[batch.new_kv] = new.to(cache.dtype)
+        q = self._project(h, batch.new_kv, pools, layer)
         out = torch.empty_like(q)
-        if batch.decode:
-            out[batch.decode_positions] = self._decode(q, batch, k_cache, v_cache)
+        if batch.decode_rows is not None:
+            pos = batch.decode_positions
+            out[pos] = self._attend_context(q[pos], batch.decode_rows, pools, layer)
+        k_cache, v_cache = pools.k[layer], pools.v[layer]
         for i in batch.prefill:
             row, span = batch.rows[i], batch.span(i)
             idx = to_device(batch.kv[i], h.device)
@@ -47,12 +44,30 @@ class Attention(nn.Module):
             mask = torch.arange(row.end, device=h.device)[None, :] <= positions[:, None]
             k, v = (cache[idx].to(q.dtype) for cache in (k_cache, v_cache))
             out[span] = self._attend(q[span][None], k[None], v[None], mask[None])[0]
-        return self.o_proj(out.view(t, -1))
+        return self.o_proj(out.view(h.shape[0], -1))
 
-    def _decode(self, q, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        idx, mask = batch.decode_context  # padded with index 0, the padding sink
-        k, v = (cache[idx].to(q.dtype) for cache in (k_cache, v_cache))
-        return self._attend(q[batch.decode_positions][:, None], k, v, mask[:, None])[:, 0]
+    def decode(
+        self, h: torch.Tensor, rows: DecodeRows, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        """A step of one-token rows only (`h` [R, hidden]): the compiled path."""
+        q = self._project(h, rows.new_kv, pools, layer)
+        return self.o_proj(self._attend_context(q, rows, pools, layer).view(h.shape[0], -1))
+
+    def _project(
+        self, h: torch.Tensor, new_kv: torch.Tensor, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        """Write K and V of the new positions to the pool; return Q [T, H, d]."""
+        t = h.shape[0]
+        for cache, proj in ((pools.k, self.k_proj), (pools.v, self.v_proj)):
+            pools.write(cache, layer, new_kv, proj(h).view(t, self.kv_heads, self.head_dim))
+        return self.q_proj(h).view(t, self.heads, self.head_dim)
+
+    def _attend_context(
+        self, q: torch.Tensor, rows: DecodeRows, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        """Each one-token row attends over its context (padded with the sink, masked)."""
+        k, v = (cache[layer][rows.context].to(q.dtype) for cache in (pools.k, pools.v))
+        return self._attend(q[:, None], k, v, rows.mask[:, None])[:, 0]
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         """q [R, n, H, d], k/v [R, m, KH, d], mask [R, n, m] -> [R, n, H, d]."""

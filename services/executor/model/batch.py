@@ -3,11 +3,14 @@
 Each row brings its own tokens, where they start, the KV token indices of its whole
 context, the Mamba slot its state is read from and the one the new state is written to
 (the same slot for an update in place) and, optionally, a snapshot slot and the length
-at which to snapshot. Rows of one token (decode) are run together; longer rows (prefill chunks)
-one at a time, since their lengths differ. The batch makes the rows' tensors, once.
+at which to snapshot. Rows of one token (decode) are run together, as `DecodeRows`;
+longer rows (prefill chunks) one at a time, since their lengths differ. The batch makes
+the rows' tensors, once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +33,54 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The one-token rows of a step as tensors, one entry per row: all the decode path
+    reads, so the same arithmetic runs eagerly or compiled (compiled_decode.py).
+
+    A row without a snapshot writes its snapshot to the sink slot 0, and rows added to
+    fill a compiled batch size read and write only the sink (slot 0, KV index 0, a
+    context of that one index): one shape of arithmetic for every row, and no real
+    slot is touched by a row that is not real. The sink only ever holds finite values
+    (a padding row attends to one real position), so a real row's masked-out context
+    entries, which point at it, never bring a NaN into its output."""
+
+    tokens: torch.Tensor  # [R] the token each row feeds
+    slots: torch.Tensor  # [R] Mamba slot read
+    out_slots: torch.Tensor  # [R] Mamba slot written
+    snapshot_slots: torch.Tensor  # [R] snapshot written after the token; the sink if none
+    context: torch.Tensor  # [R, L] KV indices of each context, padded with the sink
+    mask: torch.Tensor  # [R, L] which context entries are real
+    new_kv: torch.Tensor  # [R] the KV index of each row's new position
+
+    @classmethod
+    def of(cls, rows: list[StepRow], device: torch.device, padded_to: int = 0) -> DecodeRows:
+        """`padded_to`: rows of the sink appended up to that many; contexts are padded to
+        at least two entries (so a context length never specialises at 1)."""
+        pad = max(0, padded_to - len(rows))
+        kv = [host_tensor(r.kv_indices) for r in rows] + [torch.zeros(1, dtype=torch.long)] * pad
+        context = pad_sequence(kv, batch_first=True)
+        if context.shape[1] < 2:
+            context = torch.nn.functional.pad(context, (0, 2 - context.shape[1]))
+        ends = torch.tensor([len(k) for k in kv])
+        mask = torch.arange(context.shape[1])[None, :] < ends[:, None]
+        sink = [0] * pad
+        columns = [
+            [int(r.tokens[0]) for r in rows] + sink,
+            [r.mamba_slot for r in rows] + sink,
+            [r.mamba_out for r in rows] + sink,
+            [r.snapshot_slot if r.snapshot_len == r.end else 0 for r in rows] + sink,
+            [int(r.kv_indices[r.start]) for r in rows] + sink,
+        ]
+        tokens, slots, outs, snaps, new_kv = torch.tensor(columns, dtype=torch.long)
+        return cls(
+            *(to_device(t, device) for t in (tokens, slots, outs, snaps)),
+            context=to_device(context, device),
+            mask=to_device(mask, device),
+            new_kv=to_device(new_kv, device),
+        )
+
+
 class ForwardBatch:
     def __init__(self, rows: list[StepRow], device: torch.device) -> None:
         self.rows = rows
@@ -49,25 +100,13 @@ class ForwardBatch:
         self.decode_positions = (
             slice(0, len(rows)) if only_decode else to([self.offsets[i] for i in self.decode])
         )
-        self.decode_slots = to([rows[i].mamba_slot for i in self.decode])
-        self.decode_out_slots = to([rows[i].mamba_out for i in self.decode])
+        self.decode_rows = (
+            DecodeRows.of([rows[i] for i in self.decode], device) if self.decode else None
+        )
         # KV rows written this step, in token order
         new_kv = [kv[r.start :] for kv, r in zip(self.kv, rows, strict=True)]
         self.new_kv = to_device(torch.cat(new_kv), device)
         self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
-        self._decode_context: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV indices of the decode rows' contexts, padded to the longest with the sink
-        index 0, and the mask of real positions: built once, used by every attention layer."""
-        if self._decode_context is None:
-            kv = [self.kv[i] for i in self.decode]
-            idx = to_device(pad_sequence(kv, batch_first=True), self.device)
-            ends = to_device(torch.tensor([len(k) for k in kv]), self.device)
-            mask = torch.arange(idx.shape[1], device=self.device)[None, :] < ends[:, None]
-            self._decode_context = (idx, mask)
-        return self._decode_context
 
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])

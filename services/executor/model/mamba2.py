@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.model.batch import ForwardBatch
+from services.executor.model.batch import DecodeRows, ForwardBatch
 from services.executor.model.layers import GatedRMSNorm
 from services.executor.model.pools import DevicePools
 from services.executor.model.ssd import chunked_scan, recurrent_step
@@ -54,15 +54,30 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, pools: DevicePools, layer: int
     ) -> torch.Tensor:
-        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.cfg.time_step_min)
-        A = -torch.exp(self.A_log.float())
+        gate, xbc, dt, A = self._project(h)
         y = torch.empty(h.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=h.device)
-        if batch.decode:
-            self._decode(xbc, dt, A, y, batch, pools, layer)
+        if batch.decode_rows is not None:
+            pos = batch.decode_positions
+            y[pos] = self._step(xbc[pos], dt[pos], A, batch.decode_rows, pools, layer)
         for i in batch.prefill:
             self._prefill(xbc, dt, A, y, batch.rows[i], batch.span(i), pools, layer)
-        return self.out_proj(self.norm(y.view(h.shape[0], self.inner), gate))
+        return self._output(y, gate)
+
+    def decode(
+        self, h: torch.Tensor, rows: DecodeRows, pools: DevicePools, layer: int
+    ) -> torch.Tensor:
+        """A step of one-token rows only (`h` [R, hidden]): the compiled path."""
+        gate, xbc, dt, A = self._project(h)
+        return self._output(self._step(xbc, dt, A, rows, pools, layer), gate)
+
+    def _project(self, h: torch.Tensor):
+        """The gate, the conv input, dt (softplus'd, clamped) and A, for every token."""
+        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.cfg.time_step_min)
+        return gate, xbc, dt, -torch.exp(self.A_log.float())
+
+    def _output(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.norm(y.view(y.shape[0], self.inner), gate))
 
     def _split(self, conv_out: torch.Tensor):
         x, B, C = conv_out.split(
@@ -74,36 +89,33 @@ class Mamba2Mixer(nn.Module):
         C = C.reshape(shape).repeat_interleave(per_group, dim=-2)
         return x.reshape(*x.shape[:-1], self.heads, self.head_dim), B, C
 
-    def _decode(self, xbc, dt, A, y, batch: ForwardBatch, pools: DevicePools, layer: int) -> None:
-        pos, slots = batch.decode_positions, batch.decode_slots
-        window = torch.cat([pools.conv[layer, slots].to(xbc.dtype), xbc[pos, :, None]], dim=-1)
+    def _step(self, xbc, dt, A, rows: DecodeRows, pools: DevicePools, layer: int) -> torch.Tensor:
+        """One token per row: the conv window and the SSM state advanced from each row's
+        slot, written to its out slot (and its snapshot slot, the sink if none); y [R, h, p]."""
+        slots = rows.slots
+        window = torch.cat([pools.conv[layer, slots].to(xbc.dtype), xbc[:, :, None]], dim=-1)
         conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias
-        rows, groups = len(slots), self.cfg.n_groups
+        count, groups = slots.shape[0], self.cfg.n_groups
         x, B, C = F.silu(conv).split([self.inner, self.n * groups, self.n * groups], dim=-1)
         per_group = (groups, self.heads // groups)
-        state = pools.ssm[layer, slots].view(rows, *per_group, self.head_dim, self.n)
+        state = pools.ssm[layer, slots].view(count, *per_group, self.head_dim, self.n)
         out, state = recurrent_step(
-            x.reshape(rows, *per_group, self.head_dim),
-            dt[pos].view(rows, *per_group),
+            x.reshape(count, *per_group, self.head_dim),
+            dt.view(count, *per_group),
             A.view(per_group),
-            B.view(rows, groups, self.n),
-            C.view(rows, groups, self.n),
+            B.view(count, groups, self.n),
+            C.view(count, groups, self.n),
             self.D.float().view(per_group),
             state,
         )
-        y[pos] = out.reshape(rows, self.heads, self.head_dim)
-        state = state.view(rows, self.heads, self.head_dim, self.n)
-        out_slots = batch.decode_out_slots
-        kept = window[..., 1:].to(pools.conv.dtype)
-        pools.conv[layer, out_slots] = kept
-        pools.ssm[layer, out_slots] = state
-        for j, i in enumerate(batch.decode):
-            row = batch.rows[i]
-            if row.snapshot_slot and row.snapshot_len == row.end:
-                pools.conv[layer, row.snapshot_slot] = kept[j]
-                pools.ssm[layer, row.snapshot_slot] = state[j]
+        state = state.view(count, self.heads, self.head_dim, self.n)
+        kept = window[..., 1:]
+        for target in (rows.out_slots, rows.snapshot_slots):
+            pools.write(pools.conv, layer, target, kept)
+            pools.write(pools.ssm, layer, target, state)
+        return out.reshape(count, self.heads, self.head_dim)
 
     def _prefill(
         self, xbc, dt, A, y, row: StepRow, span: slice, pools: DevicePools, layer: int

@@ -5,11 +5,13 @@ named `model.*`, transformers' in-memory names, are accepted too)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from services.executor.model.attention import Attention
-from services.executor.model.batch import ForwardBatch
+from services.executor.model.batch import DecodeRows, ForwardBatch
 from services.executor.model.layers import MLP, RMSNorm
 from services.executor.model.mamba2 import Mamba2Mixer
 from services.executor.model.pools import DevicePools
@@ -48,13 +50,24 @@ class NemotronH(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
         """Final hidden states of every token of the batch, in row order."""
-        x = self.backbone.embeddings(batch.token_ids)
+        mix = lambda mixer, h, layer: mixer(h, batch, pools, layer)  # noqa: E731
+        return self._layers(batch.token_ids, pools, mix)
+
+    def decode_logits(self, rows: DecodeRows, pools: DevicePools) -> torch.Tensor:
+        """Logits [R, vocab] of a step of one-token rows: what compiled_decode.py compiles
+        (plain tensor arithmetic over `rows` and the pools, no Python per row)."""
+        mix = lambda mixer, h, layer: mixer.decode(h, rows, pools, layer)  # noqa: E731
+        return self.lm_head(self._layers(rows.tokens, pools, mix))
+
+    def _layers(self, token_ids: torch.Tensor, pools: DevicePools, mix: Callable) -> torch.Tensor:
+        """Embed, then every block: norm, mixer (`mix` for the stateful ones, given the
+        layer's index in its pool), residual; the final norm."""
+        x = self.backbone.embeddings(token_ids)
+        pools_layer = {"linear_attention": pools.mamba_layer, "full_attention": pools.kv_layer}
         for index, block in enumerate(self.backbone.layers):
             h = block.norm(x)
-            if block.kind == "linear_attention":
-                h = block.mixer(h, batch, pools, pools.mamba_layer[index])
-            elif block.kind == "full_attention":
-                h = block.mixer(h, batch, pools, pools.kv_layer[index])
+            if block.kind in pools_layer:
+                h = mix(block.mixer, h, pools_layer[block.kind][index])
             else:
                 h = block.mixer(h)
             x = x + h

@@ -49,6 +49,15 @@ class DevicePools:
         )
         self.kv_layer = {layer: i for i, layer in enumerate(model.attention_layers)}
         self.mamba_layer = {layer: i for i, layer in enumerate(model.mamba_layers)}
+        layers = max(len(model.attention_layers), mamba)
+        self._layer_ids = [torch.tensor(i, device=device) for i in range(layers)]
+
+    def write(self, pool: torch.Tensor, layer: int, index: torch.Tensor, values: torch.Tensor):
+        """`pool[layer, index] = values` (converted to the pool's dtype), as one in-place
+        index_put on the whole pool tensor. Compiled (compiled_decode.py), a write through
+        the view `pool[layer]` would copy the layer to keep the view's semantics; on the
+        pool itself it stays a write of just these rows."""
+        pool.index_put_((self._layer_ids[layer], index), values.to(pool.dtype))
 
     @property
     def state_tensors(self) -> list[torch.Tensor]:
