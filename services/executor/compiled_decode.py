@@ -1,5 +1,6 @@
-"""The decode step, compiled: a step whose rows all feed one token runs as one compiled
-function (`NemotronH.decode_logits`) instead of a few hundred eager tensor operations.
+"""The decode step, compiled: the rows of a step that feed one token each run as one
+compiled function (`NemotronH.decode_logits`) instead of a few hundred eager tensor
+operations.
 
 On a model this small every eager operation costs more in dispatch than in arithmetic
 (on a GPU, in launch overhead), so decode is bound by the operation count; inductor
@@ -15,9 +16,10 @@ bucket (a power of two), replayed from static input buffers (`CudaGraphs`), whic
 removes launch overhead altogether. That path is written for real but has never run
 here (no GPU on these machines); the README says so.
 
-Prefill, and steps mixing prefill with decode, stay eager, and so does sampling; a step
-of more rows than the largest bucket falls back to the eager path. Both paths run the
-same arithmetic (`DecodeRows`), so they agree to float rounding
+Prefill chunks stay eager, and so does sampling: a step mixing prefill and decode runs
+its one-token rows compiled and its prefill rows eagerly (runner.py), and more one-token
+rows than the largest bucket run a bucket's worth at a time. Both paths run the same
+arithmetic (`DecodeRows`), so they agree to float rounding
 (tests/executor/test_compiled_decode.py holds them to it).
 """
 
@@ -53,11 +55,14 @@ class CompiledDecode:
         self.graphs = CudaGraphs(self) if self.device.type == "cuda" else None
         self.compile_seconds = 0.0
 
-    def covers(self, rows: list[StepRow]) -> bool:
-        return len(rows) <= self.buckets[-1] and all(len(r.tokens) == 1 for r in rows)
-
     def logits(self, rows: list[StepRow]) -> torch.Tensor:
-        """Logits [len(rows), vocab] of a step of one-token rows."""
+        """Logits [len(rows), vocab] of one-token rows, any number of them: run by the
+        largest bucket's worth at a time."""
+        top = self.buckets[-1]
+        parts = [self._bucketed(rows[i : i + top]) for i in range(0, len(rows), top)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _bucketed(self, rows: list[StepRow]) -> torch.Tensor:
         bucket = next(b for b in self.buckets if b >= len(rows))
         padded = DecodeRows.of(rows, self.device, padded_to=bucket)
         if self.graphs is not None:

@@ -117,14 +117,7 @@ class ModelRunner:
 
     def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
         sampling = [r for r in rows if r.sample]
-        if self.compiled is not None and self.compiled.covers(rows):
-            logits = self.compiled.logits(rows)
-            if len(sampling) < len(rows):
-                logits = logits[[i for i, r in enumerate(rows) if r.sample]]
-        else:
-            batch = ForwardBatch(rows, self.device)
-            hidden = self.model(batch, self.pools)
-            logits = self.model.lm_head(hidden[batch.last_positions])
+        logits = self._logits(rows)
         tokens, logprobs = sample(logits, sampling)
         return Sampled(
             tokens.tolist(),
@@ -132,6 +125,28 @@ class ModelRunner:
             logits.float().cpu() if keep_logits else None,
             top=top_logprobs(logits, sampling),
         )
+
+    def _logits(self, rows: list[StepRow]) -> torch.Tensor:
+        """Logits [sampling rows, vocab], in row order. With the compiled decode path, the
+        one-token rows go through it and the rest (prefill chunks) eagerly: rows never
+        interact, so a step may be split between the two."""
+        fast = [i for i, r in enumerate(rows) if len(r.tokens) == 1] if self.compiled else []
+        slow = sorted(set(range(len(rows))) - set(fast))
+        parts: list[torch.Tensor] = []
+        order: list[int] = []  # the row of each part's logits, in the parts' order
+        if fast:
+            logits = self.compiled.logits([rows[i] for i in fast])
+            keep = [j for j, i in enumerate(fast) if rows[i].sample]
+            parts.append(logits if len(keep) == len(fast) else logits[keep])
+            order += [fast[j] for j in keep]
+        if slow:
+            batch = ForwardBatch([rows[i] for i in slow], self.device)
+            parts.append(self.model.lm_head(self.model(batch, self.pools)[batch.last_positions]))
+            order += [i for i in slow if rows[i].sample]
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if order != sorted(order):
+            logits = logits[sorted(range(len(order)), key=order.__getitem__)]
+        return logits
 
     def warm_up(self) -> None:
         """One step on the padding sink, run before the executor announces itself: the

@@ -114,24 +114,27 @@ def test_a_long_generation_decodes_the_same_tokens(model, compiled_runner):
     assert outputs[0] == outputs[1]
 
 
-def test_rows_that_do_not_sample_and_steps_past_the_largest_bucket(model, compiled_runner):
-    """A one-token row that does not sample gives no token; a step of more rows than the
-    largest bucket runs eagerly, with the same tokens."""
+def test_mixed_steps_rows_that_do_not_sample_and_steps_past_the_largest_bucket(
+    model, compiled_runner
+):
+    """A step of prefill and decode rows runs its decode rows compiled and its prefill
+    rows eagerly, logits back in row order; a one-token row that does not sample gives
+    no token; more one-token rows than the largest bucket run a bucket at a time."""
     compiled = compiled_runner
     eager = ModelRunner(model, random_pools(model, 7))
-    copy_into(compiled.pools, eager.pools)
-    rows = decode_rows(3, 4)
-    rows[1].sample = False
-    assert compiled.compiled is not None and compiled.compiled.covers(rows)
-    with torch.inference_mode():
-        ours, theirs = (r.execute(rows, DeferredOps(), keep_logits=True) for r in (compiled, eager))
-    assert len(ours.tokens) == 2 and (ours.logits - theirs.logits).abs().max() <= 1e-4
-    many = decode_rows(MAX_ROWS, 4) + [StepRow.of([1], 0, [200], 11)]
-    assert not compiled.compiled.covers(many)
-    copy_into(compiled.pools, eager.pools)
-    with torch.inference_mode():
-        ours, theirs = (r.execute(many, DeferredOps(), keep_logits=True) for r in (compiled, eager))
-    assert ours.tokens == theirs.tokens
+    prefill = StepRow.of(np.arange(6) + 3, 0, np.arange(200, 206), 11)
+    decode = decode_rows(3, 4)
+    decode[1].sample = False
+    many = [*decode_rows(MAX_ROWS, 4), StepRow.of([1], 0, [220], 11)]
+    for rows in ([decode[0], prefill, *decode[1:]], many):
+        copy_into(compiled.pools, eager.pools)
+        with torch.inference_mode():
+            ours, theirs = (
+                r.execute(rows, DeferredOps(), keep_logits=True) for r in (compiled, eager)
+            )
+        assert len(ours.tokens) == sum(r.sample for r in rows)
+        assert (ours.logits - theirs.logits).abs().max() <= 1e-4
+        assert ours.tokens == theirs.tokens
 
 
 def test_buckets_are_powers_of_two_up_to_the_running_limit():
