@@ -36,11 +36,12 @@ class Pools:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.ledger = Ledger()
+        # KV pages move in batches; the others mostly one slot at a time (slot_pool.py)
         self.kv_pages = self.ledger.add_pool("kv", config.kv_pages)
-        self.mamba = self.ledger.add_pool("mamba", config.mamba_slots)
-        self.req = self.ledger.add_pool("req", config.max_running_requests)
+        self.mamba = self.ledger.add_pool("mamba", config.mamba_slots, scalar=True)
+        self.req = self.ledger.add_pool("req", config.max_running_requests, scalar=True)
         self.rows = RowTable(self.req, config.page_size, config.max_context)
         self.kv = PagedKV(self.kv_pages, self.rows)
         self.host_kv = self.ledger.add_pool("host_kv", config.host_kv_pages)
-        self.host_mamba = self.ledger.add_pool("host_mamba", config.host_mamba_slots)
-        self.disk = self.ledger.add_pool("disk", config.disk_slots)
+        self.host_mamba = self.ledger.add_pool("host_mamba", config.host_mamba_slots, scalar=True)
+        self.disk = self.ledger.add_pool("disk", config.disk_slots, scalar=True)

@@ -24,10 +24,11 @@ class Ledger:
         self.pools: dict[str, SlotPool] = {}
         self.by_id: list[SlotPool] = []
 
-    def add_pool(self, name: str, capacity: int) -> SlotPool:
+    def add_pool(self, name: str, capacity: int, scalar: bool = False) -> SlotPool:
+        """`scalar`: the pool is moved mostly one slot at a time (slot_pool.py)."""
         if name in self.pools:
             raise ValueError(f"pool {name} exists")
-        pool = SlotPool(self, len(self.by_id), name, capacity)
+        pool = SlotPool(self, len(self.by_id), name, capacity, scalar)
         self.pools[name] = pool
         self.by_id.append(pool)
         return pool

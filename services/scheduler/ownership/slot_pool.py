@@ -3,7 +3,10 @@
 Storage is an `array.array` for the scalar path (a Python int per access, no numpy
 scalar boxing) with a zero-copy numpy view of the same buffer for the batched path, so a
 single Mamba slot and a 256-row decode step both go through the one owner table. The
-free list is a stack: O(1) pop and push, and bulk pops and pushes as slices.
+free list is a stack: O(1) pop and push, and bulk pops and pushes as slices. A pool moved
+mostly one slot at a time (`scalar`: Mamba slots, rows) keeps its stack as a list, whose
+pop and append cost a third of array's; a KV pool keeps a compact int64 array, which
+the batched path fills from bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class SlotPool:
     """Slots `1..capacity` of one pool; slot 0 is the padding sink and never moves. A
     pool of capacity 0 (a tier turned off) has nothing to give."""
 
-    def __init__(self, ledger: Ledger, pool_id: int, name: str, capacity: int) -> None:
+    def __init__(
+        self, ledger: Ledger, pool_id: int, name: str, capacity: int, scalar: bool = False
+    ) -> None:
         if capacity < 0:
             raise ValueError(f"pool {name}: capacity must be >= 0, got {capacity}")
         self.ledger = ledger
@@ -41,11 +46,13 @@ class SlotPool:
         self._owner = array("q", [0]) * (capacity + 1)
         self._owner[0] = SINK_ID
         self.owner_view = np.frombuffer(self._owner, dtype=np.int64)
-        # Free stack, popped from the end; the lowest slot goes out first. It is resized by
-        # pop/append, so numpy views of it are only ever temporaries (see _stack_tail).
-        self._stack = array("q", range(capacity, 0, -1))
+        # Free stack, popped from the end; the lowest slot goes out first. The batched
+        # path copies out of it (`_top`) and never keeps a view: it is resized in place.
+        self.scalar = scalar
+        order = range(capacity, 0, -1)
+        self._stack: list[int] | array[int] = list(order) if scalar else array("q", order)
         self._mark = np.zeros(capacity + 1, dtype=np.int64)  # scratch for duplicate checks
-        self._emit = ledger.events.raw.append
+        self._emit = ledger.events.flat.extend  # one event: a tuple of 5 (events.py)
         self.free_guard: Callable[[np.ndarray], None] | None = None
         self.alloc_one: Callable[..., int]
         self.transfer_one: Callable[[int, Owner, Owner, str], None]
@@ -85,13 +92,16 @@ class SlotPool:
     def _bind_scalar_path(self) -> None:
         """Build `alloc_one`, `transfer_one` and `free_one` as closures over this pool's
         storage. They run once or more per request (Mamba slots, rows), and attribute
-        lookups on `self` were a fifth of their cost; the checks are the same."""
-        stack, owner, emit, pool_id = self._stack, self._owner, self._emit, self.pool_id
-        guard = self.free_guard
+        lookups on `self` were a fifth of their cost, so even the stack's pop and append
+        are bound once; the checks are the same. The owner table is reached through a
+        memoryview (same buffer), whose item store skips array's format parsing. A pool
+        without a free guard gets a `free_one` that does not test for one on every call."""
+        owner, emit, pool_id = memoryview(self._owner), self._emit, self.pool_id
+        pop, push = self._stack.pop, self._stack.append
 
         def alloc_one(receiver: Owner, reason: str = "alloc") -> int:
             try:
-                slot = stack.pop()
+                slot = pop()
             except IndexError:
                 raise PoolExhausted(self.name, 1, 0) from None
             if owner[slot]:
@@ -117,15 +127,33 @@ class SlotPool:
                     raise self._not_owner(slot, giver, reason)
             except IndexError:
                 raise self._not_owner(slot, giver, reason) from None
-            if guard is not None:
-                guard(np.array([slot]))
             owner[slot] = 0
-            stack.append(slot)
+            push(slot)
             emit((pool_id, slot, gid, 0, reason))
 
         self.alloc_one = alloc_one
         self.transfer_one = transfer_one
-        self.free_one = free_one
+        self.free_one = free_one if self.free_guard is None else self._guarded_free_one()
+
+    def _guarded_free_one(self) -> Callable[..., None]:
+        """`free_one` for a pool with a free guard: the guard runs after the ownership
+        check and before any change, as in the batched `free`."""
+        owner, emit, pool_id = memoryview(self._owner), self._emit, self.pool_id
+        push, guard = self._stack.append, self.free_guard
+
+        def free_one(slot: int, giver: Owner, reason: str = "free") -> None:
+            gid = giver.id
+            try:
+                if owner[slot] != gid or slot <= 0:
+                    raise self._not_owner(slot, giver, reason)
+            except IndexError:
+                raise self._not_owner(slot, giver, reason) from None
+            guard(np.array([slot]))
+            owner[slot] = 0
+            push(slot)
+            emit((pool_id, slot, gid, 0, reason))
+
+        return free_one
 
     # ---- batched path ----
     def alloc(self, n: int, receiver: OwnerArg, reason: str = "alloc") -> np.ndarray:
@@ -133,8 +161,9 @@ class SlotPool:
         free = len(self._stack)
         if n > free:
             raise PoolExhausted(self.name, n, free)
-        slots = self._stack_tail(n)[::-1].copy()
-        if self.owner_view[slots].any():
+        slots = self._top(n)
+        # count_nonzero is a C call; any() goes through numpy's Python wrapper
+        if np.count_nonzero(self.owner_view[slots]):
             raise self.ledger.fault(self, slots, "the free list holds an owned slot")
         ids = _ids(receiver)
         self.owner_view[slots] = ids  # raises before any change if `ids` does not fit
@@ -146,10 +175,9 @@ class SlotPool:
         """Give these particular free slots to `receiver` (a scheduler rebuilding state
         that outlived it). O(capacity): never on the hot path."""
         self._check_giver(slots, FREE, reason)
-        keep = np.frombuffer(self._stack, dtype=np.int64)
-        keep = keep[~np.isin(keep, slots)].copy()
+        keep = np.array(self._stack, dtype=np.int64)
         del self._stack[:]
-        self._stack.frombytes(keep.tobytes())
+        self._push_all(keep[~np.isin(keep, slots)])
         self.owner_view[slots] = receiver.id
         self._emit((self.pool_id, slots.copy(), 0, receiver.id, reason))
 
@@ -166,14 +194,23 @@ class SlotPool:
         if self.free_guard is not None:
             self.free_guard(slots)
         self.owner_view[slots] = 0
-        self._stack.frombytes(slots[::-1].astype(np.int64).tobytes())
+        self._push_all(slots[::-1])
         self._emit((self.pool_id, slots.copy(), _ids(giver), 0, reason))
 
-    def _stack_tail(self, n: int) -> np.ndarray:
-        """A temporary view of the top `n` stack entries (copy before the stack changes)."""
-        return np.frombuffer(
-            self._stack, dtype=np.int64, count=n, offset=8 * (len(self._stack) - n)
-        )
+    def _top(self, n: int) -> np.ndarray:
+        """A copy of the top `n` free-stack entries, in the order pops would give them."""
+        tail = self._stack[len(self._stack) - n :]
+        if self.scalar:
+            tail.reverse()
+            return np.array(tail, dtype=np.int64)
+        return np.frombuffer(tail, np.int64)[::-1].copy()
+
+    def _push_all(self, slots: np.ndarray) -> None:
+        """Push `slots` onto the free stack in order (as Python ints onto a list)."""
+        if self.scalar:
+            self._stack.extend(slots.tolist())
+        else:
+            self._stack.frombytes(slots.astype(np.int64).tobytes())
 
     def _check_giver(self, slots: np.ndarray, giver: OwnerArg, reason: str) -> None:
         """Every slot owned by its giver, none listed twice, none the sink."""
@@ -204,7 +241,7 @@ class SlotPool:
     # ---- integrity ----
     def free_list_problems(self) -> list[str]:
         """The free stack must hold exactly the slots whose owner is FREE, once each."""
-        stacked = np.sort(np.frombuffer(self._stack, dtype=np.int64))
+        stacked = np.sort(np.array(self._stack, dtype=np.int64))
         free = np.flatnonzero(self.owner_view == 0)
         if np.array_equal(stacked, free):
             return []
