@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from shared.messages.forward import StepRow
 
@@ -57,27 +56,39 @@ class DecodeRows:
     def of(cls, rows: list[StepRow], device: torch.device, padded_to: int = 0) -> DecodeRows:
         """`padded_to`: rows of the sink appended up to that many; contexts are padded to
         at least two entries (so a context length never specialises at 1)."""
-        pad = max(0, padded_to - len(rows))
-        kv = [host_tensor(r.kv_indices) for r in rows] + [torch.zeros(1, dtype=torch.long)] * pad
-        context = pad_sequence(kv, batch_first=True)
-        if context.shape[1] < 2:
-            context = torch.nn.functional.pad(context, (0, 2 - context.shape[1]))
-        ends = torch.tensor([len(k) for k in kv])
-        mask = torch.arange(context.shape[1])[None, :] < ends[:, None]
-        sink = [0] * pad
-        columns = [
-            [int(r.tokens[0]) for r in rows] + sink,
-            [r.mamba_slot for r in rows] + sink,
-            [r.mamba_out for r in rows] + sink,
-            [r.snapshot_slot if r.snapshot_len == r.end else 0 for r in rows] + sink,
-            [int(r.kv_indices[r.start]) for r in rows] + sink,
-        ]
-        tokens, slots, outs, snaps, new_kv = torch.tensor(columns, dtype=torch.long)
+        count = max(len(rows), padded_to)
+        kv = [r.kv_indices for r in rows]
+        ends = np.ones(count, dtype=np.int64)  # a sink row's context: index 0 alone
+        ends[: len(rows)] = [len(k) for k in kv]
+        context = np.zeros((count, max(2, int(ends.max()))), dtype=np.int64)
+        for i, k in enumerate(kv):
+            context[i, : len(k)] = k
+        mask = np.arange(context.shape[1])[None, :] < ends[:, None]
+        columns = np.zeros((5, count), dtype=np.int64)  # the sink's rows: all zero
+        columns[:, : len(rows)] = np.array(
+            [
+                (
+                    r.tokens[0],
+                    r.mamba_slot,
+                    r.mamba_out,
+                    r.snapshot_slot if r.snapshot_len == r.end else 0,
+                    r.kv_indices[r.start],
+                )
+                for r in rows
+            ],
+            dtype=np.int64,
+        ).T.reshape(5, len(rows))
+        tokens, slots, outs, snaps, new_kv = (
+            to_device(t, device) for t in torch.from_numpy(columns)
+        )
         return cls(
-            *(to_device(t, device) for t in (tokens, slots, outs, snaps)),
-            context=to_device(context, device),
-            mask=to_device(mask, device),
-            new_kv=to_device(new_kv, device),
+            tokens,
+            slots,
+            outs,
+            snaps,
+            context=to_device(torch.from_numpy(context), device),
+            mask=to_device(torch.from_numpy(mask), device),
+            new_kv=new_kv,
         )
 
 
