@@ -101,8 +101,9 @@ class Stack:
                 self.start(name)
                 del self._due[name]
 
-    def wait_healthy(self, timeout: float = 120) -> None:
-        """Until the scheduler answers and has an executor, restarting what died."""
+    def wait_healthy(self, timeout: float = 300) -> None:
+        """Until the scheduler answers and has an executor, restarting what died. The
+        default allows for the executor's first compilation (about 45 s here, cold)."""
         url = f"http://127.0.0.1:{self.settings.port}/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -113,7 +113,7 @@ def run(repeats: int = 3) -> dict:
     by_config: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     try:
         for stack in stacks.values():
-            stack.start_all().wait_healthy(timeout=300)  # the compiled ones compile first
+            stack.start_all().wait_healthy()
         for i in range(repeats):
             for name, stack in stacks.items():
                 by_config[name].append(_one_run(stack.settings, i))
