@@ -152,3 +152,30 @@ def test_the_warm_up_compiles_before_the_first_step_and_leaves_the_sink_zeroed(
     pools = compiled_runner.pools
     for t in (pools.k, pools.v, pools.conv, pools.ssm):
         assert not t.any()
+
+
+def test_a_bfloat16_model_decodes_the_same_tokens_compiled_and_eager(model):
+    """`--dtype bfloat16` with the compiled path (its own compilation): the pools in
+    bfloat16, the SSM state in float32, the same greedy tokens as eager."""
+    bf16 = builtin_model().to(torch.bfloat16)
+    bf16.load_state_dict(model.state_dict())
+    runners = []
+    for compiled in (True, False):
+        pools = DevicePools(bf16.cfg, SIZES, CPU, torch.bfloat16)
+        decode = CompiledDecode(bf16, pools, MAX_ROWS) if compiled else None
+        runners.append(ModelRunner(bf16, pools, compiled=decode))
+    runners[0].warm_up()
+    prompts = [np.arange(10) + 20 * i for i in range(3)]
+    kv = [np.arange(4 + 70 * i, 4 + 70 * i + 30) for i in range(3)]
+    outputs = []
+    for runner in runners:
+        step, out = [StepRow.of(p, 0, kv[i][:10], i + 1) for i, p in enumerate(prompts)], []
+        ops = DeferredOps(clears=[1, 2, 3])
+        for n in range(12):
+            tokens = runner.execute(step, ops).tokens
+            out.append(tokens)
+            step = [StepRow.of([t], 10 + n, kv[i][: 11 + n], i + 1) for i, t in enumerate(tokens)]
+            ops = DeferredOps()
+        outputs.append(out)
+    assert runners[0].pools.ssm.dtype == torch.float32
+    assert outputs[0] == outputs[1]
