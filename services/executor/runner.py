@@ -26,6 +26,7 @@ other failure while moving fails the step with `ops_ran` False.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from shared.deferred_ops import DeferredOps, DeferredOpsError
 from shared.messages.forward import StepRow
 from shared.messages.sampling import MAX_TOP_LOGPROBS, Top
 from shared.messages.tiers import TierMove
+
+log = logging.getLogger("custody.executor")
 
 
 class BatchRefused(ValueError):
@@ -135,7 +138,7 @@ class ModelRunner:
         parts: list[torch.Tensor] = []
         order: list[int] = []  # the row of each part's logits, in the parts' order
         if fast:
-            logits = self.compiled.logits([rows[i] for i in fast])
+            logits = self._compiled_logits([rows[i] for i in fast])
             keep = [j for j, i in enumerate(fast) if rows[i].sample]
             parts.append(logits if len(keep) == len(fast) else logits[keep])
             order += [fast[j] for j in keep]
@@ -147,6 +150,17 @@ class ModelRunner:
         if order != sorted(order):
             logits = logits[sorted(range(len(order)), key=order.__getitem__)]
         return logits
+
+    def _compiled_logits(self, rows: list[StepRow]) -> torch.Tensor:
+        """The compiled path; if it fails, the step fails (it may have written state) and
+        the executor decodes eagerly from then on: a compiled graph that broke once (a
+        recompilation that cannot be done here, say) would fail every later step."""
+        try:
+            return self.compiled.logits(rows)
+        except Exception:
+            log.exception("the compiled decode step failed; decoding eagerly from now on")
+            self.compiled = None
+            raise
 
     def warm_up(self) -> None:
         """One step on the padding sink, run before the executor announces itself: the
@@ -160,7 +174,11 @@ class ModelRunner:
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
             if self.compiled is not None:
-                self.compiled.warm_up()
+                try:
+                    self.compiled.warm_up()
+                except Exception:  # no C++ compiler, say: serve eagerly rather than crash-loop
+                    log.exception("compiling the decode step failed; decoding eagerly")
+                    self.compiled = None
             self._forward(rows, keep_logits=False)
             zero = to_device(torch.zeros(1, dtype=torch.long), self.device)
             copy_slots(self.pools.state_tensors, zero, zero)

@@ -20,7 +20,7 @@ import time
 
 import redis
 import torch
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from redis.client import Pipeline
 
 from services.executor.compiled_decode import CompiledDecode
@@ -44,6 +44,9 @@ STEPS = Counter(
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
 OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
+DECODE_COMPILED = Gauge(
+    "custody_decode_compiled", "1 while decode steps run compiled (compiled_decode.py), else 0"
+)
 MALFORMED = Counter(
     "custody_malformed_messages", "messages refused as not of the wire format", ["stream"]
 )
@@ -77,11 +80,12 @@ class ExecutorService:
         self.runner = ModelRunner(model, self.pools, mover, compiled)
         started = time.perf_counter()
         self.runner.warm_up()  # before the first heartbeat: no step waits for set-up
+        DECODE_COMPILED.set_function(lambda: self.runner.compiled is not None)
         log.info(
             "warmed up in %.2f s (%s, decode %s)",
             time.perf_counter() - started,
             self.pools.dtype,
-            "compiled" if compiled else "eager",
+            "compiled" if self.runner.compiled else "eager",
         )
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client)

@@ -179,3 +179,28 @@ def test_a_bfloat16_model_decodes_the_same_tokens_compiled_and_eager(model):
         outputs.append(out)
     assert runners[0].pools.ssm.dtype == torch.float32
     assert outputs[0] == outputs[1]
+
+
+def test_a_compiled_path_that_fails_fails_its_step_then_decoding_goes_eager(model, monkeypatch):
+    """No crash loop and no repeated failures: a compiled path that cannot be built at
+    start-up leaves the executor eager; one that fails in a step fails that step (state
+    may be half written: `ops_ran`) and every later step decodes eagerly."""
+    from services.executor.runner import StepFailed
+
+    def broken(self, rows):
+        raise RuntimeError("inductor: no C++ compiler")
+
+    monkeypatch.setattr(CompiledDecode, "run", broken)
+    pools = DevicePools(model.cfg, SIZES, CPU)
+    starting = ModelRunner(model, pools, compiled=CompiledDecode(model, pools, MAX_ROWS))
+    starting.warm_up()
+    assert starting.compiled is None
+    running = ModelRunner(model, pools, compiled=CompiledDecode(model, pools, MAX_ROWS))
+    eager = ModelRunner(model, random_pools(model, 3))
+    copy_into(pools, eager.pools)
+    rows = decode_rows(2, 6)
+    with pytest.raises(StepFailed) as failed:
+        running.execute(rows, DeferredOps())
+    assert failed.value.ops_ran and running.compiled is None
+    copy_into(pools, eager.pools)
+    assert running.execute(rows, DeferredOps()).tokens == eager.execute(rows, DeferredOps()).tokens
