@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.scheduler.main import Scheduler
 from services.scheduler.ownership.owners import OwnerKind
 from shared import streams
-from shared.messages.ownership import MESSAGES
+from shared.messages.ownership import MESSAGES, SessionRecords
 from shared.redis_server import PrivateRedis
 from tests.services_harness import stack_settings
 
@@ -50,3 +50,42 @@ def test_ownership_messages_survive_a_redis_restart_without_a_gap():
         asyncio.run(scenario())
         seqs = sequence_numbers(server.url)
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and len(seqs) >= 3
+
+
+def recorded_sessions(url: str) -> list[str]:
+    client = redis.Redis.from_url(url)
+    try:
+        messages = [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
+    finally:
+        client.close()
+    return [r.sid for m in messages if isinstance(m, SessionRecords) for r in m.records]
+
+
+def test_an_open_or_a_close_is_answered_only_once_its_record_is_on_the_stream(redis_url):
+    """`FrontDoor.durable` (what /open_session and /close_session await): not released
+    by a flush that took the records before the change, released by the one after."""
+
+    async def scenario() -> None:
+        service = Scheduler(stack_settings(redis_url))
+        await service.start()
+        outbox, door = service.outbox, service.front_door
+        outbox.queue_ownership(None)  # a pass takes the records, then ...
+        session = door.open_session("s-durable", None, None)  # ... the session opens
+        waiting = asyncio.ensure_future(door.durable())
+        await outbox.flush(service.redis)  # the pass taken before the open
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and session.sid not in recorded_sessions(redis_url)
+        await service.loop.ship_events()  # a pass after the open, and its flush
+        await asyncio.wait_for(waiting, 5)
+        assert recorded_sessions(redis_url).count(session.sid) == 1
+        door.close_session(session.sid)
+        closing = asyncio.ensure_future(door.durable())
+        await asyncio.sleep(0.01)
+        assert not closing.done()  # no pass has taken the close yet
+        await service.loop.ship_events()
+        await asyncio.wait_for(closing, 5)
+        assert recorded_sessions(redis_url).count(session.sid) == 2
+        await service.redis.aclose()
+        await service.link.results.aclose()
+
+    asyncio.run(scenario())

@@ -51,7 +51,14 @@ class Scheduler:
         )
         metrics.watch(LiveState(self.engine, self.link, lambda: self.loop.faults))
         self.front_door = FrontDoor(
-            settings, tokenizer, self.engine, self.intake, self.link, metrics, self.redis
+            settings,
+            tokenizer,
+            self.engine,
+            self.intake,
+            self.link,
+            metrics,
+            self.redis,
+            self.outbox,
         )
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
 

@@ -86,6 +86,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def open_session(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].open_session)
     session = open_session_within_limits(request, body.session_id, body.timeout)
+    await request.app[FRONT_DOOR].durable()
     return web.json_response(session.sid)
 
 
@@ -93,6 +94,7 @@ async def close_session(request: web.Request) -> web.Response:
     sid = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
     own_session(request, sid)
     request.app[FRONT_DOOR].close_session(sid)
+    await request.app[FRONT_DOOR].durable()
     return web.json_response(True)
 
 

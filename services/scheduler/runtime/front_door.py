@@ -20,6 +20,7 @@ from services.scheduler.records.session import ChatTurn, Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
+from services.scheduler.runtime.outbox import OwnershipOutbox
 from shared.config import Settings
 from shared.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class FrontDoor:
         link: ExecutorLink,
         metrics: SchedulerMetrics,
         redis: aioredis.Redis,
+        outbox: OwnershipOutbox,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -44,6 +46,7 @@ class FrontDoor:
         self._link = link
         self._metrics = metrics
         self._redis = redis
+        self._outbox = outbox
 
     # ---- what the edge reads ----
     @property
@@ -106,6 +109,13 @@ class FrontDoor:
     def close_session(self, sid: str) -> None:
         self._engine.sessions.close(sid)
         self._intake.wake.set()
+
+    async def durable(self) -> None:
+        """Until the sessions opened or closed so far are recorded on the ownership
+        stream: their answer must not outrun their record (a scheduler killed in
+        between would forget an open session, or bring back a closed one)."""
+        self._intake.wake.set()
+        await self._outbox.durable()
 
     async def place_session(self, sid: str, tier: str, timeout: float = 30.0) -> Session:
         """Move idle session `sid` to `tier`, a tier per step; returns it once there and

@@ -8,6 +8,7 @@ record saying so is on the ownership stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import redis.asyncio as aioredis
@@ -30,6 +31,9 @@ class OwnershipOutbox:
         self.stream_maxlen = stream_maxlen
         self.snapshot_check_seconds = snapshot_check_seconds
         self.messages: list[bytes] = []  # numbered, not yet on the stream
+        self.taken = 0  # passes that took the changed session records, so far
+        self.shipped = 0  # the last such pass whose messages Redis has taken
+        self._flushed = asyncio.Event()  # set (and replaced) at every flush
         self._was_idle = True
         self._next_snapshot_check = 0.0
 
@@ -39,6 +43,7 @@ class OwnershipOutbox:
         if shipped is not None:
             self.messages.append(shipped[0])
         records = self.engine.sessions.take_records()
+        self.taken += 1
         if records:
             self.messages.append(self.shipper.sessions(records, executor_epoch))
 
@@ -65,6 +70,7 @@ class OwnershipOutbox:
         stream, in one round trip; a message leaves the outbox only once Redis took it."""
         if not self.messages and step is None:
             return
+        carried = self.taken
         pipe = redis.pipeline(transaction=False)
         for message in self.messages:
             pipe.xadd(
@@ -74,3 +80,15 @@ class OwnershipOutbox:
             pipe.xadd(streams.FORWARD, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
         await pipe.execute()
         self.messages.clear()
+        self.shipped = carried
+        self._flushed.set()
+        self._flushed = asyncio.Event()
+
+    async def durable(self) -> None:
+        """Until every session record changed before this call is on the stream: a later
+        pass takes it (takes and flushes run in the step loop, in that order), and its
+        flush is done once `shipped` passes the mark. So an open or a close is answered
+        only once a restarted scheduler would know it (while Redis is down, it waits)."""
+        mark = self.taken
+        while self.shipped <= mark:
+            await self._flushed.wait()
