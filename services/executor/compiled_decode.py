@@ -45,7 +45,7 @@ def buckets_for(max_rows: int) -> tuple[int, ...]:
 
 
 class CompiledDecode:
-    """Runs one-token steps of up to `max(buckets)` rows through the compiled model."""
+    """Runs the one-token rows of a step through the compiled model."""
 
     def __init__(self, model: NemotronH, pools: DevicePools, max_rows: int) -> None:
         self.model, self.pools = model, pools
@@ -138,7 +138,7 @@ class CudaGraphs:
         static.context[:, :longest].copy_(rows.context, non_blocking=True)
         static.mask[:, :longest].copy_(rows.mask, non_blocking=True)
         graph.replay()
-        return out
+        return out.clone()  # the next replay of this graph (a step's next chunk) reuses `out`
 
 
 def _sink_rows(count: int, length: int, device: torch.device) -> DecodeRows:
