@@ -333,6 +333,7 @@ def test_metrics_match_the_ledger(stack):
                 assert held == counts[kind], (phase, pool, kind)
         assert sample(text, "custody_sessions_open") == (1 if phase == "open" else 0)
         assert sample(text, "custody_invariant_check_failures_total") == 0
+        assert sample(text, "custody_step_turnaround_seconds_count") > 0  # steps pipelined
         store = scrape(stack.settings.store_port)
         for pool in view["counts"]:
             assert sample(store, "custody_ledger_leaked_slots", pool=pool) == 0

@@ -178,6 +178,13 @@ class SchedulerMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.turnaround = Histogram(
+            "custody_step_turnaround_seconds",
+            "a step's result read to the next step on the stream: the part of the pipeline "
+            "the executor's forward must cover, or it waits (bench e2e's overhead_share)",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
     def watch(self, live: LiveState) -> None:
         self.live = live

@@ -116,11 +116,13 @@ class StepLoop:
             return
         if not engine.in_flight or engine.in_flight[0] is not plan:
             return  # the executor was lost meanwhile: everything in flight was abandoned
+        received = time.perf_counter()
         arrived = [row.rid for row in plan.rows if row.sample and not row.dropped]
         ended = engine.complete(plan, result)
         self.intake.hold(ended)  # announced once their session records are on the stream
         done = {req.rid for req in ended}
-        await self.publish_next()
+        if await self.publish_next() is not None:
+            self.metrics.turnaround.observe(time.perf_counter() - received)
         self.intake.tokens_arrived([rid for rid in arrived if rid not in done])
         if ended:
             await self.ship_events()
