@@ -133,27 +133,20 @@ class SlotPool:
 
         self.alloc_one = alloc_one
         self.transfer_one = transfer_one
-        self.free_one = free_one if self.free_guard is None else self._guarded_free_one()
+        self.free_one = free_one if self.free_guard is None else self._guarded(free_one)
 
-    def _guarded_free_one(self) -> Callable[..., None]:
-        """`free_one` for a pool with a free guard: the guard runs after the ownership
-        check and before any change, as in the batched `free`."""
-        owner, emit, pool_id = memoryview(self._owner), self._emit, self.pool_id
-        push, guard = self._stack.append, self.free_guard
+    def _guarded(self, free_one: Callable[..., None]) -> Callable[..., None]:
+        """`free_one` for a pool with a free guard: the guard runs once the giver is known
+        to own the slot and before any change, as in the batched `free`; anything else
+        goes straight to `free_one`, whose check refuses it."""
+        owner, guard, end = self._owner, self.free_guard, self.capacity + 1
 
-        def free_one(slot: int, giver: Owner, reason: str = "free") -> None:
-            gid = giver.id
-            try:
-                if owner[slot] != gid or slot <= 0:
-                    raise self._not_owner(slot, giver, reason)
-            except IndexError:
-                raise self._not_owner(slot, giver, reason) from None
-            guard(np.array([slot]))
-            owner[slot] = 0
-            push(slot)
-            emit((pool_id, slot, gid, 0, reason))
+        def guarded_free_one(slot: int, giver: Owner, reason: str = "free") -> None:
+            if 0 < slot < end and owner[slot] == giver.id:
+                guard(np.array([slot]))
+            free_one(slot, giver, reason)
 
-        return free_one
+        return guarded_free_one
 
     # ---- batched path ----
     def alloc(self, n: int, receiver: OwnerArg, reason: str = "alloc") -> np.ndarray:
