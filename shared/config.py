@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shared.dtypes import check_dtype, sizing_dtype
 from shared.model_config import ModelConfig
+from shared.streams import REPLICA_ID
 from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
 
@@ -17,6 +18,8 @@ from shared.tokenizer import TOKENIZER_KINDS
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = ""  # empty: `custody up` starts a private Redis
+    # this replica's id (its Redis names carry it, shared/streams.py); custody up sets it
+    replica: str = "0"
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
     tokenizer: str = "auto"
@@ -80,6 +83,8 @@ class Settings:
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:
             raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
         check_dtype(self.dtype)
+        if not REPLICA_ID.fullmatch(self.replica):
+            raise ValueError("replica must be 1..64 of A-Z a-z 0-9 _ . -")
         if self.tokenizer not in TOKENIZER_KINDS:
             raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}")
         if self.pipeline_depth not in (0, 1):

@@ -1,31 +1,101 @@
-"""Stream names and the Redis stream operations every service uses the same way."""
+"""Redis names and the Redis stream operations every service uses the same way.
+
+Every name of one replica (its streams, its executor's and scheduler's keys, its session
+records, its ledger checkpoint) carries the hash tag `{r<replica>}`: on a Redis Cluster
+all of them hash to one slot, so a replica's transactions and pipelines stay on one shard,
+and two replicas on one Redis never read each other's. The few names that span replicas
+(the replica set, a session's placement, a request's replica) are each one key, read and
+written by single-key commands."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 import redis
 
-OWNERSHIP = "custody:ownership"
 STORE_GROUP = "session-store"
-FORWARD = "custody:forward"
 EXECUTOR_GROUP = "executor"
-RESULTS = "custody:results"
-EXECUTOR_ALIVE = "custody:executor-alive"  # the live executor's epoch, expiring
-SCHEDULER_EPOCH = "custody:scheduler-epoch"  # the live scheduler's epoch (fencing)
-SESSIONS = "custody:sessions"  # set of persisted session ids
-# The executor's tier moves in flight (hash kind -> count), set while a step's moves run:
-# after a kill, a fault drill reads what was moving.
-TIER_IN_FLIGHT = "custody:executor:tier_in_flight"
-
-
-def session_key(sid: str) -> str:
-    return f"custody:session:{sid}"
-
-
-CHECKPOINT = "custody:ledger"
-SNAPSHOT_WANTED = "custody:snapshot-wanted"
 # Approximate bound of a stream: far above the worst lag of its consumer, so nothing
 # unread is ever trimmed (trimming with ~ keeps whole radix-tree nodes, cheaply).
 MAXLEN = 100_000
+REPLICA_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+REPLICAS = "custody:replicas"  # set of replica ids ever registered (the store reads each)
+
+
+def placement_key(sid: str) -> str:
+    """The replica a session lives on (the router's placement directory, one key each)."""
+    return f"custody:placement:{sid}"
+
+
+def request_key(rid: str) -> str:
+    """The replica a request runs on (for an abort through the router)."""
+    return f"custody:rid:{rid}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The Redis names of one replica."""
+
+    replica: str = "0"
+
+    def _name(self, part: str) -> str:
+        return f"custody:{{r{self.replica}}}:{part}"
+
+    @property
+    def ownership(self) -> str:
+        return self._name("ownership")
+
+    @property
+    def forward(self) -> str:
+        return self._name("forward")
+
+    @property
+    def results(self) -> str:
+        return self._name("results")
+
+    @property
+    def executor_alive(self) -> str:
+        """The live executor's epoch, expiring."""
+        return self._name("executor-alive")
+
+    @property
+    def scheduler_epoch(self) -> str:
+        """The live scheduler's epoch (fencing)."""
+        return self._name("scheduler-epoch")
+
+    @property
+    def alive(self) -> str:
+        """The replica's registration (address, epoch, load), expiring: the router routes
+        only to replicas whose key is there."""
+        return self._name("alive")
+
+    @property
+    def sessions(self) -> str:
+        """Set of persisted session ids."""
+        return self._name("sessions")
+
+    def session(self, sid: str) -> str:
+        return self._name(f"session:{sid}")
+
+    @property
+    def checkpoint(self) -> str:
+        """The store's ledger of this replica."""
+        return self._name("ledger")
+
+    @property
+    def snapshot_wanted(self) -> str:
+        return self._name("snapshot-wanted")
+
+    @property
+    def tier_in_flight(self) -> str:
+        """The executor's tier moves in flight (hash kind -> count), set while a step's
+        moves run: after a kill, a fault drill reads what was moving."""
+        return self._name("executor:tier_in_flight")
+
+
+SINGLE = Keys()  # the names of a single-replica stack (replica "0")
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str) -> None:

@@ -21,7 +21,7 @@ from tests.services_harness import stack_settings
 def sequence_numbers(url: str) -> list[int]:
     client = redis.Redis.from_url(url)
     try:
-        return [MESSAGES.decode(f[b"m"]).seq for _, f in client.xrange(streams.OWNERSHIP)]
+        return [MESSAGES.decode(f[b"m"]).seq for _, f in client.xrange(streams.SINGLE.ownership)]
     finally:
         client.close()
 
@@ -55,7 +55,7 @@ def test_ownership_messages_survive_a_redis_restart_without_a_gap():
 def recorded_sessions(url: str) -> list[str]:
     client = redis.Redis.from_url(url)
     try:
-        messages = [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
+        messages = [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.SINGLE.ownership)]
     finally:
         client.close()
     return [r.sid for m in messages if isinstance(m, SessionRecords) for r in m.records]

@@ -19,7 +19,7 @@ from tests.services_harness import stack_settings
 
 
 def ownership_messages(client: redis.Redis) -> list[OwnershipMessage]:
-    return [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.OWNERSHIP)]
+    return [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.SINGLE.ownership)]
 
 
 def started(url: str) -> Scheduler:
@@ -47,7 +47,7 @@ def test_a_released_sessions_record_is_on_the_stream_before_the_step_that_reuses
     service.engine.sessions.close("gone")
     service.engine.submit(plain("r1"))
     plan = loop.run_until_complete(service.loop.publish_next())
-    assert plan is not None and redis_client.xlen(streams.FORWARD) == 1
+    assert plan is not None and redis_client.xlen(streams.SINGLE.forward) == 1
     shipped = ownership_messages(redis_client)
     records = [r for m in shipped if isinstance(m, SessionRecords) for r in m.records]
     assert (records[-1].sid, records[-1].closed) == ("gone", True)
@@ -58,9 +58,9 @@ def test_the_scheduler_announces_its_epoch_for_fencing(redis_url, redis_client):
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     first = started(redis_url)
-    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == first.outbox.shipper.epoch
+    assert redis_client.get(streams.SINGLE.scheduler_epoch).decode() == first.outbox.shipper.epoch
     second = started(redis_url)
-    assert redis_client.get(streams.SCHEDULER_EPOCH).decode() == second.outbox.shipper.epoch
+    assert redis_client.get(streams.SINGLE.scheduler_epoch).decode() == second.outbox.shipper.epoch
     loop.close()
 
 
@@ -77,7 +77,7 @@ def test_a_step_that_cannot_be_encoded_fails_only_its_requests(redis_url, redis_
     bad.params = SamplingParams(max_new_tokens=4, seed=2**70)  # past the edge's checks
     assert loop.run_until_complete(service.loop.publish_next()) is None
     assert bad.status is Status.ABORTED and "could not be sent" in bad.finish_reason.message
-    assert redis_client.xlen(streams.FORWARD) == 0 and not engine.in_flight
+    assert redis_client.xlen(streams.SINGLE.forward) == 0 and not engine.in_flight
     assert engine.check(idle=True).ok
     engine.submit(plain("good"))
     assert loop.run_until_complete(service.loop.publish_next()) is not None

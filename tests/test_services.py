@@ -76,7 +76,7 @@ def test_the_next_step_is_on_the_stream_while_the_one_before_runs(stack):
     )
     assert out["output_ids"] == one_shot(prompt, 8)
     client = redis.Redis.from_url(stack.settings.redis_url)
-    steps = [decode_step(f[b"m"]) for _, f in client.xrevrange(streams.FORWARD, count=8)]
+    steps = [decode_step(f[b"m"]) for _, f in client.xrevrange(streams.SINGLE.forward, count=8)]
     rows = [(s, r) for s in steps for r in s.rows]
     mine = [(s, r) for s, r in rows if r.rid == out["meta_info"]["id"]]
     future = [(s, r) for s, r in mine if r.future]

@@ -74,7 +74,7 @@ def test_the_watch_reads_only_kinds_with_moves_in_flight(redis_url, redis_client
     watch = TierWatch(redis_url)
     assert watch.in_flight() == set()
     redis_client.hset(
-        streams.TIER_IN_FLIGHT, mapping={"spill": 1, "hibernate": 2, "load": 0, "restore": 0}
+        streams.SINGLE.tier_in_flight, mapping={"spill": 1, "hibernate": 2, "load": 0, "restore": 0}
     )
     assert watch.in_flight() == {"spill", "hibernate"}
     assert watch.wait_for(lambda kinds: "restore" in kinds, 0.05, lambda: False) == set()

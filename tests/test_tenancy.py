@@ -167,7 +167,7 @@ def stored_record(client: redis.Redis, sid: str, history: int) -> dict:
     """The session's durable record once the store holds `history` tokens of it."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        raw = client.hget(streams.session_key(sid), "record")
+        raw = client.hget(streams.SINGLE.session(sid), "record")
         if raw is not None:
             rec = msgpack.unpackb(raw, raw=False)
             if len(rec["history"]) // 4 == history:

@@ -110,7 +110,7 @@ def kill_during(stack, kind: str, action) -> None:
     worker = threading.Thread(target=action)
     worker.start()
     deadline = time.monotonic() + 30
-    while int(client.hget(streams.TIER_IN_FLIGHT, kind) or 0) == 0:
+    while int(client.hget(streams.SINGLE.tier_in_flight, kind) or 0) == 0:
         assert time.monotonic() < deadline, f"no {kind} was seen in flight"
         time.sleep(0.01)
     port = stack.settings.port

@@ -181,11 +181,11 @@ def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url
     other = StepResult.of(link.epoch, plan.step_id + 7, link.scheduler_epoch, ["r1"], [5], [0.0])
     no_row = raw_of(other) | {"rids": []}  # a token for no row, answering another step
     for message in (b"garbage", encode(a_step()), msgspec.msgpack.encode(no_row), encode(mine)):
-        redis_client.xadd(streams.RESULTS, {"m": message})
+        redis_client.xadd(streams.SINGLE.results, {"m": message})
     loop.run_until_complete(service.loop.complete_oldest())
     assert req.output == [5] and service.link.malformed == 3
     exposition = loop.run_until_complete(service.loop.metrics.render(service.redis)).decode()
-    assert f'custody_malformed_messages_total{{stream="{streams.RESULTS}"}} 3.0' in exposition
+    assert 'custody_malformed_messages_total{stream="results"} 3.0' in exposition
     loop.close()
 
 
@@ -197,7 +197,9 @@ def test_a_malformed_answer_to_the_step_in_flight_takes_the_device_lost_path(
     loop, service, req, plan = one_step_in_flight(redis_url)
     link = service.link
     mine = StepResult.of(link.epoch, plan.step_id, link.scheduler_epoch, ["r1"], [5], [-0.5])
-    redis_client.xadd(streams.RESULTS, {"m": msgspec.msgpack.encode(raw_of(mine) | {"rids": []})})
+    redis_client.xadd(
+        streams.SINGLE.results, {"m": msgspec.msgpack.encode(raw_of(mine) | {"rids": []})}
+    )
     loop.run_until_complete(service.loop.complete_oldest())
     assert link.malformed == 1 and link.losses == 1 and link.epoch == "executor-under-test"
     assert req.status is Status.WAITING and req.output == [] and not service.engine.in_flight

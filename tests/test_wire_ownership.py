@@ -142,7 +142,7 @@ def test_the_consumer_counts_acknowledges_and_goes_on(redis_client, redis_url):
     consumer = OwnershipConsumer(redis_client, "store-1")
 
     def publish(message: bytes) -> None:
-        redis_client.xadd(streams.OWNERSHIP, {"m": message})
+        redis_client.xadd(streams.SINGLE.ownership, {"m": message})
         while consumer.poll(block_ms=10):
             pass
 
@@ -155,7 +155,7 @@ def test_the_consumer_counts_acknowledges_and_goes_on(redis_client, redis_url):
     publish(encode(Events.of("e1", shipper.seq + 1, 0, ["alloc"], past_the_pool, {})))
     assert consumer.refused == 1  # the second came after the gap: dropped, not applied
     assert "a packed <i4 array" in consumer.last_refused
-    assert redis_client.xpending(streams.OWNERSHIP, streams.STORE_GROUP)["pending"] == 0
+    assert redis_client.xpending(streams.SINGLE.ownership, streams.STORE_GROUP)["pending"] == 0
     publish(shipper.snapshot())  # what the store asked for
     d.pools.mamba.alloc_one(owner)
     publish(shipper.batch()[0])

@@ -33,6 +33,8 @@ from custody.bench.shipped_batches import scheduler_batches
 from shared import streams
 from shared.redis_server import PrivateRedis
 
+KEYS = streams.SINGLE  # the one replica of the stacks these drive
+
 BATCHES = (1, 16, 256, 4096)
 SECONDS = 2.0  # of production per custody run
 RAW_SECONDS, RAW_BYTES, PIPELINE_BYTES = 1.0, 128 << 20, 4 << 20
@@ -48,7 +50,7 @@ def _producer(url: str, batch: int, seconds: float, ready, out) -> None:
     client = redis.Redis.from_url(url)
     pools = Pools(PoolConfig(kv_pages=1024, mamba_slots=1024, max_running_requests=256))
     shipper = EventShipper(pools.ledger, epoch="bench")
-    client.xadd(streams.OWNERSHIP, {"m": shipper.snapshot(), "t": 0.0})
+    client.xadd(KEYS.ownership, {"m": shipper.snapshot(), "t": 0.0})
     owner = pools.ledger.new_owner(OwnerKind.REQUEST, "bench")
     held = [0, 0]
 
@@ -75,12 +77,12 @@ def _producer(url: str, batch: int, seconds: float, ready, out) -> None:
         message, _ = shipper.batch()
         sizes.append(len(message))
         client.xadd(
-            streams.OWNERSHIP,
+            KEYS.ownership,
             {"m": message, "t": first},
             maxlen=streams.MAXLEN,
             approximate=True,
         )
-    client.xadd(streams.OWNERSHIP, {"m": b"", "t": -1.0})  # end marker
+    client.xadd(KEYS.ownership, {"m": b"", "t": -1.0})  # end marker
     client.close()
     out.put({"entry_bytes": int(statistics.median(sizes))})
 
@@ -147,7 +149,7 @@ def _raw_xadd(url: str, size: int, seconds: float) -> float:
 def _one_run(url: str, batch: int, seconds: float, raw_seconds: float) -> dict:
     """Custody at one batch size, then raw XADD of entries of the same byte size."""
     client = redis.Redis.from_url(url)
-    client.delete(streams.OWNERSHIP, streams.CHECKPOINT)
+    client.delete(KEYS.ownership, KEYS.checkpoint)
     ctx = mp.get_context("spawn")
     out, made, ready = ctx.Queue(), ctx.Queue(), ctx.Event()
     consumer = ctx.Process(target=_consumer, args=(url, ready, out))
@@ -157,7 +159,7 @@ def _one_run(url: str, batch: int, seconds: float, raw_seconds: float) -> dict:
     result = out.get(timeout=120) | made.get(timeout=120)
     producer.join()
     consumer.join()
-    client.delete(streams.OWNERSHIP, streams.CHECKPOINT)
+    client.delete(KEYS.ownership, KEYS.checkpoint)
     client.close()
     result["raw_xadd_entries_per_s"] = _raw_xadd(url, result["entry_bytes"], raw_seconds)
     return result

@@ -16,6 +16,8 @@ from shared.config import Settings
 from shared.messages.ownership import MESSAGES, Events
 from shared.redis_server import free_port
 
+KEYS = streams.SINGLE  # the one replica of the stacks these drive
+
 E2E_RUNS = 2
 
 
@@ -31,12 +33,12 @@ def scheduler_batches(runs: int = E2E_RUNS) -> dict:
             e2e_run(stack.settings, 100 + i)
         client = redis.Redis.from_url(stack.settings.redis_url)
         events, sizes = [], []
-        for _, fields in client.xrange(streams.OWNERSHIP):
+        for _, fields in client.xrange(KEYS.ownership):
             msg = MESSAGES.decode(fields[b"m"])
             if isinstance(msg, Events):
                 events.append(msg.num_events)
                 sizes.append(len(fields[b"m"]))
-        steps = [int(i.split(b"-")[0]) for i, _ in client.xrange(streams.FORWARD)]
+        steps = [int(i.split(b"-")[0]) for i, _ in client.xrange(KEYS.forward)]
         client.close()
     finally:
         stack.stop()

@@ -1,5 +1,5 @@
 """What the soak sees of session state tiers from outside the executor: the executor's
-in-flight mark (`shared.streams.TIER_IN_FLIGHT`), which aims the monkey's kills at tier
+in-flight mark (`Keys.tier_in_flight`, shared/streams.py), which aims the monkey's kills at tier
 moves, and the executor's counter of completed moves, summed over its lives.
 
 The mark is a Redis hash, kind -> moves of that kind in the step whose moves are running
@@ -22,6 +22,8 @@ import redis
 from custody.soak.client import call
 from shared import streams
 
+KEYS = streams.SINGLE  # the one replica of the stacks these drive
+
 KINDS = ("hibernate", "spill", "load", "restore")
 POLL_SECONDS = 0.003  # a move sleeps tier_move_delay_seconds half-way: far longer
 
@@ -33,7 +35,7 @@ class TierWatch:
     def in_flight(self) -> set[str]:
         """The kinds the mark shows with a move in flight; empty when Redis is down."""
         try:
-            mark = self.client.hgetall(streams.TIER_IN_FLIGHT)
+            mark = self.client.hgetall(KEYS.tier_in_flight)
         except redis.RedisError:
             return set()
         out = set()
@@ -47,7 +49,7 @@ class TierWatch:
 
     def clear(self) -> None:
         with contextlib.suppress(redis.RedisError):
-            self.client.delete(streams.TIER_IN_FLIGHT)
+            self.client.delete(KEYS.tier_in_flight)
 
     def wait_for(
         self, wanted: Callable[[set[str]], bool], timeout: float, stop: Callable[[], bool]

@@ -1,7 +1,7 @@
 """Fencing: the executor runs steps only from the live scheduler.
 
-A scheduler writes its epoch to SCHEDULER_EPOCH when it starts, before it publishes
-anything, so a scheduler that was replaced (paused, partitioned, restarted) cannot
+A scheduler writes its epoch to its replica's scheduler-epoch key when it starts, before
+it publishes anything, so a scheduler that was replaced (paused, partitioned, restarted) cannot
 have its late steps run against slots its successor now owns. The key's value is cached
 and read again when a step comes from another epoch (once per scheduler life, and once
 per step of a fenced scheduler) and once a heartbeat. Without the key (an older
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import redis
 
-from shared import streams
-
 
 class SchedulerFence:
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client, self.key = client, key
         self.live: str | None = None  # the key's value when last read
 
     def admits(self, epoch: str) -> bool:
@@ -29,5 +27,5 @@ class SchedulerFence:
         """Read the key again; also once a heartbeat, so a scheduler replaced while its
         predecessor keeps sending is fenced within a heartbeat even before the new one
         has published a step."""
-        value = self.client.get(streams.SCHEDULER_EPOCH)
+        value = self.client.get(self.key)
         self.live = None if value is None else value.decode()

@@ -56,6 +56,7 @@ class ExecutorService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.client = redis.Redis.from_url(settings.redis_url)
+        self.keys = streams.Keys(settings.replica)
         self.epoch = secrets.token_hex(8)
         self.name = f"executor-{self.epoch}"
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,19 +89,19 @@ class ExecutorService:
             "compiled" if self.runner.compiled else "eager",
         )
         self.chain = StepChain()
-        self.fence = SchedulerFence(self.client)
+        self.fence = SchedulerFence(self.client, self.keys.scheduler_epoch)
         self._beat = 0.0
         self._next: list = []  # steps read with the answer to the last, not yet run
-        streams.ensure_group(self.client, streams.FORWARD, streams.EXECUTOR_GROUP)
+        streams.ensure_group(self.client, self.keys.forward, streams.EXECUTOR_GROUP)
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
         """For fault drills: what a step's tier moves are while they run ({}: done). A
         Redis that cannot be told must not fail the step."""
         try:
             if counts:
-                self.client.hset(streams.TIER_IN_FLIGHT, mapping=counts)
+                self.client.hset(self.keys.tier_in_flight, mapping=counts)
             else:
-                self.client.delete(streams.TIER_IN_FLIGHT)
+                self.client.delete(self.keys.tier_in_flight)
         except redis.RedisError as err:
             log.warning("could not mark tier moves in flight: %s", err)
 
@@ -108,7 +109,7 @@ class ExecutorService:
         now = time.monotonic()
         if now - self._beat >= self.settings.heartbeat_seconds:
             self.client.set(
-                streams.EXECUTOR_ALIVE,
+                self.keys.executor_alive,
                 self.epoch,
                 px=int(self.settings.executor_timeout_seconds * 1000),
             )
@@ -142,12 +143,12 @@ class ExecutorService:
             pipe = self.client.pipeline(transaction=False)
             if result is not None:
                 pipe.xadd(
-                    streams.RESULTS,
+                    self.keys.results,
                     {"m": result},
                     maxlen=self.settings.stream_maxlen,
                     approximate=True,
                 )
-            pipe.xack(streams.FORWARD, streams.EXECUTOR_GROUP, entry_id)
+            pipe.xack(self.keys.forward, streams.EXECUTOR_GROUP, entry_id)
             if i == len(entries) - 1:
                 self._xread(pipe, block_ms)
                 self._next = _entries(pipe.execute()[-1])
@@ -158,7 +159,7 @@ class ExecutorService:
     def _xread(self, client: redis.Redis | Pipeline, block_ms: int) -> object:
         """Read up to 8 new steps (on a pipeline: queue the read)."""
         return client.xreadgroup(
-            streams.EXECUTOR_GROUP, self.name, {streams.FORWARD: ">"}, count=8, block=block_ms
+            streams.EXECUTOR_GROUP, self.name, {self.keys.forward: ">"}, count=8, block=block_ms
         )
 
     def run_step(self, raw: bytes) -> bytes | None:
@@ -213,7 +214,7 @@ class ExecutorService:
     def _malformed(self, raw: bytes, err: WireError) -> bytes | None:
         """Count and log a step that does not decode; answer it (breaking the chain) when
         its head still says whose it is, so its scheduler does not wait for it."""
-        MALFORMED.labels(streams.FORWARD).inc()
+        MALFORMED.labels("forward").inc()
         log.error("refused a malformed step: %s", err)
         try:
             head = decode_step_head(raw)

@@ -39,12 +39,13 @@ class Scheduler:
         tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.engine = build_engine(settings, model, tokenizer, strict=False)
         self.redis = aioredis.from_url(settings.redis_url)
+        self.keys = streams.Keys(settings.replica)
         shipper = EventShipper(self.engine.pools.ledger)
-        self.link = ExecutorLink(shipper.epoch, settings.executor_timeout_seconds)
+        self.link = ExecutorLink(shipper.epoch, settings.executor_timeout_seconds, self.keys)
         self.outbox = OwnershipOutbox(
-            self.engine, shipper, settings.stream_maxlen, settings.heartbeat_seconds
+            self.engine, shipper, settings.stream_maxlen, settings.heartbeat_seconds, self.keys
         )
-        metrics = SchedulerMetrics()
+        metrics = SchedulerMetrics(self.keys)
         self.intake = Intake(self.engine, metrics, asyncio.Event())
         self.loop = StepLoop(
             settings, self.engine, self.link, self.outbox, self.intake, metrics, self.redis
@@ -65,8 +66,8 @@ class Scheduler:
     async def start(self) -> None:
         """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
         # From now on the executor refuses steps of any earlier scheduler life.
-        await self.redis.set(streams.SCHEDULER_EPOCH, self.outbox.shipper.epoch)
-        epoch = await rebuild_sessions(self.redis, self.engine.sessions)
+        await self.redis.set(self.keys.scheduler_epoch, self.outbox.shipper.epoch)
+        epoch = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
         if epoch is not None:
             self.link.epoch = epoch
         self.outbox.queue_snapshot()

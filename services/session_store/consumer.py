@@ -48,19 +48,19 @@ class OwnershipConsumer:
         client: redis.Redis,
         name: str,
         ledger: IndependentLedger | None = None,
-        stream: str = streams.OWNERSHIP,
-        group: str = streams.STORE_GROUP,
+        keys: streams.Keys = streams.SINGLE,
     ) -> None:
-        self.client, self.name, self.stream, self.group = client, name, stream, group
+        self.client, self.name, self.keys = client, name, keys
+        self.stream, self.group = keys.ownership, streams.STORE_GROUP
         self.ledger = ledger or IndependentLedger()
-        self.checker = WriteChecker(client, name)
+        self.checker = WriteChecker(client, name, keys.forward)
         self.epoch: str | None = None
         self.seq = 0
         self.duplicates = 0
         self.refused = 0  # messages refused as malformed
         self.last_refused: str | None = None  # why the latest was
         self._writes: list[SessionRecord] = []  # to persist with the next checkpoint
-        streams.ensure_group(client, stream, group)
+        streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
 
     # ---- reading ----
@@ -97,16 +97,16 @@ class OwnershipConsumer:
         for _, fields in entries:
             if fields:  # an entry trimmed before it was read has no fields; just ack it
                 self._apply(fields.get(b"m", b""))
-        pipe = self.client.pipeline(transaction=True)
+        keys, pipe = self.keys, self.client.pipeline(transaction=True)
         for rec in self._writes:
             if rec.closed:
-                pipe.delete(streams.session_key(rec.sid))
-                pipe.srem(streams.SESSIONS, rec.sid)
+                pipe.delete(keys.session(rec.sid))
+                pipe.srem(keys.sessions, rec.sid)
             else:
-                pipe.hset(streams.session_key(rec.sid), "record", encode_record(rec))
-                pipe.sadd(streams.SESSIONS, rec.sid)
+                pipe.hset(keys.session(rec.sid), "record", encode_record(rec))
+                pipe.sadd(keys.sessions, rec.sid)
         self._writes.clear()
-        pipe.hset(streams.CHECKPOINT, mapping=self._checkpoint())
+        pipe.hset(keys.checkpoint, mapping=self._checkpoint())
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         self.checker.ack(pipe)
         pipe.execute()
@@ -118,7 +118,7 @@ class OwnershipConsumer:
             if isinstance(msg, Snapshot):
                 self.ledger.reset(msg)
                 self.epoch, self.seq = msg.epoch, msg.seq
-                self.client.delete(streams.SNAPSHOT_WANTED)
+                self.client.delete(self.keys.snapshot_wanted)
                 self.checker.reset(msg.epoch)
                 return self._steps_due()
             if msg.epoch != self.epoch or msg.seq <= self.seq:
@@ -160,7 +160,7 @@ class OwnershipConsumer:
         found = Violation("gap", "*", [], what + "; snapshot requested", None)
         self.ledger.report([found])
         self.epoch = None  # apply nothing more until a snapshot arrives
-        self.client.set(streams.SNAPSHOT_WANTED, 1)
+        self.client.set(self.keys.snapshot_wanted, 1)
         return [found]
 
     # ---- checkpoint ----
@@ -182,7 +182,7 @@ class OwnershipConsumer:
         return {"state": msgpack.packb(state, use_bin_type=True)}
 
     def _load_checkpoint(self) -> None:
-        raw = self.client.hget(streams.CHECKPOINT, "state")
+        raw = self.client.hget(self.keys.checkpoint, "state")
         if raw is None:
             return
         state = msgpack.unpackb(raw, raw=False, strict_map_key=False)

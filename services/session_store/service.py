@@ -30,7 +30,8 @@ class StoreService:
     def __init__(self, settings: Settings) -> None:
         self.client = redis.Redis.from_url(settings.redis_url)
         # A stable name: a restarted store resumes its own pending entries first.
-        self.consumer = OwnershipConsumer(self.client, "session-store-1")
+        self.keys = streams.Keys(settings.replica)
+        self.consumer = OwnershipConsumer(self.client, "session-store-1", keys=self.keys)
         self.faults = 0  # exceptions survived by the consuming loop
         self.registry = CollectorRegistry()
         self.violations = Gauge(
@@ -123,7 +124,7 @@ def build_app(store: StoreService, admin_api_keys: str = "") -> web.Application:
         return web.json_response({"status": "ok", "ready": store.consumer.ledger.ready})
 
     async def session(request: web.Request) -> web.Response:
-        raw = store.client.hget(streams.session_key(request.match_info["sid"]), "record")
+        raw = store.client.hget(store.keys.session(request.match_info["sid"]), "record")
         if raw is None:
             return web.json_response(
                 {"error": {"message": "no such open session", "type": "not_found"}}, status=404

@@ -195,13 +195,14 @@ class WriteChecker:
     queued again as its pending entries; the checkpoint holds counts, never steps.
     """
 
-    def __init__(self, client: redis.Redis, name: str) -> None:
+    def __init__(self, client: redis.Redis, name: str, stream: str) -> None:
+        self.stream = stream
         self.client, self.name = client, name
         self.queued: list[PlannedStep] = []  # by ledger point
         self.checked = self.unchecked = 0
         self._done: list[bytes] = []  # entry ids to acknowledge with the next checkpoint
         self._from: str | bytes = "0"  # pending entries of a previous life first, then ">"
-        streams.ensure_group(client, streams.FORWARD, GROUP)
+        streams.ensure_group(client, stream, GROUP)
 
     # ---- reading ----
     def read(self, most: int = MAX_READ) -> None:
@@ -210,7 +211,7 @@ class WriteChecker:
         after its point has passed is counted unchecked."""
         while most > 0:
             reply = self.client.xreadgroup(
-                GROUP, self.name, {streams.FORWARD: self._from}, count=min(512, most)
+                GROUP, self.name, {self.stream: self._from}, count=min(512, most)
             )
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
@@ -273,7 +274,7 @@ class WriteChecker:
         """Acknowledge the steps finished with since the last checkpoint, in its
         transaction."""
         if self._done:
-            pipe.xack(streams.FORWARD, GROUP, *self._done)
+            pipe.xack(self.stream, GROUP, *self._done)
             self._done = []
 
     def state(self) -> dict:

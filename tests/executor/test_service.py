@@ -57,7 +57,7 @@ def outcome(name: str) -> float:
 
 
 def malformed() -> float:
-    labels = {"stream": streams.FORWARD}
+    labels = {"stream": "forward"}
     return REGISTRY.get_sample_value("custody_malformed_messages_total", labels) or 0.0
 
 
@@ -106,13 +106,13 @@ def test_rows_that_do_not_decode_are_answered_and_the_service_serves_on(service)
 def test_a_message_that_is_no_step_is_counted_acknowledged_and_passed_over(service, redis_client):
     """Nothing says whose it is: no answer, and the step after it is served."""
     before, refused = malformed(), outcome("refused")
-    redis_client.xadd(streams.FORWARD, {"m": b"not a step"})
-    redis_client.xadd(streams.FORWARD, {"m": step(service, "s", 1, [wire_row(PROMPT)])})
+    redis_client.xadd(streams.SINGLE.forward, {"m": b"not a step"})
+    redis_client.xadd(streams.SINGLE.forward, {"m": step(service, "s", 1, [wire_row(PROMPT)])})
     assert service.serve_once(block_ms=100) == 2
     assert malformed() == before + 1 and outcome("refused") == refused + 1
-    (published,) = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.RESULTS)]
+    (published,) = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
     assert (published.step, published.error) == (1, None)
-    assert redis_client.xpending(streams.FORWARD, streams.EXECUTOR_GROUP)["pending"] == 0
+    assert redis_client.xpending(streams.SINGLE.forward, streams.EXECUTOR_GROUP)["pending"] == 0
 
 
 def test_degenerate_sampling_parameters_still_give_a_token(service):
@@ -124,25 +124,25 @@ def test_degenerate_sampling_parameters_still_give_a_token(service):
 
 def test_steps_of_a_replaced_scheduler_are_acknowledged_and_dropped(service, redis_client):
     assert service.run_step(step(service, "A", 1, [wire_row(PROMPT)])) is not None  # no key
-    redis_client.set(streams.SCHEDULER_EPOCH, "B")
+    redis_client.set(streams.SINGLE.scheduler_epoch, "B")
     fenced = outcome("fenced")
     for scheduler, step_id in (("A", 2), ("B", 1)):
         redis_client.xadd(
-            streams.FORWARD, {"m": step(service, scheduler, step_id, [wire_row([3])])}
+            streams.SINGLE.forward, {"m": step(service, scheduler, step_id, [wire_row([3])])}
         )
     assert service.serve_once(block_ms=100) == 2
     assert outcome("fenced") == fenced + 1
-    published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.RESULTS)]
+    published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
     assert [(m.scheduler_epoch, m.step, m.error) for m in published] == [("B", 1, None)]
-    pending = redis_client.xpending(streams.FORWARD, streams.EXECUTOR_GROUP)
+    pending = redis_client.xpending(streams.SINGLE.forward, streams.EXECUTOR_GROUP)
     assert pending["pending"] == 0
 
 
 def test_the_fence_reads_the_key_again_only_for_another_epoch(redis_client):
-    fence = SchedulerFence(redis_client)
+    fence = SchedulerFence(redis_client, streams.SINGLE.scheduler_epoch)
     assert fence.admits("A")  # no key: an older scheduler, admitted
-    redis_client.set(streams.SCHEDULER_EPOCH, "B")
+    redis_client.set(streams.SINGLE.scheduler_epoch, "B")
     assert not fence.admits("A") and fence.admits("B")
-    redis_client.set(streams.SCHEDULER_EPOCH, "C")
+    redis_client.set(streams.SINGLE.scheduler_epoch, "C")
     assert fence.admits("B")  # cached: no read while steps come from the live epoch
     assert fence.admits("C") and not fence.admits("B")

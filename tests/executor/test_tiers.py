@@ -291,7 +291,7 @@ def test_the_service_answers_a_step_of_moves_with_its_failed_ones_and_marks_them
     seen = []
 
     def unreadable(slot: int, sid: str, tokens: int) -> list[torch.Tensor]:
-        seen.append(redis_client.hgetall(streams.TIER_IN_FLIGHT))
+        seen.append(redis_client.hgetall(streams.SINGLE.tier_in_flight))
         raise BlobMissing(f"{slot}.blob")
 
     monkeypatch.setattr(service.runner.mover.blobs, "read", unreadable)
@@ -300,4 +300,4 @@ def test_the_service_answers_a_step_of_moves_with_its_failed_ones_and_marks_them
     result = decode_result(service.run_step(encode(step)))
     assert (result.error, result.failed_moves) == (None, [1])
     assert seen == [{b"hibernate": b"1", b"spill": b"0", b"load": b"1", b"restore": b"0"}]
-    assert not redis_client.exists(streams.TIER_IN_FLIGHT)
+    assert not redis_client.exists(streams.SINGLE.tier_in_flight)

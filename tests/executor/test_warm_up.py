@@ -23,7 +23,7 @@ def test_no_heartbeat_until_the_warm_up_forward_has_run(
     forward = NemotronH.forward
 
     def watched(self: NemotronH, *args: object) -> torch.Tensor:
-        seen.append(redis_client.exists(streams.EXECUTOR_ALIVE))
+        seen.append(redis_client.exists(streams.SINGLE.executor_alive))
         return forward(self, *args)
 
     monkeypatch.setattr(NemotronH, "forward", watched)
@@ -36,9 +36,9 @@ def test_no_heartbeat_until_the_warm_up_forward_has_run(
         torch.set_num_threads(threads)  # the service leaves a core to the others
     assert seen, "no warm-up forward ran before the heartbeat"
     assert not any(seen), "a heartbeat came before the warm-up forward"
-    assert not redis_client.exists(streams.EXECUTOR_ALIVE)
+    assert not redis_client.exists(streams.SINGLE.executor_alive)
     service.heartbeat()
-    assert redis_client.get(streams.EXECUTOR_ALIVE) == service.epoch.encode()
+    assert redis_client.get(streams.SINGLE.executor_alive) == service.epoch.encode()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -15,7 +15,7 @@ from tests.engine.test_sessions import text
 
 
 def publish(client, message: bytes) -> None:
-    client.xadd(streams.OWNERSHIP, {"m": message}, maxlen=streams.MAXLEN, approximate=True)
+    client.xadd(streams.SINGLE.ownership, {"m": message}, maxlen=streams.MAXLEN, approximate=True)
 
 
 def drain(consumer: OwnershipConsumer) -> None:
@@ -59,7 +59,7 @@ def test_the_store_ledger_agrees_with_the_scheduler(redis_client):
     for pool in d.pools.ledger.by_id:
         assert led.tables[pool.pool_id] == pool.owner_view.tolist(), pool.name
     assert led.counts() == d.engine.check(idle=True).counts
-    assert redis_client.xpending(streams.OWNERSHIP, streams.STORE_GROUP)["pending"] == 0
+    assert redis_client.xpending(streams.SINGLE.ownership, streams.STORE_GROUP)["pending"] == 0
 
 
 def crafted(seq: int, first_event: int, records: list[tuple], reasons: list[str]) -> bytes:
@@ -113,10 +113,10 @@ def test_a_duplicated_message_is_applied_once_and_a_gap_asks_for_a_snapshot(redi
     publish(redis_client, shipper.batch()[0])
     drain(consumer)
     assert [v.kind for v in consumer.ledger.violations] == ["gap"]
-    assert redis_client.exists(streams.SNAPSHOT_WANTED)
+    assert redis_client.exists(streams.SINGLE.snapshot_wanted)
     publish(redis_client, shipper.snapshot())
     drain(consumer)
-    assert not redis_client.exists(streams.SNAPSHOT_WANTED)
+    assert not redis_client.exists(streams.SINGLE.snapshot_wanted)
     assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
 
 
@@ -134,7 +134,7 @@ def test_a_restarted_store_resumes_from_its_checkpoint_exactly_once(redis_client
         d.pools.mamba.alloc_one(owner)
         publish(redis_client, shipper.batch()[0])
     # the store reads the new entries and dies before applying or acknowledging them
-    redis_client.xreadgroup(streams.STORE_GROUP, "store-1", {streams.OWNERSHIP: ">"})
+    redis_client.xreadgroup(streams.STORE_GROUP, "store-1", {streams.SINGLE.ownership: ">"})
     again = OwnershipConsumer(redis_client, "store-1")
     assert again.ledger.events_applied == 3  # from the checkpoint
     drain(again)
@@ -146,8 +146,8 @@ def test_entries_of_a_dead_consumer_are_claimed(redis_client):
     d = Driver()
     shipper = EventShipper(d.pools.ledger, epoch="e5")
     publish(redis_client, shipper.snapshot())
-    streams.ensure_group(redis_client, streams.OWNERSHIP, streams.STORE_GROUP)
-    redis_client.xreadgroup(streams.STORE_GROUP, "dead", {streams.OWNERSHIP: ">"})
+    streams.ensure_group(redis_client, streams.SINGLE.ownership, streams.STORE_GROUP)
+    redis_client.xreadgroup(streams.STORE_GROUP, "dead", {streams.SINGLE.ownership: ">"})
     survivor = OwnershipConsumer(redis_client, "alive")
     assert survivor.poll(block_ms=10) == 0
     assert survivor.claim_stale(min_idle_ms=0) == 1
@@ -173,10 +173,10 @@ def test_a_leak_at_idle_is_reported_with_its_owner(redis_client):
 )
 def test_garbage_on_the_stream_is_refused_without_harm(redis_client, garbage):
     consumer = OwnershipConsumer(redis_client, "store-1")
-    redis_client.xadd(streams.OWNERSHIP, {"m": garbage})
+    redis_client.xadd(streams.SINGLE.ownership, {"m": garbage})
     drain(consumer)
     assert consumer.refused == 1 and not consumer.ledger.ready
-    assert redis_client.xpending(streams.OWNERSHIP, streams.STORE_GROUP)["pending"] == 0
+    assert redis_client.xpending(streams.SINGLE.ownership, streams.STORE_GROUP)["pending"] == 0
     publish(redis_client, EventShipper(Driver().pools.ledger, epoch="e7").snapshot())
     drain(consumer)
     assert consumer.ledger.ready  # the stream keeps flowing

@@ -38,7 +38,7 @@ class Publisher:
         self.shipper = EventShipper(d.pools.ledger, epoch)
         self.misroute: MisrouteWrite | None = None
         self.published = 0
-        self._xadd(streams.OWNERSHIP, self.shipper.snapshot())
+        self._xadd(streams.SINGLE.ownership, self.shipper.snapshot())
 
     def _xadd(self, stream: str, message: bytes) -> None:
         self.client.xadd(stream, {"m": message}, maxlen=streams.MAXLEN, approximate=True)
@@ -46,10 +46,10 @@ class Publisher:
     def ship(self) -> None:
         shipped = self.shipper.batch()
         if shipped is not None:
-            self._xadd(streams.OWNERSHIP, shipped[0])
+            self._xadd(streams.SINGLE.ownership, shipped[0])
         records = self.d.engine.sessions.take_records()
         if records:
-            self._xadd(streams.OWNERSHIP, self.shipper.sessions(records, "x1"))
+            self._xadd(streams.SINGLE.ownership, self.shipper.sessions(records, "x1"))
 
     def step(self) -> StepPlan | None:
         engine = self.d.engine
@@ -57,7 +57,7 @@ class Publisher:
         if plan is not None:
             step = plan.message(self.shipper.epoch, "x1", self.d.pools, self.misroute)
             self.ship()
-            self._xadd(streams.FORWARD, encode(step))
+            self._xadd(streams.SINGLE.forward, encode(step))
             self.published += 1
         if engine.in_flight and (plan is None or len(engine.in_flight) > self.d.depth):
             self.complete_oldest()
@@ -116,7 +116,7 @@ def test_a_busy_workload_writes_only_what_its_writers_own(redis_client):
     assert consumer.checker.unchecked == 0 and consumer.checker.queued == []
     assert d.engine.retractions > 0 and d.engine.cache_hits > 0
     assert d.engine.sessions.states_dropped > 0
-    assert redis_client.xpending(streams.FORWARD, "write-checker")["pending"] == 0
+    assert redis_client.xpending(streams.SINGLE.forward, "write-checker")["pending"] == 0
 
 
 def test_owners_known_to_the_store_stay_bounded(redis_client):
@@ -134,7 +134,7 @@ def test_owners_known_to_the_store_stay_bounded(redis_client):
     holders = {o for table in consumer.ledger.tables for o in table if o > 0}
     assert set(consumer.ledger.owners.names) == holders  # every session was closed
     assert max(known[3:]) <= max(known[:2])
-    raw = redis_client.hget(streams.CHECKPOINT, "state")
+    raw = redis_client.hget(streams.SINGLE.checkpoint, "state")
     state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     assert len(state["owners"]) == known[-1]
 
@@ -165,8 +165,8 @@ def test_a_restarted_store_still_checks_the_steps_it_had_queued(redis_client):
     d.generate(text(10, 1), max_new=3)
     plan = d.engine.plan_step()
     step = plan.message(pub.shipper.epoch, "x1", d.pools, MisrouteWrite(d.pools.mamba, armed=True))
-    pub._xadd(streams.FORWARD, encode(step))
-    pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([], "x1"))  # nothing moved yet
+    pub._xadd(streams.SINGLE.forward, encode(step))
+    pub._xadd(streams.SINGLE.ownership, pub.shipper.sessions([], "x1"))  # nothing moved yet
     drain(OwnershipConsumer(redis_client, "store-1"))
     again = OwnershipConsumer(redis_client, "store-1")
     again.checker.read()  # its pending entries: the steps its last life had queued
@@ -199,7 +199,7 @@ def test_an_op_for_an_owner_outside_the_step_and_a_foreign_kv_page_are_named(red
     # and the clear claims to be for a bystander
     step = msgspec.structs.replace(step, rows=rows, packed_clear_owners=pack([idle], I8))
     pub.ship()
-    pub._xadd(streams.FORWARD, encode(step))
+    pub._xadd(streams.SINGLE.forward, encode(step))
     pub.complete_oldest()
     d.engine.abort(other.rid)
     d.engine.abort(bystander.rid)
@@ -226,7 +226,7 @@ def test_a_session_record_naming_slots_it_does_not_hold_is_reported(redis_client
     (record,) = d.engine.sessions.take_records()
     free = int(np.flatnonzero(d.pools.mamba.owner_view == 0)[0])
     misnamed = msgspec.structs.replace(record, working=free)
-    pub._xadd(streams.OWNERSHIP, pub.shipper.sessions([misnamed], "x1"))
+    pub._xadd(streams.SINGLE.ownership, pub.shipper.sessions([misnamed], "x1"))
     drain(consumer)
     (v,) = consumer.ledger.violations
     assert (v.kind, v.pool, v.slots) == ("record_not_owned", "mamba", [free])
@@ -319,15 +319,15 @@ def test_a_restarted_checker_reads_its_pending_steps_once_each_and_goes_on(redis
     """Pending entries are read in pages, each once (reading them from "0" again and
     again never ends); a busy stream is read at most MAX_READ entries a call."""
     for i in range(1300):
-        redis_client.xadd(streams.FORWARD, {"m": b"not a step %d" % i})
-    first = WriteChecker(redis_client, "store-1")
+        redis_client.xadd(streams.SINGLE.forward, {"m": b"not a step %d" % i})
+    first = WriteChecker(redis_client, "store-1", streams.SINGLE.forward)
     first.read(most=1300)  # read, never acknowledged: the store dies here
     assert first.unchecked == 1300
-    again = WriteChecker(redis_client, "store-1")
+    again = WriteChecker(redis_client, "store-1", streams.SINGLE.forward)
     again.read(most=1000)
     assert again.unchecked == 1000
     again.read()
     assert again.unchecked == 1300
-    redis_client.xadd(streams.FORWARD, {"m": b"late"})
+    redis_client.xadd(streams.SINGLE.forward, {"m": b"late"})
     again.read()
     assert again.unchecked == 1301

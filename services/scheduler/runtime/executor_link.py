@@ -30,7 +30,8 @@ class ExecutorLost(Exception):
 
 
 class ExecutorLink:
-    def __init__(self, scheduler_epoch: str, timeout_seconds: float) -> None:
+    def __init__(self, scheduler_epoch: str, timeout_seconds: float, keys: streams.Keys) -> None:
+        self.keys = keys
         self.scheduler_epoch = scheduler_epoch
         self.timeout_seconds = timeout_seconds
         self.epoch: str | None = None  # the executor life steps are published for
@@ -43,11 +44,11 @@ class ExecutorLink:
         """Read results from an explicit id, never "$": a result that lands between
         publishing a step and starting to read must not be missed."""
         self.results = aioredis.from_url(redis_url)
-        last = await redis.xrevrange(streams.RESULTS, count=1)
+        last = await redis.xrevrange(self.keys.results, count=1)
         self._results_from = last[0][0] if last else "0-0"
 
     async def alive_epoch(self, redis: aioredis.Redis) -> str | None:
-        alive = await redis.get(streams.EXECUTOR_ALIVE)
+        alive = await redis.get(self.keys.executor_alive)
         return alive.decode() if alive else None
 
     async def await_result(self, redis: aioredis.Redis, plan: StepPlan) -> StepResult:
@@ -56,7 +57,7 @@ class ExecutorLink:
         deadline = time.monotonic() + self.timeout_seconds
         while True:
             reply = await self.results.xread(
-                {streams.RESULTS: self._results_from}, count=8, block=200
+                {self.keys.results: self._results_from}, count=8, block=200
             )
             for _, entries in reply or []:
                 for entry_id, fields in entries:

@@ -133,7 +133,7 @@ class LiveState(Collector):
             "messages refused as not of the wire format",
             labels=["stream"],
         )
-        malformed.add_metric([streams.RESULTS], self.link.malformed)  # the stream it reads
+        malformed.add_metric(["results"], self.link.malformed)  # the stream it reads
         yield malformed
 
 
@@ -153,7 +153,8 @@ class SchedulerMetrics:
     """Latency histograms, observed by the intake and the step loop; the live state is
     registered (`watch`) once those exist."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: streams.Keys) -> None:
+        self.keys = keys
         self.registry = CollectorRegistry()
         self.live: LiveState | None = None
         self.ttft = Histogram(
@@ -193,9 +194,9 @@ class SchedulerMetrics:
     async def render(self, client: aioredis.Redis) -> bytes:
         """The exposition, with each stream's lag read fresh: entries not yet read, or
         read and not acknowledged, by each consumer group."""
-        for stream in (streams.OWNERSHIP, streams.FORWARD):
+        for stream, name in (("ownership", self.keys.ownership), ("forward", self.keys.forward)):
             try:
-                groups = await client.xinfo_groups(stream)
+                groups = await client.xinfo_groups(name)
             except aioredis.ResponseError:
                 continue
             self.live.stream_lag[stream] = sum(

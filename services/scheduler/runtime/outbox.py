@@ -25,8 +25,10 @@ class OwnershipOutbox:
         shipper: EventShipper,
         stream_maxlen: int,
         snapshot_check_seconds: float,
+        keys: streams.Keys,
     ) -> None:
         self.engine = engine
+        self.keys = keys
         self.shipper = shipper
         self.stream_maxlen = stream_maxlen
         self.snapshot_check_seconds = snapshot_check_seconds
@@ -62,7 +64,7 @@ class OwnershipOutbox:
         self._was_idle = idle
         if time.monotonic() >= self._next_snapshot_check:
             self._next_snapshot_check = time.monotonic() + self.snapshot_check_seconds
-            if await redis.exists(streams.SNAPSHOT_WANTED):
+            if await redis.exists(self.keys.snapshot_wanted):
                 self.queue_snapshot()
 
     async def flush(self, redis: aioredis.Redis, step: bytes | None = None) -> None:
@@ -74,10 +76,10 @@ class OwnershipOutbox:
         pipe = redis.pipeline(transaction=False)
         for message in self.messages:
             pipe.xadd(
-                streams.OWNERSHIP, {"m": message}, maxlen=self.stream_maxlen, approximate=True
+                self.keys.ownership, {"m": message}, maxlen=self.stream_maxlen, approximate=True
             )
         if step is not None:
-            pipe.xadd(streams.FORWARD, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
+            pipe.xadd(self.keys.forward, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
         await pipe.execute()
         self.messages.clear()
         self.shipped = carried

@@ -20,21 +20,23 @@ from shared.messages.ownership import RECORDS, SessionRecord
 log = logging.getLogger("custody.scheduler")
 
 
-async def rebuild_sessions(client: aioredis.Redis, sessions: SessionManager) -> str | None:
+async def rebuild_sessions(
+    client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys
+) -> str | None:
     """Rebuild every recorded session; returns the live executor's epoch when there were
     records (their slots are valid on it), else None."""
-    caught_up = await store_caught_up(client)
-    keys = await client.smembers(streams.SESSIONS)
+    caught_up = await store_caught_up(client, keys)
+    sids = await client.smembers(keys.sessions)
     records: list[SessionRecord] = []
-    for sid in sorted(k.decode() for k in keys):
-        raw = await client.hget(streams.session_key(sid), "record")
+    for sid in sorted(k.decode() for k in sids):
+        raw = await client.hget(keys.session(sid), "record")
         if raw is None:
             continue
         try:
             records.append(RECORDS.decode(raw))
         except WireError as err:
             log.warning("session %s not rebuilt: its stored record is refused (%s)", sid, err)
-    alive = await client.get(streams.EXECUTOR_ALIVE)
+    alive = await client.get(keys.executor_alive)
     epoch = alive.decode() if alive else None
     for group in {r.executor for r in records}:
         valid = caught_up and epoch is not None and group == epoch
@@ -46,13 +48,15 @@ async def rebuild_sessions(client: aioredis.Redis, sessions: SessionManager) -> 
     return epoch
 
 
-async def store_caught_up(client: aioredis.Redis, timeout: float = 10.0) -> bool:
+async def store_caught_up(
+    client: aioredis.Redis, keys: streams.Keys, timeout: float = 10.0
+) -> bool:
     """Whether the store has applied everything on the ownership stream."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            groups = await client.xinfo_groups(streams.OWNERSHIP)
-            info = await client.xinfo_stream(streams.OWNERSHIP)
+            groups = await client.xinfo_groups(keys.ownership)
+            info = await client.xinfo_stream(keys.ownership)
         except aioredis.ResponseError:
             return True  # no stream yet: nothing to catch up on
         store = next((g for g in groups if g["name"].decode() == streams.STORE_GROUP), None)
