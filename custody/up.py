@@ -1,6 +1,10 @@
 """`custody up`: a private Redis when none is given, then the three services as separate
 processes, supervised: a service that dies is restarted with backoff, and the restart is
-logged and counted. Ctrl-C or SIGTERM stops everything and removes what it created."""
+logged and counted. Ctrl-C or SIGTERM stops everything and removes what it created.
+
+With `--replicas N` (N > 1) it starts N replicas, each a scheduler and an executor of
+its own (`scheduler-<i>`, `executor-<i>`, replica id `<i>`, their API and metrics on free
+loopback ports), one session store for all, and the router on `--port`."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 from shared.config import Settings
 from shared.redact import masked_url
-from shared.redis_server import PrivateRedis
+from shared.redis_server import PrivateRedis, free_port
 
 log = logging.getLogger("custody.up")
 SERVICES = {
@@ -28,6 +32,22 @@ SERVICES = {
     "executor": "services.executor.service",
     "scheduler": "services.scheduler.main",
 }
+ROUTER = "services.router.main"
+
+
+def layout(settings: Settings) -> dict[str, tuple[str, Settings]]:
+    """Each child process: its name, its module and its settings."""
+    if settings.replicas == 1:
+        return {name: (module, settings) for name, module in SERVICES.items()}
+    children = {"session-store": (SERVICES["session-store"], settings)}
+    for i in range(settings.replicas):
+        own = dataclasses.replace(
+            settings, replica=str(i), port=free_port(), executor_metrics_port=free_port()
+        )
+        children[f"executor-{i}"] = (SERVICES["executor"], own)
+        children[f"scheduler-{i}"] = (SERVICES["scheduler"], own)
+    children["router"] = (ROUTER, settings)
+    return children
 
 
 class Backoff:
@@ -65,19 +85,21 @@ class Stack:
             self.state_dir = Path(tempfile.mkdtemp(prefix="custody-state-"))  # mode 0700
             settings = dataclasses.replace(settings, state_dir=self.state_dir)
         self.settings = settings
+        self.layout = layout(settings)
         self.children: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = dict.fromkeys(SERVICES, 0)
+        self.restarts: dict[str, int] = dict.fromkeys(self.layout, 0)
         self.clock = clock
-        self.backoff = {name: Backoff() for name in SERVICES}
+        self.backoff = {name: Backoff() for name in self.layout}
         self._due: dict[str, float] = {}
 
     def start(self, name: str) -> None:
-        env = {**os.environ, **self.settings.to_env()}
-        self.children[name] = subprocess.Popen([sys.executable, "-m", SERVICES[name]], env=env)
+        module, settings = self.layout[name]
+        env = {**os.environ, **settings.to_env()}
+        self.children[name] = subprocess.Popen([sys.executable, "-m", module], env=env)
         self.backoff[name].started(self.clock())
 
     def start_all(self) -> Stack:
-        for name in SERVICES:
+        for name in self.layout:
             self.start(name)
         return self
 
@@ -102,15 +124,16 @@ class Stack:
                 del self._due[name]
 
     def wait_healthy(self, timeout: float = 300) -> None:
-        """Until the scheduler answers and has an executor, restarting what died. The
-        default allows for the executor's first compilation (about 45 s here, cold)."""
+        """Until the API answers and every replica has an executor, restarting what died.
+        The default allows for the executor's first compilation (about 45 s here, cold)."""
         url = f"http://127.0.0.1:{self.settings.port}/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.supervise_once()
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
-                    if json.loads(resp.read())["executor"]:
+                    health = json.loads(resp.read())
+                    if health["executor"] and health.get("ready", 1) >= self.settings.replicas:
                         return
             except (OSError, ValueError):
                 pass

@@ -20,6 +20,7 @@ class Settings:
     redis_url: str = ""  # empty: `custody up` starts a private Redis
     # this replica's id (its Redis names carry it, shared/streams.py); custody up sets it
     replica: str = "0"
+    replicas: int = 1  # custody up: replicas to start; more than 1 puts the router on `port`
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
     tokenizer: str = "auto"
@@ -71,6 +72,7 @@ class Settings:
             "chunk_size",
             "max_step_tokens",
             "track_interval",
+            "replicas",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

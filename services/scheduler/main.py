@@ -22,6 +22,7 @@ from services.scheduler.runtime.front_door import FrontDoor
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import LiveState, SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
+from services.scheduler.runtime.registration import Registration
 from services.scheduler.runtime.session_rebuild import rebuild_sessions
 from services.scheduler.runtime.step_loop import StepLoop
 from shared import streams
@@ -62,6 +63,7 @@ class Scheduler:
             self.outbox,
         )
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
+        self.registration = Registration(settings, self.keys, self.engine, self.link)
 
     async def start(self) -> None:
         """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
@@ -83,7 +85,11 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("API listening on http://%s:%d", settings.host, settings.port)
-    await scheduler.loop.run()
+    beating = asyncio.create_task(scheduler.registration.run(scheduler.redis))
+    try:
+        await scheduler.loop.run()
+    finally:
+        beating.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:

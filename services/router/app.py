@@ -1,0 +1,180 @@
+"""The router's HTTP edge: the whole public API of a replica, each request sent to the
+replica that should answer it.
+
+- A session's turns (`/generate` with `session_params.id`, chat with `session_id`,
+  `/close_session`, `/place_session`) go where the directory places the session
+  (`affinity`); an open is placed first, on the least loaded replica, then sent there.
+- Anything else goes to the least loaded ready replica (`load`); a body the router
+  cannot read goes there too, and that replica answers it with its own 400.
+- `/abort_request` by rid goes where that rid was sent; `abort_all`, an unknown rid and
+  `/flush_cache` go to every ready replica (`fanout`).
+
+API keys are checked here as each replica checks them (the same `Tenancy`), and passed
+on, so a replica still knows the caller. A session placed on a replica that is not live
+is answered 503 with Retry-After: its state is there, and the turn waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from aiohttp import web
+
+from services.router.directory import Directory
+from services.router.proxy import Proxy, ReplicaDown
+from services.router.replicas import Replica, ReplicaTable
+from services.scheduler.http.tenancy import Refused, Tenancy
+
+SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
+FANOUT_ROUTES = frozenset({"/flush_cache"})
+
+
+def _error(status: int, message: str, kind: str, retry: bool = False) -> web.Response:
+    headers = {"Retry-After": "1"} if retry else {}
+    body = {"error": {"message": message, "type": kind}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _json(body: bytes) -> dict | None:
+    try:
+        value = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def session_of(path: str, body: dict | None) -> str | None:
+    """The session a request addresses, if any."""
+    if body is None:
+        return None
+    if path == "/generate":
+        params = body.get("session_params")
+        sid = params.get("id") if isinstance(params, dict) else None
+    elif path in SESSION_ROUTES or path.startswith("/v1/"):
+        sid = body.get("session_id")
+    else:
+        return None
+    return sid if isinstance(sid, str) else None
+
+
+class Router:
+    def __init__(
+        self, table: ReplicaTable, directory: Directory, proxy: Proxy, tenancy: Tenancy
+    ) -> None:
+        self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
+        self.metrics = proxy.metrics
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()
+        if request.path == "/metrics":
+            return web.Response(body=self.metrics.render(), content_type="text/plain")
+        if request.path == "/health":
+            return self.health()
+        try:
+            caller = self.tenancy.identify(request)
+        except Refused as refused:
+            return refused.response()
+        body = await request.read()
+        parsed = _json(body)
+        tenant = caller.tenant or "-"
+        if request.path in FANOUT_ROUTES or _aborts_all(request.path, parsed):
+            return await self.fan_out(request, body)
+        if request.path == "/abort_request":
+            rid = parsed.get("rid") if parsed else None
+            home = await self.directory.request(tenant, rid) if isinstance(rid, str) else None
+            if home is None:
+                return await self.fan_out(request, body)
+            return await self.to_placed(request, body, home, "request", received)
+        if request.path == "/open_session":
+            return await self.open_session(request, parsed, body, received)
+        sid = session_of(request.path, parsed)
+        if sid is not None:
+            home = await self.directory.session(sid)
+            if home is not None:
+                response = await self.to_placed(request, body, home, "affinity", received)
+                if request.path == "/close_session" and response.status == 200:
+                    await self.directory.forget(sid)
+                return response
+        replica = self.table.least_loaded()
+        if replica is None:
+            return _error(503, "no replica is ready", "no_replica", retry=True)
+        if request.path == "/generate" and parsed is not None:
+            await self._remember_rids(tenant, parsed.get("rid"), replica.id)
+        return await self.send(request, body, replica, "load", received)
+
+    async def open_session(
+        self, request: web.Request, parsed: dict | None, body: bytes, received: float
+    ) -> web.StreamResponse:
+        """Place first (the router names the session when the client did not), then open
+        it there; an open the replica refuses leaves no placement behind."""
+        replica = self.table.least_loaded()
+        if parsed is None or replica is None:
+            if replica is None:
+                return _error(503, "no replica is ready", "no_replica", retry=True)
+            return await self.send(request, body, replica, "load", received)
+        sid = parsed.get("session_id")
+        if sid is None:
+            sid = parsed["session_id"] = secrets.token_hex(16)
+            body = json.dumps(parsed).encode()
+        if not isinstance(sid, str):
+            return await self.send(request, body, replica, "load", received)
+        replica.placed.append(time.time())  # counted until its registration counts it
+        home, placed = await self.directory.place(sid, replica.id)
+        response = await self.to_placed(request, body, home, "affinity", received)
+        if placed and response.status != 200:
+            await self.directory.forget(sid)
+        return response
+
+    async def to_placed(
+        self, request: web.Request, body: bytes, home: str, decision: str, received: float
+    ) -> web.StreamResponse:
+        replica = self.table.live.get(home)
+        if replica is None or not replica.executor:
+            return _error(
+                503, f"replica {home} is not available; retry", "replica_unavailable", True
+            )
+        return await self.send(request, body, replica, decision, received)
+
+    async def send(
+        self, request: web.Request, body: bytes, replica: Replica, decision: str, received: float
+    ) -> web.StreamResponse:
+        self.metrics.routed.labels(decision, replica.id).inc()
+        try:
+            return await self.proxy.forward(request, replica, body, received)
+        except ReplicaDown as down:
+            return _error(503, str(down), "replica_unavailable", retry=True)
+
+    async def fan_out(self, request: web.Request, body: bytes) -> web.Response:
+        """The same request to every ready replica; the first refusal if any refused,
+        else the first answer."""
+        ready = self.table.ready()
+        if not ready:
+            return _error(503, "no replica is ready", "no_replica", retry=True)
+        for replica in ready:
+            self.metrics.routed.labels("fanout", replica.id).inc()
+        answers = await asyncio.gather(
+            *(self.proxy.call(request, replica, body) for replica in ready)
+        )
+        refused = [a for a in answers if a.status != 200]
+        return (refused or answers)[0]
+
+    async def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
+        for one in rid if isinstance(rid, list) else [rid]:
+            if isinstance(one, str) and one:
+                await self.directory.remember_request(tenant, one, replica)
+
+    def health(self) -> web.Response:
+        replicas = {
+            r.id: {"url": r.url, "executor": r.executor, "load": r.load}
+            for r in self.table.live.values()
+        }
+        ready = len(self.table.ready())
+        return web.json_response(
+            {"status": "ok", "executor": ready > 0, "ready": ready, "replicas": replicas}
+        )
+
+
+def _aborts_all(path: str, body: dict | None) -> bool:
+    return path == "/abort_request" and body is not None and body.get("abort_all") is True

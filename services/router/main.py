@@ -1,0 +1,57 @@
+"""The router service: one HTTP front for every replica (services/router/app.py). Its
+state is in Redis (the replicas' registrations, the placement directory), so it can be
+killed and restarted alone, or run twice, and sends every session to the same place."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from services.router.app import Router
+from services.router.directory import Directory
+from services.router.metrics import RouterMetrics
+from services.router.proxy import Proxy
+from services.router.replicas import ReplicaTable
+from services.scheduler.http.tenancy import Tenancy
+from shared.config import Settings
+
+log = logging.getLogger("custody.router")
+MAX_BODY = 64 << 20  # the replicas enforce their own limit; this only bounds the router
+
+
+async def serve(settings: Settings) -> None:
+    client = aioredis.from_url(settings.redis_url)
+    table = ReplicaTable(client, period=min(0.5, settings.heartbeat_seconds))
+    await table.refresh()
+    proxy = Proxy(RouterMetrics(table))
+    await proxy.start()
+    router = Router(
+        table, Directory(client), proxy, Tenancy(settings.api_keys, settings.admin_api_keys)
+    )
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_route("*", "/{tail:.*}", router.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    log.info("router listening on http://%s:%d", settings.host, settings.port)
+    try:
+        await table.run()
+    finally:
+        await proxy.close()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="custody router service")
+    Settings.add_arguments(parser)
+    settings = Settings.resolve(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Forwarding one HTTP request to a replica and its answer back, streaming server-sent
+events chunk by chunk as they arrive. A client that goes away closes the upstream
+connection, which the replica takes as an abort of the request."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+from aiohttp import web
+
+from services.router.metrics import RouterMetrics
+from services.router.replicas import Replica
+
+PASSED_UP = ("Authorization", "Content-Type", "Accept")
+PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
+
+
+class ReplicaDown(Exception):
+    """The replica could not be reached; nothing was sent to it."""
+
+
+class Proxy:
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def forward(
+        self, request: web.Request, replica: Replica, body: bytes, received: float
+    ) -> web.StreamResponse:
+        """`request` (its `body` already read) answered by `replica`. Raises
+        `ReplicaDown` if the replica cannot be connected to."""
+        headers = {h: request.headers[h] for h in PASSED_UP if h in request.headers}
+        replica.in_flight += 1
+        try:
+            sent = time.perf_counter()
+            try:
+                upstream = await self.session.request(
+                    request.method, replica.url + request.path_qs, data=body, headers=headers
+                )
+            except (aiohttp.ClientConnectionError, OSError) as err:
+                self.metrics.upstream_errors.labels(replica.id).inc()
+                raise ReplicaDown(f"replica {replica.id} unreachable: {err}") from err
+            async with upstream:
+                return await self._answer(request, upstream, sent - received)
+        finally:
+            replica.in_flight -= 1
+
+    async def call(self, request: web.Request, replica: Replica, body: bytes) -> web.Response:
+        """`request` answered by `replica`, read whole (a fan-out's part); a replica that
+        cannot be reached is a 503."""
+        headers = {h: request.headers[h] for h in PASSED_UP if h in request.headers}
+        url = replica.url + request.path_qs
+        try:
+            async with self.session.request(
+                request.method, url, data=body, headers=headers
+            ) as upstream:
+                answer = await upstream.read()
+                kept = {h: upstream.headers[h] for h in PASSED_DOWN if h in upstream.headers}
+                return web.Response(status=upstream.status, body=answer, headers=kept)
+        except (aiohttp.ClientConnectionError, OSError) as err:
+            self.metrics.upstream_errors.labels(replica.id).inc()
+            message = f"replica {replica.id} unreachable: {err}"
+            return web.json_response(
+                {"error": {"message": message, "type": "replica_unavailable"}}, status=503
+            )
+
+    async def _answer(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, before: float
+    ) -> web.StreamResponse:
+        first = time.perf_counter()
+        headers = {h: upstream.headers[h] for h in PASSED_DOWN if h in upstream.headers}
+        if upstream.content_type != "text/event-stream":
+            body = await upstream.read()
+            first = time.perf_counter()
+            response = web.Response(status=upstream.status, body=body, headers=headers)
+            self.metrics.overhead.observe(before + time.perf_counter() - first)
+            return response
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        self.metrics.overhead.observe(before + time.perf_counter() - first)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response

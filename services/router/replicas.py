@@ -1,0 +1,96 @@
+"""The router's view of the replicas: every id ever registered (`streams.REPLICAS`) and
+the registration each live one keeps under its expiring key (address, whether its
+executor is up, its load). Re-read every `period`; between reads the router adds the
+requests it has sent and not yet seen answered, so a burst does not pile onto one
+replica before the next read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from shared import streams
+
+log = logging.getLogger("custody.router")
+
+
+@dataclass
+class Replica:
+    id: str
+    url: str
+    executor: bool  # its scheduler has a live executor
+    running: int
+    queued: int
+    registered_sessions: int  # open on it when it wrote its registration
+    written: float  # wall time the replica wrote its registration
+    in_flight: int = 0  # requests this router sent it that have not ended
+    placed: list[float] = field(default_factory=list)  # wall times of this router's opens
+
+    @property
+    def load(self) -> int:
+        return self.running + self.queued + self.in_flight
+
+    @property
+    def sessions(self) -> int:
+        """Open on it: as registered, plus those this router placed after the
+        registration was written (not in its count yet)."""
+        return self.registered_sessions + len(self.placed)
+
+
+class ReplicaTable:
+    def __init__(self, client: aioredis.Redis, period: float) -> None:
+        self.client, self.period = client, period
+        self.live: dict[str, Replica] = {}
+
+    async def refresh(self) -> None:
+        ids = sorted(m.decode() for m in await self.client.smembers(streams.REPLICAS))
+        live: dict[str, Replica] = {}
+        for rid in ids:  # one key each: on a cluster they live on different slots
+            raw = await self.client.get(streams.Keys(rid).alive)
+            if raw is None:
+                continue
+            try:
+                entry = json.loads(raw)
+                replica = Replica(
+                    rid,
+                    str(entry["url"]),
+                    bool(entry["executor"]),
+                    int(entry["running"]),
+                    int(entry["queued"]),
+                    int(entry["sessions"]),
+                    float(entry["at"]),
+                )
+            except (ValueError, KeyError, TypeError) as err:
+                log.error("replica %s: unreadable registration (%s); skipped", rid, err)
+                continue
+            old = self.live.get(rid)
+            if old is not None:
+                replica.in_flight = old.in_flight
+                replica.placed = [t for t in old.placed if t > replica.written]
+            live[rid] = replica
+        self.live = live
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
+                log.warning("replica registrations not read (%s); retrying", err)
+            await asyncio.sleep(self.period)
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.live.values() if r.executor]
+
+    def least_loaded(self) -> Replica | None:
+        """The ready replica with the least load; among equals the one with the fewest
+        sessions, then one at random."""
+        ready = self.ready()
+        if not ready:
+            return None
+        least = min((r.load, r.sessions) for r in ready)
+        return random.choice([r for r in ready if (r.load, r.sessions) == least])
