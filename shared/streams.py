@@ -89,6 +89,12 @@ class Keys:
         return self._name("snapshot-wanted")
 
     @property
+    def cache_snapshot_wanted(self) -> str:
+        """Set by a router that wants the replica's prefix cache whole (its index is
+        new, or it saw a gap); the scheduler deletes it as it queues the snapshot."""
+        return self._name("cache-snapshot-wanted")
+
+    @property
     def tier_in_flight(self) -> str:
         """The executor's tier moves in flight (hash kind -> count), set while a step's
         moves run: after a kill, a fault drill reads what was moving."""

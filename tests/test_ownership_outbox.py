@@ -13,6 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.scheduler.main import Scheduler
 from services.scheduler.ownership.owners import OwnerKind
 from shared import streams
+from shared.messages.cache import CACHE_KIND
 from shared.messages.ownership import MESSAGES, SessionRecords
 from shared.redis_server import PrivateRedis
 from tests.services_harness import stack_settings
@@ -21,7 +22,8 @@ from tests.services_harness import stack_settings
 def sequence_numbers(url: str) -> list[int]:
     client = redis.Redis.from_url(url)
     try:
-        return [MESSAGES.decode(f[b"m"]).seq for _, f in client.xrange(streams.SINGLE.ownership)]
+        entries = client.xrange(streams.SINGLE.ownership)
+        return [MESSAGES.decode(f[b"m"]).seq for _, f in entries if f.get(b"k") != CACHE_KIND]
     finally:
         client.close()
 
@@ -55,7 +57,8 @@ def test_ownership_messages_survive_a_redis_restart_without_a_gap():
 def recorded_sessions(url: str) -> list[str]:
     client = redis.Redis.from_url(url)
     try:
-        messages = [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.SINGLE.ownership)]
+        entries = client.xrange(streams.SINGLE.ownership)
+        messages = [MESSAGES.decode(f[b"m"]) for _, f in entries if f.get(b"k") != CACHE_KIND]
     finally:
         client.close()
     return [r.sid for m in messages if isinstance(m, SessionRecords) for r in m.records]

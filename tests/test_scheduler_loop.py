@@ -14,12 +14,19 @@ from services.scheduler.main import Scheduler
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import SamplingParams
 from shared import streams
+from shared.messages.cache import CACHE_KIND, CACHE_MESSAGES, CacheMessage, CacheSnapshot
 from shared.messages.ownership import MESSAGES, OwnershipMessage, SessionRecords
 from tests.services_harness import stack_settings
 
 
 def ownership_messages(client: redis.Redis) -> list[OwnershipMessage]:
-    return [MESSAGES.decode(f[b"m"]) for _, f in client.xrange(streams.SINGLE.ownership)]
+    entries = client.xrange(streams.SINGLE.ownership)
+    return [MESSAGES.decode(f[b"m"]) for _, f in entries if f.get(b"k") != CACHE_KIND]
+
+
+def cache_messages(client: redis.Redis) -> list[CacheMessage]:
+    entries = client.xrange(streams.SINGLE.ownership)
+    return [CACHE_MESSAGES.decode(f[b"m"]) for _, f in entries if f.get(b"k") == CACHE_KIND]
 
 
 def started(url: str) -> Scheduler:
@@ -108,4 +115,21 @@ def test_a_fault_no_request_can_be_blamed_for_takes_the_device_lost_path(redis_u
     assert service.loop.faults == 1 and len(calls) == 2
     assert req.status is Status.WAITING and not engine.in_flight  # re-queued
     assert engine.check().ok
+    loop.close()
+
+
+def test_the_prefix_cache_is_shipped_whole_at_start_and_when_a_router_asks(redis_url, redis_client):
+    """The routers' snapshots ride the ownership stream marked `k` = cache, numbered
+    apart from the store's messages; a router's request is taken (the key deleted)."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    service = started(redis_url)
+    (first,) = cache_messages(redis_client)
+    assert isinstance(first, CacheSnapshot) and first.seq == 1 and first.ops == []
+    assert first.epoch == service.outbox.shipper.epoch and first.block == 4
+    redis_client.set(streams.SINGLE.cache_snapshot_wanted, 1)
+    loop.run_until_complete(service.loop.ship_events())
+    assert [m.seq for m in cache_messages(redis_client)] == [1, 2]
+    assert not redis_client.exists(streams.SINGLE.cache_snapshot_wanted)
+    assert ownership_messages(redis_client)  # the store's own, still all decodable
     loop.close()

@@ -16,6 +16,7 @@ from services.scheduler.engine.setup import build_engine
 from services.scheduler.http.app import build_app
 from services.scheduler.http.slow_clients import GuardedRunner
 from services.scheduler.http.tenancy import Tenancy
+from services.scheduler.runtime.cache_shipper import CacheShipper
 from services.scheduler.runtime.event_shipper import EventShipper
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.front_door import FrontDoor
@@ -44,7 +45,12 @@ class Scheduler:
         shipper = EventShipper(self.engine.pools.ledger)
         self.link = ExecutorLink(shipper.epoch, settings.executor_timeout_seconds, self.keys)
         self.outbox = OwnershipOutbox(
-            self.engine, shipper, settings.stream_maxlen, settings.heartbeat_seconds, self.keys
+            self.engine,
+            shipper,
+            settings.stream_maxlen,
+            settings.heartbeat_seconds,
+            self.keys,
+            CacheShipper(self.engine.cache, shipper.epoch),
         )
         metrics = SchedulerMetrics(self.keys)
         self.intake = Intake(self.engine, metrics, asyncio.Event())
@@ -73,6 +79,7 @@ class Scheduler:
         if epoch is not None:
             self.link.epoch = epoch
         self.outbox.queue_snapshot()
+        self.outbox.queue_cache_snapshot()  # a router drops what it had of an earlier epoch
         await self.loop.flush()
         await self.link.start(self.settings.redis_url, self.redis)
 

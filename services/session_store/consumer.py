@@ -10,7 +10,9 @@ checkpoint and the still-pending entries, never applying anything twice.
 A message that does not decode as one of shared/messages/ownership.py's kinds (or
 names slots the ledger lacks) is refused whole: counted in `refused`, its reason kept in
 `last_refused` (both on `/ledger` and `/metrics`), acknowledged, and treated as a gap,
-since what it carried is lost: a snapshot is requested.
+since what it carried is lost: a snapshot is requested. Entries marked `k` = `cache`
+(the prefix cache's messages for the routers, shared/messages/cache.py) are acknowledged
+undecoded: they are not the store's, and not malformed.
 
 Before applying what it read, it reads the forward stream to its end, so the write
 checker (write_checker.py) has every step it must check within those messages; the
@@ -29,6 +31,7 @@ from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLed
 from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
 from shared import streams
+from shared.messages.cache import CACHE_KIND
 from shared.messages.envelope import WireError, pack, unpack
 from shared.messages.ownership import (
     MESSAGES,
@@ -95,7 +98,9 @@ class OwnershipConsumer:
         self.checker.read()  # every step planned before these messages' events is there
         self._steps_due()
         for _, fields in entries:
-            if fields:  # an entry trimmed before it was read has no fields; just ack it
+            # An entry trimmed before it was read has no fields, and one for the routers
+            # (the prefix cache's, `k` = cache) is none of the store's: just ack them.
+            if fields and fields.get(b"k") != CACHE_KIND:
                 self._apply(fields.get(b"m", b""))
         keys, pipe = self.keys, self.client.pipeline(transaction=True)
         for rec in self._writes:

@@ -8,6 +8,7 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from shared import streams
+from shared.messages.cache import CACHE_KIND, CacheEvents, CacheSnapshot, Stored, chain
 from shared.messages.envelope import encode
 from shared.messages.ownership import Events, Transfers
 from tests.engine.driver import Driver
@@ -180,3 +181,26 @@ def test_garbage_on_the_stream_is_refused_without_harm(redis_client, garbage):
     publish(redis_client, EventShipper(Driver().pools.ledger, epoch="e7").snapshot())
     drain(consumer)
     assert consumer.ledger.ready  # the stream keeps flowing
+
+
+def test_cache_entries_are_acknowledged_and_skipped(redis_client):
+    """The routers' entries on the stream (`k` = cache) are neither applied nor refused,
+    and the ownership messages around them keep their sequence."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e8")
+    publish(redis_client, shipper.snapshot())
+    stream, cache = streams.SINGLE.ownership, {"k": CACHE_KIND}
+    redis_client.xadd(
+        stream, cache | {"m": encode(CacheSnapshot(epoch="e8", seq=1, block=4, ops=[]))}
+    )
+    owner = d.pools.ledger.new_owner(OwnerKind.REQUEST, "r")
+    d.pools.mamba.alloc_one(owner)
+    ops = [Stored(3, 0, chain(range(8), 4))]
+    redis_client.xadd(stream, cache | {"m": encode(CacheEvents(epoch="e8", seq=2, ops=ops))})
+    publish(redis_client, shipper.batch()[0])
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    drain(consumer)
+    assert consumer.refused == 0 and consumer.ledger.violations == []
+    assert not redis_client.exists(streams.SINGLE.snapshot_wanted)
+    assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
+    assert redis_client.xpending(stream, streams.STORE_GROUP)["pending"] == 0

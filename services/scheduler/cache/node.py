@@ -27,6 +27,7 @@ class CacheNode:
     copy_lock: int = 0  # deferred copies from `mamba` not yet run
     kv_time: int = 0
     mamba_time: int = 0
+    hashes: bytes = b""  # chained hashes of `key`'s pages, when the cache logs (cache_log.py)
 
     @property
     def start(self) -> int:

@@ -9,7 +9,8 @@ Mamba eviction takes the least recently used unlocked state anywhere, turning an
 node into a tombstone. No unlocked leaf is ever a tombstone.
 
 Both evictions take from indexes in recency order (lru.py), refiled wherever a node
-changes, so that choosing what to evict never walks the tree.
+changes, so that choosing what to evict never walks the tree. Where a node gains or loses
+a state, the cache's log (when on) records it for the routers (cache_log.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from operator import attrgetter
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.cache_log import CacheLog
 from services.scheduler.cache.lru import LruIndex
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.owners import Owner, OwnerKind
+from shared.messages.cache import HASH_BYTES
 
 Donate = Callable[[Owner], int]  # moves a state slot to the given owner, returns the slot
 
@@ -49,6 +52,14 @@ class RadixCache:
         self.root = CacheNode(self._new_owner(), empty, empty, None, 0, kv_lock=1)
         self._kv_lru: LruIndex[CacheNode] = LruIndex(attrgetter("kv_time"))
         self._mamba_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
+        self.log: CacheLog | None = None
+
+    def record_events(self) -> CacheLog:
+        """Log changes from now on: on an empty tree, so every node is hashed once."""
+        if self.root.children:
+            raise RuntimeError("the cache's log starts on an empty tree")
+        self.log = CacheLog(self.page_size)
+        return self.log
 
     # ---- lookups ----
     def match(self, tokens: np.ndarray, limit: int) -> Match:
@@ -108,12 +119,16 @@ class RadixCache:
             )
             leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
             self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
+            if self.log is not None:
+                self.log.stored(leaf)
             node.children[self._edge(leaf.key, 0)] = leaf
             self._index(node)  # no longer a leaf
             node = leaf
         elif donate is not None and node is not self.root and not node.mamba:
             node.mamba = donate(node.owner)
             node.mamba_time = now
+            if self.log is not None:
+                self.log.stored(node)
         self._index(node)
         path = node.path()
         tree_pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
@@ -132,9 +147,11 @@ class RadixCache:
             node.start + at,
             kv_lock=node.kv_lock,
             kv_time=node.kv_time,
+            hashes=node.hashes[: at // ps * HASH_BYTES],
         )
         self.pools.kv_pages.transfer(upper.pages, node.owner, upper.owner, "split")
         node.key, node.pages, node.parent = node.key[at:], node.pages[at // ps :], upper
+        node.hashes = node.hashes[at // ps * HASH_BYTES :]
         parent.children[self._edge(upper.key, 0)] = upper
         upper.children[self._edge(node.key, 0)] = node
         return upper
@@ -194,6 +211,8 @@ class RadixCache:
             self.pools.mamba.free_one(node.mamba, node.owner, "evict")
             node.mamba = 0
             self._index(node)
+            if self.log is not None:
+                self.log.removed(node)
 
     def _kv_evictable(self, node: CacheNode) -> bool:
         """An unlocked leaf still in the tree (the root has no parent either)."""
@@ -212,6 +231,8 @@ class RadixCache:
         if node.mamba:
             self.pools.mamba.free_one(node.mamba, node.owner, "evict")
             node.mamba = 0
+            if self.log is not None:
+                self.log.removed(node)
         self.pools.kv_pages.free(node.pages, node.owner, "evict")
         parent = node.parent
         del parent.children[self._edge(node.key, 0)]

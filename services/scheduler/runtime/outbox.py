@@ -4,7 +4,12 @@ Redis has taken it. A send that fails (Redis restarting) is retried, never skipp
 store would see a gap in the sequence (a resent message Redis had taken is a duplicate the
 store drops). A step may ride along in the same round trip, after the ownership messages
 (write-ahead: a slot a session released is never written by a published step before the
-record saying so is on the ownership stream)."""
+record saying so is on the ownership stream).
+
+The prefix cache's messages for the routers (cache_shipper.py) go on the same stream in
+the same round trip, marked with the field `k` = `cache` so the store skips them
+undecoded; a router asks for a cache snapshot by setting `cache_snapshot_wanted`, which
+is taken (deleted) once a heartbeat with the store's snapshot check."""
 
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import time
 import redis.asyncio as aioredis
 
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.runtime.cache_shipper import CacheShipper
 from services.scheduler.runtime.event_shipper import EventShipper
 from shared import streams
+from shared.messages.cache import CACHE_KIND
 
 
 class OwnershipOutbox:
@@ -26,13 +33,16 @@ class OwnershipOutbox:
         stream_maxlen: int,
         snapshot_check_seconds: float,
         keys: streams.Keys,
+        cache: CacheShipper,
     ) -> None:
         self.engine = engine
         self.keys = keys
         self.shipper = shipper
+        self.cache = cache
         self.stream_maxlen = stream_maxlen
         self.snapshot_check_seconds = snapshot_check_seconds
         self.messages: list[bytes] = []  # numbered, not yet on the stream
+        self.cache_messages: list[bytes] = []  # the same, for the routers
         self.taken = 0  # passes that took the changed session records, so far
         self.shipped = 0  # the last such pass whose messages Redis has taken
         self._flushed = asyncio.Event()  # set (and replaced) at every flush
@@ -48,15 +58,21 @@ class OwnershipOutbox:
         self.taken += 1
         if records:
             self.messages.append(self.shipper.sessions(records, executor_epoch))
+        cache = self.cache.batch()
+        if cache is not None:
+            self.cache_messages.append(cache)
 
     def queue_snapshot(self) -> None:
         self.messages.append(self.shipper.snapshot())
+
+    def queue_cache_snapshot(self) -> None:
+        self.cache_messages.append(self.cache.snapshot())
 
     async def queue_all(self, redis: aioredis.Redis, executor_epoch: str | None) -> None:
         """Drain the ledger and, on becoming idle, take its counts, with no await in
         between: an API handler running during an await could move slots, and the idle
         counts would then be ahead of the events shipped before them. Once a heartbeat,
-        a snapshot if the store asked for one."""
+        a snapshot if the store asked for one, a cache snapshot if a router did."""
         self.queue_ownership(executor_epoch)
         idle = self.engine.idle
         if idle and not self._was_idle:
@@ -64,24 +80,32 @@ class OwnershipOutbox:
         self._was_idle = idle
         if time.monotonic() >= self._next_snapshot_check:
             self._next_snapshot_check = time.monotonic() + self.snapshot_check_seconds
-            if await redis.exists(self.keys.snapshot_wanted):
+            pipe = redis.pipeline(transaction=False)  # one slot: the keys share a hash tag
+            pipe.exists(self.keys.snapshot_wanted)
+            pipe.delete(self.keys.cache_snapshot_wanted)
+            store_wants, routers_want = await pipe.execute()
+            if store_wants:
                 self.queue_snapshot()
+            if routers_want:
+                self.queue_cache_snapshot()
 
     async def flush(self, redis: aioredis.Redis, step: bytes | None = None) -> None:
         """Every message not yet on the stream, in order, then `step` on the forward
         stream, in one round trip; a message leaves the outbox only once Redis took it."""
-        if not self.messages and step is None:
+        if not self.messages and not self.cache_messages and step is None:
             return
         carried = self.taken
         pipe = redis.pipeline(transaction=False)
+        stream, maxlen = self.keys.ownership, self.stream_maxlen
         for message in self.messages:
-            pipe.xadd(
-                self.keys.ownership, {"m": message}, maxlen=self.stream_maxlen, approximate=True
-            )
+            pipe.xadd(stream, {"m": message}, maxlen=maxlen, approximate=True)
+        for message in self.cache_messages:
+            pipe.xadd(stream, {"k": CACHE_KIND, "m": message}, maxlen=maxlen, approximate=True)
         if step is not None:
             pipe.xadd(self.keys.forward, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
         await pipe.execute()
         self.messages.clear()
+        self.cache_messages.clear()
         self.shipped = carried
         self._flushed.set()
         self._flushed = asyncio.Event()
