@@ -4,8 +4,9 @@ replica that should answer it.
 - A session's turns (`/generate` with `session_params.id`, chat with `session_id`,
   `/close_session`, `/place_session`) go where the directory places the session
   (`affinity`); an open is placed first, on the least loaded replica, then sent there.
-- Anything else goes to the least loaded ready replica (`load`); a body the router
-  cannot read goes there too, and that replica answers it with its own 400.
+- Anything else goes to the ready replica with the longest cached prefix of its prompt
+  within a bounded load (`prefix`), else the least loaded (`load`), choice.py; a body
+  the router cannot read goes by load, and that replica answers it with its own 400.
 - `/abort_request` by rid goes where that rid was sent; `abort_all`, an unknown rid and
   `/flush_cache` go to every ready replica (`fanout`).
 
@@ -22,6 +23,7 @@ import time
 
 from aiohttp import web
 
+from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.proxy import Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
@@ -61,10 +63,15 @@ def session_of(path: str, body: dict | None) -> str | None:
 
 class Router:
     def __init__(
-        self, table: ReplicaTable, directory: Directory, proxy: Proxy, tenancy: Tenancy
+        self,
+        table: ReplicaTable,
+        directory: Directory,
+        proxy: Proxy,
+        tenancy: Tenancy,
+        chooser: Chooser,
     ) -> None:
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
-        self.metrics = proxy.metrics
+        self.metrics, self.chooser = proxy.metrics, chooser
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
@@ -97,12 +104,12 @@ class Router:
                 if request.path == "/close_session" and response.status == 200:
                     await self.directory.forget(sid)
                 return response
-        replica = self.table.least_loaded()
-        if replica is None:
+        choice = self.chooser.pick(request.path, parsed)
+        if choice is None:
             return _error(503, "no replica is ready", "no_replica", retry=True)
         if request.path == "/generate" and parsed is not None:
-            await self._remember_rids(tenant, parsed.get("rid"), replica.id)
-        return await self.send(request, body, replica, "load", received)
+            await self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
+        return await self.send(request, body, choice.replica, choice.decision, received)
 
     async def open_session(
         self, request: web.Request, parsed: dict | None, body: bytes, received: float

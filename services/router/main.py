@@ -12,12 +12,16 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.router.app import Router
+from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.metrics import RouterMetrics
+from services.router.prefix_feed import PrefixFeed
+from services.router.prefix_index import PrefixIndex
 from services.router.proxy import Proxy
 from services.router.replicas import ReplicaTable
 from services.scheduler.http.tenancy import Tenancy
 from shared.config import Settings
+from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
 MAX_BODY = 64 << 20  # the replicas enforce their own limit; this only bounds the router
@@ -27,20 +31,25 @@ async def serve(settings: Settings) -> None:
     client = aioredis.from_url(settings.redis_url)
     table = ReplicaTable(client, period=min(0.5, settings.heartbeat_seconds))
     await table.refresh()
-    proxy = Proxy(RouterMetrics(table))
+    metrics, index = RouterMetrics(table), PrefixIndex()
+    metrics.watch(index)
+    proxy = Proxy(metrics)
     await proxy.start()
-    router = Router(
-        table, Directory(client), proxy, Tenancy(settings.api_keys, settings.admin_api_keys)
-    )
+    tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
+    chooser = Chooser(table, index, tokenizer, settings.context_len, metrics)
+    tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
+    router = Router(table, Directory(client), proxy, tenancy, chooser)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("router listening on http://%s:%d", settings.host, settings.port)
+    feeding = asyncio.create_task(PrefixFeed(client, table, index).run())
     try:
         await table.run()
     finally:
+        feeding.cancel()
         await proxy.close()
         await runner.cleanup()
 

@@ -1,13 +1,15 @@
 """The router's own metrics: routing decisions by kind, the load it sees per replica,
-upstream failures, and the time it adds to a request (`overhead`)."""
+upstream failures, the time it adds to a request (`overhead`), the prompt tokens it sent
+where they were cached, and the size of its index of each replica's prefix cache."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.router.prefix_index import PrefixIndex
 from services.router.replicas import ReplicaTable
 
 OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -19,7 +21,8 @@ class RouterMetrics:
         self.routed = Counter(
             "custody_router_requests",
             "requests routed, by why the replica was chosen: affinity (a session's "
-            "placement), load (least loaded), request (an abort by rid), fanout (all)",
+            "placement), prefix (the longest cached prefix), load (least loaded), request "
+            "(an abort by rid), fanout (all)",
             ["decision", "replica"],
             registry=self.registry,
         )
@@ -36,7 +39,17 @@ class RouterMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=self.registry,
         )
+        self.prefix_tokens = Counter(
+            "custody_router_prefix_tokens",
+            "prompt tokens of the requests routed that the chosen replica's prefix cache "
+            "held, as the router's index saw it",
+            ["replica"],
+            registry=self.registry,
+        )
         self.registry.register(_Replicas(table))
+
+    def watch(self, index: PrefixIndex) -> None:
+        self.registry.register(_Index(index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -62,3 +75,33 @@ class _Replicas:
             ready.add_metric([replica.id], float(replica.executor))
         yield load
         yield ready
+
+
+class _Index:
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "custody_router_prefix_blocks",
+            "distinct token blocks the router's index holds of a replica's prefix cache",
+            labels=["replica"],
+        )
+        ready = GaugeMetricFamily(
+            "custody_router_prefix_index_ready",
+            "1 once the index of a replica's cache is built (0 while it waits for a snapshot)",
+            labels=["replica"],
+        )
+        cleared = CounterMetricFamily(
+            "custody_router_prefix_index_cleared",
+            "times the index of a replica's cache was cleared for a gap, a new epoch or a "
+            "message that did not decode, and a snapshot asked for",
+            labels=["replica"],
+        )
+        for rid, replica in self.index.replicas.items():
+            blocks.add_metric([rid], len(replica.present))
+            ready.add_metric([rid], float(replica.ready))
+            cleared.add_metric([rid], replica.gaps)
+        yield blocks
+        yield ready
+        yield cleared

@@ -1,0 +1,109 @@
+"""Which ready replica takes a request that no placement binds (a plain request, a new
+session): the one whose prefix cache holds the longest prefix of its prompt, so it
+recomputes the least, unless that replica is already loaded past its share.
+
+Bounded load, as in consistent hashing with bounded loads: a replica is eligible only
+while its load (`Replica.load`: running, queued and this router's requests in flight) is
+at most ceil((1 + EPSILON) x the average load) + 1, so a popular prefix cannot pile
+every request onto one replica; the least loaded replica is always eligible. Among the
+eligible, the longest match wins, ties going to the least loaded (then fewest sessions,
+then one at random). The decision is `prefix` when a match picked the replica (it holds
+more of the prompt than some other eligible one), else `load`.
+
+The prompt's tokens are read as the replicas read them: `/generate`'s `input_ids` or its
+`text` through the same tokenizer (the first of a batch), `/v1/completions`' `prompt`;
+anything else (chat, an ids-only deployment given text, a body that is not one) has no
+prefix and goes by load alone.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from services.router.metrics import RouterMetrics
+from services.router.prefix_index import PrefixIndex
+from services.router.replicas import Replica, ReplicaTable
+from shared.tokenizer import Tokenizer, TokenizerMissing
+
+EPSILON = 0.25
+CHARS_PER_TOKEN = 16  # text read past context_len x this could only be refused
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: Replica
+    decision: str  # "prefix" or "load"
+    matched: int  # prompt tokens the replica's cache holds
+
+
+def eligible(ready: list[Replica]) -> list[Replica]:
+    """The replicas under the bound: at most ceil((1 + EPSILON) x average) + 1."""
+    cap = math.ceil((1 + EPSILON) * sum(r.load for r in ready) / len(ready)) + 1
+    return [r for r in ready if r.load <= cap]
+
+
+def choose(ready: list[Replica], matched: dict[str, int]) -> Choice:
+    """Among the eligible of `ready` (not empty), the longest match, then the least load."""
+    candidates = eligible(ready)
+    longest = max(matched.get(r.id, 0) for r in candidates)
+    best = [r for r in candidates if matched.get(r.id, 0) == longest]
+    least = min((r.load, r.sessions) for r in best)
+    replica = random.choice([r for r in best if (r.load, r.sessions) == least])
+    decided = longest > 0 and len(best) < len(candidates)
+    return Choice(replica, "prefix" if decided else "load", longest)
+
+
+def _ids(value: object) -> list[int] | None:
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    return None
+
+
+class Chooser:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        index: PrefixIndex,
+        tokenizer: Tokenizer,
+        context_len: int,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.table, self.index, self.tokenizer = table, index, tokenizer
+        self.context_len, self.metrics = context_len, metrics
+
+    def pick(self, path: str, body: dict | None) -> Choice | None:
+        """The replica for a request to `path` with JSON `body`; None if none is ready."""
+        ready = self.table.ready()
+        if not ready:
+            return None
+        tokens = self.prompt(path, body)
+        matched = self.index.match(tokens, [r.id for r in ready]) if tokens else {}
+        choice = choose(ready, matched)
+        if choice.matched:
+            self.metrics.prefix_tokens.labels(choice.replica.id).inc(choice.matched)
+        return choice
+
+    def prompt(self, path: str, body: dict | None) -> list[int] | None:
+        """The request's prompt tokens as its replica will see them, or None."""
+        if body is None:
+            return None
+        if path == "/generate":
+            ids, text = body.get("input_ids"), body.get("text")
+        elif path == "/v1/completions":
+            ids = text = body.get("prompt")
+        else:
+            return None
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            ids = ids[0]  # a batch: its first prompt
+        if isinstance(text, list) and text:
+            text = text[0]
+        if _ids(ids) is not None:
+            return ids[: self.context_len]
+        if not isinstance(text, str) or not text:
+            return None
+        try:  # a raw text starts its sequence: the tokenizer's special tokens are added
+            return self.tokenizer.encode(text[: self.context_len * CHARS_PER_TOKEN], True)
+        except TokenizerMissing:
+            return None

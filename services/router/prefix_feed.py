@@ -1,0 +1,91 @@
+"""Feeds the router's prefix index (prefix_index.py) from the replicas' ownership streams.
+
+Every router keeps its own index, so it reads with plain XREAD from the last entry it
+saw, no consumer group. One loop per replica, each with its own blocking read: a read
+over several streams would span slots on a Redis Cluster, and one replica's busy stream
+delays no other's index. A loop starts at the stream's end, then asks for a snapshot
+(`Keys.cache_snapshot_wanted`), so the snapshot comes after where it reads; it asks again
+whenever its index is cleared (a gap, a new epoch), and again every `retry_seconds` while
+no snapshot has come (one lost with a scheduler that died before shipping it).
+Entries that are not the cache's (`k` = cache) are skipped undecoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from services.router.prefix_index import PrefixIndex, ReplicaIndex
+from services.router.replicas import ReplicaTable
+from shared import streams
+from shared.messages.cache import CACHE_KIND
+
+log = logging.getLogger("custody.router")
+READ_COUNT = 256
+RETRY_SECONDS = 0.5  # after Redis was away, or a fault in a loop
+
+
+class PrefixFeed:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        table: ReplicaTable,
+        index: PrefixIndex,
+        block_ms: int = 1000,
+        retry_seconds: float = 5.0,
+    ) -> None:
+        self.client, self.table, self.index = client, table, index
+        self.block_ms, self.retry_seconds = block_ms, retry_seconds
+        self.loops: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        """Start a loop for every replica that registers, for as long as the router runs
+        (a replica whose registration lapses keeps its loop: it may come back)."""
+        try:
+            while True:
+                for rid in self.table.live.keys() - self.loops.keys():
+                    self.loops[rid] = asyncio.create_task(self.follow(rid), name=f"prefix-{rid}")
+                await asyncio.sleep(self.table.period)
+        finally:
+            for loop in self.loops.values():
+                loop.cancel()
+
+    async def follow(self, replica: str) -> None:
+        """Read `replica`'s stream into its index, forever; a fault clears the index and
+        starts over from the stream's end with a new snapshot."""
+        keys, index = streams.Keys(replica), self.index.replica(replica)
+        while True:
+            try:
+                await self._read(keys, index)
+            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
+                log.warning("replica %s: cache events not read (%s); retrying", replica, err)
+            except Exception:
+                log.exception("replica %s: fault while indexing its cache", replica)
+            index.clear()
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _read(self, keys: streams.Keys, index: ReplicaIndex) -> None:
+        tail = await self.client.xrevrange(keys.ownership, count=1)
+        last = tail[0][0] if tail else b"0-0"
+        asked = await self._ask(keys)
+        while True:
+            reply = await self.client.xread(
+                {keys.ownership: last}, count=READ_COUNT, block=self.block_ms
+            )
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    if not fields or fields.get(b"k") != CACHE_KIND:
+                        continue
+                    if index.apply(fields.get(b"m", b"")):
+                        asked = await self._ask(keys)
+            if not index.ready and time.monotonic() - asked > self.retry_seconds:
+                asked = await self._ask(keys)
+
+    async def _ask(self, keys: streams.Keys) -> float:
+        """Ask the replica's scheduler for a snapshot; returns when."""
+        await self.client.set(keys.cache_snapshot_wanted, 1)
+        return time.monotonic()
