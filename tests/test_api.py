@@ -114,7 +114,7 @@ def test_the_cache_is_not_flushed_while_requests_run(stack):
     worker = threading.Thread(target=lambda: call(port, "/generate", long | {"rid": "long"}))
     worker.start()
     deadline = time.monotonic() + 30
-    while "custody_requests_running 1.0" not in scrape(port):
+    while 'custody_requests_running{replica="0"} 1.0' not in scrape(port):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     code, raw = raw_call(port, "/flush_cache", b"{}")
@@ -289,9 +289,12 @@ def scrape(port: int) -> str:
 
 
 def sample(text: str, name: str, **labels: str) -> float:
-    selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = rf"^{name}{{{selector}}} (\S+)$" if labels else rf"^{name} (\S+)$"
-    return float(re.search(pattern, text, re.M).group(1))
+    """The value of `name` with exactly these labels and the stack's replica, "0"."""
+    want = labels | {"replica": "0"}
+    for found, value in re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M):
+        if dict(re.findall(r'(\w+)="([^"]*)"', found)) == want:
+            return float(value)
+    raise AssertionError(f"no sample {name} {want}")
 
 
 def caught_up(stack) -> tuple[dict, str]:

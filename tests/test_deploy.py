@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.config import Settings
 
@@ -82,8 +83,13 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
 
 
 def exported(port: int) -> set[str]:
+    """The sample names a service exports. Every sample names its replica, "0" in a
+    single-replica stack (shared/metrics_labels.py), so one dashboard serves any number."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    unlabelled = [(s.name, s.labels) for s in samples if s.labels.get("replica") != "0"]
+    assert samples and not unlabelled, (port, unlabelled)
     return {
         re.split(r"[{ ]", line, maxsplit=1)[0]
         for line in text.splitlines()

@@ -62,7 +62,7 @@ def queued(port: int) -> float:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         text = b"".join(iter(lambda: s.recv(65536), b"")).decode()
-    return float(re.search(r"^custody_requests_queued (\S+)$", text, re.M).group(1))
+    return float(re.search(r'^custody_requests_queued\{replica="0"\} (\S+)$', text, re.M).group(1))
 
 
 def test_a_full_queue_is_a_503_with_retry_after(limited):

@@ -115,6 +115,6 @@ def test_the_api_holds_to_its_own_openapi_document(small_stack):
     assert call(port, "/health")["executor"] == epoch, "the executor restarted"
     assert all(child.poll() is None for child in small_stack.children.values())
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
-        assert "custody_invariant_check_failures_total 0.0" in resp.read().decode()
+        assert 'custody_invariant_check_failures_total{replica="0"} 0.0' in resp.read().decode()
     view = ledger_when_idle(small_stack)
     assert view["violations"] == [] and view["leaked"] == {}

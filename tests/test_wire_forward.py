@@ -185,7 +185,7 @@ def test_the_scheduler_counts_malformed_results_and_completes_the_step(redis_url
     loop.run_until_complete(service.loop.complete_oldest())
     assert req.output == [5] and service.link.malformed == 3
     exposition = loop.run_until_complete(service.loop.metrics.render(service.redis)).decode()
-    assert 'custody_malformed_messages_total{stream="results"} 3.0' in exposition
+    assert 'custody_malformed_messages_total{stream="results",replica="0"} 3.0' in exposition
     loop.close()
 
 

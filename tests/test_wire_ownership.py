@@ -166,6 +166,6 @@ def test_the_consumer_counts_acknowledges_and_goes_on(redis_client, redis_url):
     assert consumer.refused == 2 and "outside their pools" in consumer.last_refused
     assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()  # untouched
     store = StoreService(Settings(redis_url=redis_url))
-    store.consumer = consumer
+    store.replicas.consumers["0"] = consumer
     assert store.ledger_view()["refused"]["total"] == 2
-    assert b"custody_ownership_messages_refused 2.0" in store.metrics()
+    assert b'custody_ownership_messages_refused{replica="0"} 2.0' in store.metrics()

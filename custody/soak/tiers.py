@@ -70,7 +70,7 @@ class MoveCount:
     that is lower than the last starts a new life, and the last life's count is banked
     (moves completed after the last sample before a kill are not seen: a lower bound)."""
 
-    PATTERN = re.compile(r'^custody_tier_moves_total\{kind="(\w+)"\} (\S+)$', re.M)
+    PATTERN = re.compile(r'^custody_tier_moves_total\{kind="(\w+)"[^}]*\} (\S+)$', re.M)
 
     def __init__(self, metrics_port: int, every: float = 1.0) -> None:
         self.port, self.every = metrics_port, every

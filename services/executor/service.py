@@ -20,11 +20,12 @@ import time
 
 import redis
 import torch
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 from redis.client import Pipeline
 
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.fence import SchedulerFence
+from services.executor.metrics_http import serve_metrics
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     Settings.add_arguments(parser)
     settings = Settings.resolve(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s executor %(message)s")
-    start_http_server(settings.executor_metrics_port, addr=settings.host)
+    serve_metrics(settings.host, settings.executor_metrics_port, settings.replica)
     ExecutorService(settings).serve_forever()
 
 

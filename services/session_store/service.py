@@ -1,7 +1,7 @@
-"""The session store service: replays the ownership stream into the independent ledger,
-checks every forward step's writes against it, and serves what it knows over HTTP
-(`/ledger` and `/sessions/{id}` for operators, `/health`, `/metrics`) on `store_host`,
-loopback unless asked."""
+"""The session store service: replays every replica's ownership stream into that
+replica's independent ledger (replicas.py), checks every forward step's writes against it,
+and serves what it knows over HTTP (`/ledger`, `/ledger/replicas` and `/sessions/{id}` for
+operators, `/health`, `/metrics`) on `store_host`, loopback unless asked."""
 
 from __future__ import annotations
 
@@ -10,81 +10,42 @@ import asyncio
 import faulthandler
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.session_store.auth import operator_keys
-from services.session_store.consumer import OwnershipConsumer
-from services.session_store.ledger_replay import KINDS
+from services.session_store.metrics import LedgerMetrics
+from services.session_store.replicas import ReplicaConsumers
 from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
 
 log = logging.getLogger("custody.session_store")
+# Each replica's loop holds a thread while its read blocks: room for many replicas' reads
+# beside discovery's (threads are started only as they are needed).
+MAX_THREADS = 64
 
 
 class StoreService:
     def __init__(self, settings: Settings) -> None:
         self.client = redis.Redis.from_url(settings.redis_url)
-        # A stable name: a restarted store resumes its own pending entries first.
-        self.keys = streams.Keys(settings.replica)
-        self.consumer = OwnershipConsumer(self.client, "session-store-1", keys=self.keys)
-        self.faults = 0  # exceptions survived by the consuming loop
+        self.replica = settings.replica  # the store's own: what /ledger shows unasked
+        self.replicas = ReplicaConsumers(self.client, settings.replica)
         self.registry = CollectorRegistry()
-        self.violations = Gauge(
-            "custody_ledger_violations",
-            "ownership violations found",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.leaked = Gauge(
-            "custody_ledger_leaked_slots",
-            "slots held by running work at idle",
-            ["pool"],
-            registry=self.registry,
-        )
-        self.applied = Gauge(
-            "custody_ledger_events_applied", "ownership events replayed", registry=self.registry
-        )
-        self.refused = Gauge(
-            "custody_ownership_messages_refused",
-            "ownership stream entries refused as malformed (acknowledged, snapshot asked)",
-            registry=self.registry,
-        )
-        self.steps = Gauge(
-            "custody_ledger_steps_checked",
-            "forward steps whose writes were checked against the ledger, or could not be",
-            ["result"],
-            registry=self.registry,
-        )
+        self.registry.register(LedgerMetrics(self.replicas))
 
-    async def consume_forever(self) -> None:
-        led = self.consumer.ledger
-        reported = led.found.total()  # those loaded were logged before
-        while True:
-            try:
-                await asyncio.to_thread(self.consumer.poll, 500)
-                await asyncio.to_thread(self.consumer.claim_stale, 10_000)
-            except redis.ConnectionError as err:
-                log.warning("redis unavailable (%s); retrying", err)
-                await asyncio.sleep(0.5)
-            except Exception:  # a bad entry must not stop the ledger: say so, go on
-                log.exception("fault while applying the ownership stream")
-                self.faults += 1
-                await asyncio.sleep(0.5)
-            new = led.found.total() - reported
-            for v in led.violations[-new:] if new else []:
-                log.error("ownership violation %s on %s %s: %s", v.kind, v.pool, v.slots, v.detail)
-            reported += new
-
-    def ledger_view(self) -> dict:
-        led = self.consumer.ledger
+    def ledger_view(self, replica: str | None = None) -> dict:
+        """One replica's ledger (the store's own unless named); KeyError if unknown."""
+        replica = self.replica if replica is None else replica
+        consumer = self.replicas.consumers[replica]
+        led = consumer.ledger
         return {
             "ready": led.ready,
-            "epoch": self.consumer.epoch,
+            "epoch": consumer.epoch,
             "events_applied": led.events_applied,
             "counts": led.counts() if led.ready else {},
             "leaked": led.leaked() if led.ready else {},
@@ -92,68 +53,80 @@ class StoreService:
             "violations": [v.as_dict() for v in led.violations[-100:]],
             "violations_total": dict(led.found),
             "owners_known": len(led.owners.names),
-            "consumer_faults": self.faults,
-            "refused": {"total": self.consumer.refused, "last": self.consumer.last_refused},
+            "consumer_faults": self.replicas.faults[replica],
+            "refused": {"total": consumer.refused, "last": consumer.last_refused},
             "steps": {
-                "checked": self.consumer.checker.checked,
-                "unchecked": self.consumer.checker.unchecked,
-                "queued": len(self.consumer.checker.queued),
+                "checked": consumer.checker.checked,
+                "unchecked": consumer.checker.unchecked,
+                "queued": len(consumer.checker.queued),
             },
         }
 
+    def replica_of(self, sid: str) -> str:
+        """The replica a session lives on: the router's placement, else the store's own
+        (a single replica's stack has no router, so places nothing)."""
+        raw = self.client.get(streams.placement_key(sid))
+        return self.replica if raw is None else raw.decode("utf-8", "replace")
+
     def metrics(self) -> bytes:
-        led = self.consumer.ledger
-        for kind in KINDS:
-            self.violations.labels(kind).set(led.found[kind])
-        for pool in led.names:
-            self.leaked.labels(pool).set(len(led.leaked().get(pool, [])))
-        self.applied.set(led.events_applied)
-        self.refused.set(self.consumer.refused)
-        self.steps.labels("checked").set(self.consumer.checker.checked)
-        self.steps.labels("unchecked").set(self.consumer.checker.unchecked)
         return generate_latest(self.registry)
+
+
+def not_found(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "not_found"}}, status=404)
+
+
+def session_body(raw: bytes) -> web.Response:
+    """A persisted session record as JSON (500 if the record does not decode)."""
+    try:
+        rec = RECORDS.decode(raw)
+    except WireError as err:
+        return web.json_response(
+            {"error": {"message": str(err), "type": "malformed_record"}}, status=500
+        )
+    history = rec.tokens()
+    return web.json_response(
+        {
+            "session_id": rec.sid,
+            "history_tokens": len(history),
+            "history": history.tolist(),
+            "cached_len": rec.cached_len,
+            "row": rec.row,
+            "working_slot": rec.working,
+            "kv_pages": rec.kv_pages().tolist(),
+            "executor": rec.executor,
+            "chat": None if rec.chat is None else [[e.digest, e.end] for e in rec.chat],
+        }
+    )
 
 
 def build_app(store: StoreService, admin_api_keys: str = "") -> web.Application:
     app = web.Application(middlewares=[operator_keys(admin_api_keys)])
 
-    async def ledger(_: web.Request) -> web.Response:
-        return web.json_response(store.ledger_view())
+    async def ledger(request: web.Request) -> web.Response:
+        replica = request.query.get("replica", store.replica)
+        if replica not in store.replicas.consumers:
+            return not_found(f"no ledger of replica {replica!r}")
+        return web.json_response(store.ledger_view(replica))
+
+    async def every_ledger(_: web.Request) -> web.Response:
+        ids = sorted(store.replicas.consumers)
+        return web.json_response({"replicas": {r: store.ledger_view(r) for r in ids}})
 
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "ready": store.consumer.ledger.ready})
+        ready = store.replicas.consumers[store.replica].ledger.ready
+        return web.json_response({"status": "ok", "ready": ready})
 
     async def session(request: web.Request) -> web.Response:
-        raw = store.client.hget(store.keys.session(request.match_info["sid"]), "record")
-        if raw is None:
-            return web.json_response(
-                {"error": {"message": "no such open session", "type": "not_found"}}, status=404
-            )
-        try:
-            rec = RECORDS.decode(raw)
-        except WireError as err:
-            return web.json_response(
-                {"error": {"message": str(err), "type": "malformed_record"}}, status=500
-            )
-        history = rec.tokens()
-        return web.json_response(
-            {
-                "session_id": rec.sid,
-                "history_tokens": len(history),
-                "history": history.tolist(),
-                "cached_len": rec.cached_len,
-                "row": rec.row,
-                "working_slot": rec.working,
-                "kv_pages": rec.kv_pages().tolist(),
-                "executor": rec.executor,
-                "chat": None if rec.chat is None else [[e.digest, e.end] for e in rec.chat],
-            }
-        )
+        sid = request.match_info["sid"]
+        raw = store.client.hget(streams.Keys(store.replica_of(sid)).session(sid), "record")
+        return not_found("no such open session") if raw is None else session_body(raw)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=store.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.router.add_get("/ledger", ledger)
+    app.router.add_get("/ledger/replicas", every_ledger)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sessions/{sid}", session)
@@ -166,7 +139,8 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     await web.TCPSite(runner, settings.store_host, settings.store_port).start()
     log.info("session store on http://%s:%d", settings.store_host, settings.store_port)
-    await store.consume_forever()
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(MAX_THREADS))
+    await store.replicas.run_forever()
 
 
 def main(argv: list[str] | None = None) -> None:

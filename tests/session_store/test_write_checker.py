@@ -310,7 +310,8 @@ def test_a_clean_live_run_checks_every_step_and_the_store_wants_an_operator_key(
         assert get(s.store_port, "/sessions/chat", "op-one")[0] == 404  # closed: gone
         assert get(s.store_port, "/health")[0] == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{s.store_port}/metrics") as resp:
-            assert b'custody_ledger_violations{kind="misrouted_write"} 0.0' in resp.read()
+            misrouted = b'custody_ledger_violations{kind="misrouted_write",replica="0"} 0.0'
+            assert misrouted in resp.read()
     finally:
         stack.stop()
 

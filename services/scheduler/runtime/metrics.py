@@ -193,7 +193,10 @@ class SchedulerMetrics:
 
     async def render(self, client: aioredis.Redis) -> bytes:
         """The exposition, with each stream's lag read fresh: entries not yet read, or
-        read and not acknowledged, by each consumer group."""
+        read and not acknowledged, by each consumer group. Every sample carries this
+        replica's `replica` label (shared/metrics_labels.py)."""
+        from shared.metrics_labels import with_replica
+
         for stream, name in (("ownership", self.keys.ownership), ("forward", self.keys.forward)):
             try:
                 groups = await client.xinfo_groups(name)
@@ -202,4 +205,4 @@ class SchedulerMetrics:
             self.live.stream_lag[stream] = sum(
                 int(g.get("lag") or 0) + int(g["pending"]) for g in groups
             )
-        return generate_latest(self.registry)
+        return with_replica(generate_latest(self.registry), self.keys.replica)

@@ -1,0 +1,112 @@
+"""The store's consumers: one per replica of the stack, each with its own ledger.
+
+Every replica (a scheduler and its executor) ships its ownership and forward streams under
+its own Redis names (shared/streams.py `Keys`), so the store keeps one independent ledger
+per replica, each with its own write checker and checkpoint: a replica's steps are only
+ever checked against that replica's slots. The replicas are the store's own
+`settings.replica` and every id the schedulers registered in `streams.REPLICAS`, re-read
+about once a second, so a replica started after the store gets its consumer then.
+
+Each consumer runs in its own loop, its blocking reads in a thread: one replica's busy
+stream delays no other replica's ledger, and a fault while applying one replica's
+entries (counted in `faults` by replica, logged) stops nothing, not even that replica's
+loop, which retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import redis
+
+from services.session_store.consumer import OwnershipConsumer
+from shared import streams
+
+log = logging.getLogger("custody.session_store")
+
+# A stable name: a restarted store resumes its own pending entries first. One name serves
+# every replica, as each replica's streams have their own consumer group.
+CONSUMER_NAME = "session-store-1"
+DISCOVER_SECONDS = 1.0
+RETRY_SECONDS = 0.5
+
+
+class ReplicaConsumers:
+    """The consumers by replica id, and the loops that feed them."""
+
+    def __init__(self, client: redis.Redis, own: str) -> None:
+        self.client, self.own = client, own
+        # The store's own replica is there from the start: its /ledger answers at once.
+        self.consumers: dict[str, OwnershipConsumer] = {own: self._consumer(own)}
+        self.faults: Counter[str] = Counter()  # exceptions survived, by replica
+        self._loops: dict[str, asyncio.Task] = {}
+
+    def _consumer(self, replica: str) -> OwnershipConsumer:
+        return OwnershipConsumer(self.client, CONSUMER_NAME, keys=streams.Keys(replica))
+
+    def registered(self) -> set[str]:
+        """The replicas to consume: the store's own and every registered id (anything in
+        the set that is not a replica id is no replica's and is passed over)."""
+        ids = {raw.decode("utf-8", "replace") for raw in self.client.smembers(streams.REPLICAS)}
+        return {self.own} | {r for r in ids if streams.REPLICA_ID.fullmatch(r)}
+
+    async def discover(self) -> None:
+        """Build a consumer for each newly registered replica (reading its checkpoint) and
+        start its loop. One that fails to build is counted and tried again next time."""
+        for replica in sorted(await asyncio.to_thread(self.registered) - self.consumers.keys()):
+            try:
+                self.consumers[replica] = await asyncio.to_thread(self._consumer, replica)
+            except redis.ConnectionError as err:
+                log.warning("redis unavailable (%s); retrying", err)
+                break  # the loops of those built are started all the same
+            except Exception:
+                log.exception("replica %s: cannot start consuming its streams", replica)
+                self.faults[replica] += 1
+        for replica in self.consumers.keys() - self._loops.keys():
+            loop = self._consume(replica)
+            self._loops[replica] = asyncio.create_task(loop, name=f"ledger-{replica}")
+
+    async def run_forever(self) -> None:
+        """Discover replicas about once a second, forever; Redis away is retried. The
+        replicas' loops end with it."""
+        try:
+            while True:
+                try:
+                    await self.discover()
+                except redis.ConnectionError as err:
+                    log.warning("redis unavailable (%s); retrying", err)
+                await asyncio.sleep(DISCOVER_SECONDS)
+        finally:
+            for task in self._loops.values():
+                task.cancel()
+            self._loops.clear()
+
+    async def _consume(self, replica: str) -> None:
+        """One replica's loop: read, apply, report what its ledger found, forever."""
+        consumer = self.consumers[replica]
+        led = consumer.ledger
+        reported = led.found.total()  # those loaded were logged before
+        while True:
+            try:
+                await asyncio.to_thread(consumer.poll, 500)
+                await asyncio.to_thread(consumer.claim_stale, 10_000)
+            except redis.ConnectionError as err:
+                log.warning("replica %s: redis unavailable (%s); retrying", replica, err)
+                await asyncio.sleep(RETRY_SECONDS)
+            except Exception:  # a bad entry must not stop the ledger: say so, go on
+                log.exception("replica %s: fault while applying its ownership stream", replica)
+                self.faults[replica] += 1
+                await asyncio.sleep(RETRY_SECONDS)
+            new = led.found.total() - reported
+            for v in led.violations[-new:] if new else []:
+                log.error(
+                    "replica %s: ownership violation %s on %s %s: %s",
+                    replica,
+                    v.kind,
+                    v.pool,
+                    v.slots,
+                    v.detail,
+                )
+            reported += new
