@@ -100,6 +100,12 @@ class Settings:
         directory's name, else `custody` for the built-in model."""
         return self.served_model_name or (self.model.name if self.model else "custody")
 
+    @property
+    def blob_dir(self) -> Path | None:
+        """This replica's disk tier: `state_dir/replica-<id>`, beside the other replicas'
+        (a session that moves here copies its blob from there)."""
+        return None if self.state_dir is None else self.state_dir / f"replica-{self.replica}"
+
     def tier_sizes(self, model: ModelConfig) -> TierSizes:
         """The host and disk tiers' pools (shared/tiers.py), the same on every service."""
         return TierSizes.of(

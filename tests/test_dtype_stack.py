@@ -55,7 +55,7 @@ def test_bfloat16_serves_a_generation_and_a_session_through_disk(redis_url, redi
         first = generate(port, FIRST, sid)["output_ids"]
         placed = call(port, "/place_session", {"session_id": sid, "tier": "disk"})
         assert placed["tier"] == "disk"
-        (blob,) = state.glob("*.blob")
+        (blob,) = (state / "replica-0").glob("*.blob")
         assert blob_dtypes(blob.read_bytes()) == ["bfloat16"] * 3 + ["float32"]
         second = generate(port, MORE, sid)
         history = FIRST + first

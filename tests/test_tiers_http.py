@@ -85,7 +85,7 @@ def test_240_sessions_take_a_second_turn_from_saved_state(redis_url, redis_clien
             call(port, "/close_session", {"session_id": sid})
         view = ledger_when_idle(stack)
         assert view["violations"] == [] and view["leaked"] == {}
-        assert not list((tmp_path / "state").glob("*.blob"))  # closed: blobs deleted
+        assert not list((tmp_path / "state" / "replica-0").glob("*.blob"))  # closed: blobs deleted
     finally:
         stack.stop()
 

@@ -136,7 +136,7 @@ class Soak:
     def leftover_blobs(self) -> dict[str, float]:
         """Files left in the state directory, each with when it was last written (seconds
         into the run, as in the fault log): with every session closed, none should be."""
-        state_dir = self.stack.settings.state_dir
+        state_dir = self.stack.settings.blob_dir
         found = {}
         for path in sorted(state_dir.iterdir()) if state_dir else []:
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile

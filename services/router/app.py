@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import time
 
@@ -127,9 +128,12 @@ class Router:
             body = json.dumps(parsed).encode()
         if not isinstance(sid, str):
             return await self.send(request, body, replica, "load", received)
-        replica.placed.append(time.time())  # counted until its registration counts it
+        replica.placed.append(math.inf)  # counted while its open runs, then (below) until
         home, placed = await self.directory.place(sid, replica.id)
         response = await self.to_placed(request, body, home, "affinity", received)
+        replica.placed.remove(math.inf)
+        if response.status == 200:  # ... its replica's registration counts it
+            replica.placed.append(time.time())
         if placed and response.status != 200:
             await self.directory.forget(sid)
         return response

@@ -29,7 +29,8 @@ class Replica:
     registered_sessions: int  # open on it when it wrote its registration
     written: float  # wall time the replica wrote its registration
     in_flight: int = 0  # requests this router sent it that have not ended
-    placed: list[float] = field(default_factory=list)  # wall times of this router's opens
+    # this router's opens: inf while one runs, then the wall time its answer came
+    placed: list[float] = field(default_factory=list)
 
     @property
     def load(self) -> int:

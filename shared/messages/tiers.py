@@ -12,10 +12,16 @@ its state: a KV hit without the state at the same position is worthless.
 | `spill`     | host pages + host slot         | disk blob `dst_slot`            |
 | `load`      | disk blob `src_slot`           | host pages + host slot          |
 | `restore`   | host pages + host slot         | device pages + device slot      |
+| `adopt`     | blob `src_slot` of replica `src_replica` | disk blob `dst_slot`  |
+
+An `adopt` brings a session that moved here from another replica (migration): the blob
+that replica's executor wrote is copied, checked whole and for the session and its
+length, into a disk slot of this one. It reads `<state root>/replica-<src_replica>/`,
+beside this executor's own directory: replicas that share a machine or a volume.
 
 The executor runs a step's moves before its deferred clears and copies and its forward,
-in this order: the blobs of `Step.discards` are deleted, then spills, hibernates, loads,
-restores. Why that order is safe: the sources of spills (host) and of hibernates (device)
+in this order: the blobs of `Step.discards` are deleted, then adopts, spills, hibernates,
+loads, restores. Why that order is safe: the sources of spills (host) and of hibernates (device)
 are already free in the scheduler's ledger when the step is planned, so that the same
 step can reuse them, and every write to those tiers in the step comes later in the
 order; the sources of loads (disk) and restores (host) stay held by a transit owner until
@@ -30,10 +36,12 @@ import msgspec
 import numpy as np
 
 from shared.messages.envelope import WireError, pack, unpack
+from shared.streams import REPLICA_ID
 
 PAGES = "<i4"
-MoveKind = Literal["hibernate", "spill", "load", "restore"]
-MOVE_ORDER: tuple[MoveKind, ...] = ("spill", "hibernate", "load", "restore")
+MoveKind = Literal["hibernate", "spill", "load", "restore", "adopt"]
+MOVE_ORDER: tuple[MoveKind, ...] = ("adopt", "spill", "hibernate", "load", "restore")
+DISK_SIDES = {"load": (True, False), "spill": (False, True), "adopt": (True, True)}
 
 
 class TierMove(msgspec.Struct, kw_only=True):
@@ -45,13 +53,17 @@ class TierMove(msgspec.Struct, kw_only=True):
     src_slot: int  # Mamba slot of the source tier; for a load, the disk slot (blob)
     dst_slot: int  # Mamba slot of the destination tier; for a spill, the disk slot
     owner: int = 0  # the ledger owner its destination is written for (0: not named)
+    src_replica: str = ""  # an adopt's: the replica whose blob it copies
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.src_slot < 1 or self.dst_slot < 1:
             raise WireError(f"{self.kind} of {self.sid}: tokens and slots must be >= 1")
+        if (self.kind == "adopt") != bool(REPLICA_ID.fullmatch(self.src_replica)):
+            raise WireError(f"{self.kind} of {self.sid}: source replica {self.src_replica!r}")
+        src_disk, dst_disk = DISK_SIDES.get(self.kind, (False, False))
         for side, packed, disk in (
-            ("source", self.packed_src_pages, self.kind == "load"),
-            ("destination", self.packed_dst_pages, self.kind == "spill"),
+            ("source", self.packed_src_pages, src_disk),
+            ("destination", self.packed_dst_pages, dst_disk),
         ):
             n = len(unpack(packed, PAGES))
             if disk != (n == 0) or (n and np.any(unpack(packed, PAGES) < 1)):
@@ -71,6 +83,7 @@ class TierMove(msgspec.Struct, kw_only=True):
         src_pages: np.ndarray | list[int] = (),
         dst_pages: np.ndarray | list[int] = (),
         owner: int = 0,
+        src_replica: str = "",
     ) -> TierMove:
         return cls(
             kind=kind,
@@ -81,6 +94,7 @@ class TierMove(msgspec.Struct, kw_only=True):
             src_slot=src_slot,
             dst_slot=dst_slot,
             owner=owner,
+            src_replica=src_replica,
         )
 
     @property

@@ -299,5 +299,6 @@ def test_the_service_answers_a_step_of_moves_with_its_failed_ones_and_marks_them
     step = Step.of("s", 1, service.epoch, [], DeferredOps(), moves=moves, discards=[2])
     result = decode_result(service.run_step(encode(step)))
     assert (result.error, result.failed_moves) == (None, [1])
-    assert seen == [{b"hibernate": b"1", b"spill": b"0", b"load": b"1", b"restore": b"0"}]
+    moving = {b"adopt": b"0", b"hibernate": b"1", b"spill": b"0", b"load": b"1", b"restore": b"0"}
+    assert seen == [moving]
     assert not redis_client.exists(streams.SINGLE.tier_in_flight)

@@ -39,7 +39,7 @@ def build_tiers(
             dtype,
         )
     host = HostTier(model, sizes, device.dtype, pin=device.device.type == "cuda")
-    blobs = BlobStore(settings.state_dir, sizes.disk_slots, settings.page_size)
+    blobs = BlobStore(settings.blob_dir, sizes.disk_slots, settings.page_size)
     return TierMover(
         device,
         host,

@@ -106,6 +106,34 @@ class BlobStore:
     ) -> int:
         """Write the blob of `slot` whole, or raise OSError and leave no blob there (a
         failed spill's destination holds nothing). Returns the bytes written."""
+        return self._write_file(
+            slot, self._signed(self._encode(sid, tokens, arrays)), before_rename
+        )
+
+    def adopt(self, replica: str, src_slot: int, slot: int, sid: str, tokens: int) -> int:
+        """Copy blob `src_slot` of `replica` (the directory beside this one) into `slot`,
+        once it is checked whole and for `sid` and `tokens`: a `BlobError` otherwise, and
+        nothing written. Returns the bytes written."""
+        assert self.dir is not None
+        source = self.dir.parent / f"replica-{replica}" / f"{src_slot}.blob"
+        data = _read_whole(source)
+        _decode(memoryview(data), source.name, sid, tokens)
+        return self._write_file(slot, iter([memoryview(data)]), None)
+
+    @staticmethod
+    def _signed(chunks: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        digest = hashlib.blake2b(digest_size=DIGEST)
+        for chunk in chunks:
+            digest.update(chunk)
+            yield chunk
+        yield digest.digest()
+
+    def _write_file(
+        self,
+        slot: int,
+        chunks: Iterator[bytes | memoryview],
+        before_rename: Callable[[], None] | None,
+    ) -> int:
         blob = self.path(slot)
         tmp = blob.with_suffix(".tmp")
         written = 0
@@ -113,12 +141,9 @@ class BlobStore:
             fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 os.fchmod(fd, 0o600)
-                digest = hashlib.blake2b(digest_size=DIGEST)
-                for chunk in self._encode(sid, tokens, arrays):
-                    digest.update(chunk)
+                for chunk in chunks:
                     _write_all(fd, chunk)
                     written += len(chunk)
-                _write_all(fd, digest.digest())
                 os.fsync(fd)
                 if before_rename is not None:
                     before_rename()
@@ -133,7 +158,7 @@ class BlobStore:
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
             raise
-        return written + DIGEST
+        return written
 
     def _encode(
         self, sid: str, tokens: int, arrays: list[torch.Tensor]
@@ -166,21 +191,26 @@ class BlobStore:
         """The arrays of `slot`'s blob, checked whole and for `sid` and `tokens`; a
         `BlobError` otherwise."""
         path = self.path(slot)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(data)
-        except FileNotFoundError as err:
-            raise BlobMissing(f"{path.name}: no such blob") from err
-        except OSError as err:
-            raise BlobUnreadable(f"{path.name}: {err}") from err
-        return _decode(memoryview(data)[:got], path.name, sid, tokens)
+        return _decode(memoryview(_read_whole(path)), path.name, sid, tokens)
 
     def discard(self, slot: int) -> None:
         """Delete `slot`'s blob; one already gone is fine."""
         path = self.path(slot)
         path.unlink(missing_ok=True)
         path.with_suffix(".tmp").unlink(missing_ok=True)
+
+
+def _read_whole(path: Path) -> bytearray:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            got = f.readinto(data)
+    except FileNotFoundError as err:
+        raise BlobMissing(f"{path.name}: no such blob") from err
+    except OSError as err:
+        raise BlobUnreadable(f"{path.name}: {err}") from err
+    del data[got:]
+    return data
 
 
 def _decode(data: memoryview, name: str, sid: str, tokens: int) -> list[torch.Tensor]:

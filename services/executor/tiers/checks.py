@@ -26,6 +26,7 @@ SIDES = {  # kind -> (source tier, destination tier)
     "spill": ("host", "disk"),
     "load": ("disk", "host"),
     "restore": ("host", "device"),
+    "adopt": ("foreign", "disk"),  # another replica's blob: read, never written here
 }
 
 
@@ -39,6 +40,9 @@ class Capacity:
 
     pages: int
     slots: int
+
+
+FOREIGN = Capacity(0, 2**31 - 1)  # another replica's disk: its size is not known here
 
 
 def check_moves(
@@ -93,7 +97,7 @@ def check_moves(
 def _check_side(
     what: str, tier: str, cap: Capacity, pages: np.ndarray, slot: int, expected: int
 ) -> None:
-    if tier == "disk":
+    if tier in ("disk", "foreign"):
         if len(pages):
             raise TierMoveRefused(f"{what}: {len(pages)} pages on the disk side")
     elif len(pages) != expected:

@@ -1,11 +1,12 @@
 """Runs a step's tier moves (shared/messages/tiers.py): the discards first, then every
-spill, hibernate, load and restore, in that order (`MOVE_ORDER`).
+adopt, spill, hibernate, load and restore, in that order (`MOVE_ORDER`).
 
 A move carries one session's state as one unit: the KV of its positions `0..tokens-1`
 (page p of a side holds positions p*page_size ..; the tail of the last page beyond
 `tokens` is not carried: nothing reads it, and a session's next write starts there) in
 every attention layer, K and V, and the conv and SSM state of its slot in every Mamba
-layer. A load whose blob fails its checks, or a spill the disk refuses, fails that move
+layer. A load or an adopt whose blob fails its checks, or a spill or an adopt the disk
+refuses, fails that move
 alone: its index is returned (and logged and counted), its destination holds nothing,
 and the step runs on. Anything else raises, and the runner fails the step.
 
@@ -27,7 +28,7 @@ from prometheus_client import Counter, Histogram
 
 from services.executor.model.pools import DevicePools
 from services.executor.tiers.blob_store import BlobError, BlobMismatch, BlobStore
-from services.executor.tiers.checks import Capacity, check_moves
+from services.executor.tiers.checks import FOREIGN, Capacity, check_moves
 from services.executor.tiers.copier import Copier
 from services.executor.tiers.host_tier import HostTier
 from shared.messages.tiers import MOVE_ORDER, TierMove
@@ -49,7 +50,11 @@ FAILED = Counter(
     ["kind"],
 )
 DISCARDS = Counter("custody_tier_discards_total", "disk blobs deleted as steps asked")
-FAILS: dict[str, tuple[type[Exception], ...]] = {"load": (BlobError,), "spill": (OSError,)}
+FAILS: dict[str, tuple[type[Exception], ...]] = {
+    "load": (BlobError,),
+    "spill": (OSError,),
+    "adopt": (BlobError, OSError),
+}
 for _kind in MOVE_ORDER:  # every kind's series exists from the start, at 0
     for _metric in (MOVES, MOVE_BYTES, MOVE_SECONDS, FAILED):
         _metric.labels(_kind)
@@ -78,12 +83,14 @@ class TierMover:
             "device": Capacity(device.sizes.kv_pages, device.sizes.mamba_slots),
             "host": Capacity(host.kv_pages, host.mamba_slots),
             "disk": Capacity(0, blobs.disk_slots),
+            "foreign": FOREIGN,
         }
         self._run: dict[str, Callable[[TierMove], int]] = {
             "hibernate": self._hibernate,
             "spill": self._spill,
             "load": self._load,
             "restore": self._restore,
+            "adopt": self._adopt,
         }
 
     def validate(self, moves: Sequence[TierMove], discards: Sequence[int]) -> None:
@@ -178,6 +185,11 @@ class TierMover:
         arrays = [t.index_select(1, positions) for t in self.host.kv_tensors]
         arrays += [t[:, move.src_slot] for t in self.host.state_tensors]
         return self.blobs.write(move.dst_slot, move.sid, move.tokens, arrays, self._pause)
+
+    def _adopt(self, move: TierMove) -> int:
+        return self.blobs.adopt(
+            move.src_replica, move.src_slot, move.dst_slot, move.sid, move.tokens
+        )
 
     def _load(self, move: TierMove) -> int:
         arrays = self.blobs.read(move.src_slot, move.sid, move.tokens)

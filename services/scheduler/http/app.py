@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.scheduler.http import openai_routes, routes
+from services.scheduler.http import migration_routes, openai_routes, routes
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.errors import errors
 from services.scheduler.http.openapi import add_openapi_route
@@ -27,7 +27,7 @@ def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:
     schemas = request_schemas(door.vocab_size, door.context_len)
     app[FRONT_DOOR], app[SCHEMAS], app[TENANCY] = door, schemas, tenancy
     app[CHAT] = ChatEncoder(ChatTemplate.load(door.settings.model), door.tokenizer)
-    for method, path, handler in routes.ROUTES + openai_routes.ROUTES:
+    for method, path, handler in routes.ROUTES + openai_routes.ROUTES + migration_routes.ROUTES:
         app.router.add_route(method, path, handler)
     add_openapi_route(app, schemas)
     return app

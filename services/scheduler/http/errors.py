@@ -27,6 +27,7 @@ SESSION_STATUS = {
     "conflict": 409,  # a chat's messages differ from the session's (docs/chat.md)
     "invalid": 400,
     "limit": 429,
+    "moving": 503,  # leaving for another replica: the router sends the retry there
 }
 
 

@@ -46,6 +46,19 @@ ROUTES = {
         "Move a session's state to a tier (operator)", "place_session", replies.Placed
     ),
     ("POST", "/abort_request"): Doc("Abort a request, or all", "abort_request", BOOLEAN),
+    ("POST", "/admin/migrate_out"): Doc(
+        "Stop a session's turns and place its state on disk, to move it (router)",
+        "migrate",
+        replies.Placed,
+    ),
+    ("POST", "/admin/migrate_in"): Doc(
+        "Open a session moved from replica `source`, copying its blob (router)",
+        "migrate",
+        replies.Placed,
+    ),
+    ("POST", "/admin/migrate_done"): Doc(
+        "Close a session that now lives on another replica (router)", "migrate", BOOLEAN
+    ),
     ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/generate"): Doc(

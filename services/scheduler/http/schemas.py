@@ -26,6 +26,7 @@ from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import SESSION_ID
+from shared.streams import REPLICA_ID
 
 MAX_SESSION_TIMEOUT = 7 * 24 * 3600
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -52,6 +53,7 @@ class RequestSchemas:
     close_session: type
     place_session: type
     abort_request: type
+    migrate: type
     completions: type
     chat_completions: type
 
@@ -88,6 +90,14 @@ class PlaceSessionRequest(Struct):
     tier: Literal["device", "host", "disk"]
 
 
+class MigrateRequest(Struct):
+    """The router moves a session between replicas (operator): `source` names the
+    replica it comes from, for the replica it goes to."""
+
+    session_id: str
+    source: Annotated[str, Meta(pattern=REPLICA_ID.pattern)] | None = None
+
+
 class AbortRequest(Struct):
     """One request by id, or every request."""
 
@@ -107,6 +117,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         CloseSessionRequest,
         PlaceSessionRequest,
         AbortRequest,
+        MigrateRequest,
         completions,
         chat,
     )

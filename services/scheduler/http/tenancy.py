@@ -27,7 +27,15 @@ from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-OPERATOR_PATHS = frozenset({"/flush_cache", "/place_session"})
+OPERATOR_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/place_session",
+        "/admin/migrate_out",
+        "/admin/migrate_in",
+        "/admin/migrate_done",
+    }
+)
 MAX_RID = 256
 
 

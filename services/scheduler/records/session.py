@@ -76,6 +76,7 @@ class Session:
     closed: bool = False
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
     chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
+    moving: bool = False  # leaving for another replica: no turn starts (sessions/migration.py)
 
     @property
     def state_tier(self) -> str | None:

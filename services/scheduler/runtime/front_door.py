@@ -21,7 +21,12 @@ from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
+from services.scheduler.runtime.session_rebuild import store_caught_up
+from services.scheduler.sessions import migration
+from shared import streams
 from shared.config import Settings
+from shared.messages.envelope import WireError
+from shared.messages.ownership import RECORDS
 from shared.tokenizer import Tokenizer
 
 Progress = Callable[[Request], Awaitable[None]]
@@ -132,6 +137,39 @@ class FrontDoor:
             await asyncio.sleep(0.002)
         tiers.placing.pop(sid, None)
         return session
+
+    async def migrate_out(self, sid: str) -> Session:
+        """Stop `sid`'s turns, place its state on disk, and return once its record (the
+        one the replica it goes to reads) is persisted by the store."""
+        migration.leave(self._engine.sessions, sid)
+        session = await self.place_session(sid, "disk")
+        await self.durable()
+        if not await store_caught_up(self._redis, self._outbox.keys):
+            raise SessionError("the session store is behind; retry the move", "moving")
+        return session
+
+    async def migrate_in(self, sid: str, source: str, timeout: float = 30.0) -> Session:
+        """Open `sid` from the record replica `source` persisted, its blob copied here;
+        returns once the copy ran (or failed: then it re-prefills) and it is recorded."""
+        raw = await self._redis.hget(streams.Keys(source).session(sid), "record")
+        if raw is None:
+            raise SessionError(f"replica {source} has no record of session {sid}", "not_found")
+        try:
+            record = RECORDS.decode(raw)
+        except WireError as err:
+            raise SessionError(f"the record of session {sid} is refused: {err}", "invalid") from err
+        session = migration.arrive(self._engine.sessions, record, source)
+        deadline = time.monotonic() + timeout
+        while not session.state_ready and time.monotonic() < deadline:
+            self._intake.wake.set()
+            await asyncio.sleep(0.002)
+        await self.durable()
+        return session
+
+    async def migrate_done(self, sid: str) -> None:
+        """`sid` lives on another replica now: close it here."""
+        migration.left(self._engine.sessions, sid)
+        await self.durable()
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:

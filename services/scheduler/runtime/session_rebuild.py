@@ -2,7 +2,11 @@
 the history always, the slots too when the store has applied everything on the ownership
 stream and the executor alive now is the one the records' slots belong to; otherwise
 history only (their next turn re-prefills). A record the store holds that does not decode
-is skipped with a warning: one bad record must not keep the scheduler from starting."""
+is skipped with a warning: one bad record must not keep the scheduler from starting.
+
+With replicas, the placement directory is the authority on where a session lives: a
+record of a session placed on another replica (it moved while this one was down) is not
+taken back but recorded closed here, and a blob it named is deleted as unnamed."""
 
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ async def rebuild_sessions(
     sids = await client.smembers(keys.sessions)
     records: list[SessionRecord] = []
     for sid in sorted(k.decode() for k in sids):
+        placed = await client.get(streams.placement_key(sid))
+        if placed is not None and placed.decode() != keys.replica:
+            log.info("session %s lives on replica %s now; not taken back", sid, placed.decode())
+            sessions.dirty.add(sid)  # recorded closed here
+            continue
         raw = await client.hget(keys.session(sid), "record")
         if raw is None:
             continue

@@ -122,6 +122,8 @@ class SessionManager(DurableRecords, Reencoding):
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {sid} already has a turn in flight", "busy")
+        if session.moving:
+            raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
         if chat is not None and chat.base != len(session.history):
             raise SessionError(f"session {sid} changed while this turn was prepared", "busy")
         prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
@@ -280,8 +282,9 @@ class SessionManager(DurableRecords, Reencoding):
 
     @property
     def tier_work(self) -> bool:
-        """Blobs to delete or sessions to place: a step must be planned for them."""
-        return bool(self.moves.discards) or bool(self.tiers.placing)
+        """Blobs to delete, sessions to place or moves planned (an adopt): a step must be
+        planned for them."""
+        return bool(self.moves.discards or self.tiers.placing or self.moves.batch)
 
     # ---- internals ----
     def _touch(self, session: Session, now: float) -> None:

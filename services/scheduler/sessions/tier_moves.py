@@ -25,7 +25,7 @@ from services.scheduler.allocators.tier_slots import DiskState, HostState, host_
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import Lease, new_lease
 from services.scheduler.ownership.owners import Owner, OwnerKind
-from shared.messages.tiers import MoveKind, TierMove
+from shared.messages.tiers import MOVE_ORDER, MoveKind, TierMove
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
@@ -70,7 +70,7 @@ class TierMoves:
         self.pools, self.cache, self.dirty = pools, cache, dirty
         self.batch = TierBatch()
         self.discards: list[int] = []  # blobs freed since the last step was planned
-        self.moved: dict[str, int] = dict.fromkeys(("hibernate", "spill", "load", "restore"), 0)
+        self.moved: dict[str, int] = dict.fromkeys(MOVE_ORDER, 0)
         self.dropped: dict[str, int] = {"host": 0, "disk": 0}  # states given up for room
         self.failed_loads = 0  # blobs that failed their check: re-prefilled instead
 
@@ -116,6 +116,16 @@ class TierMoves:
         flight.held.append(disk.blob.move_to(self._transit(), "load"))
         flight.source = disk
         s.disk, s.host = None, host
+
+    def adopt(self, s: Session, replica: str, src_slot: int, tokens: int) -> None:
+        """foreign disk -> disk: the blob of `src_slot` that replica `replica` wrote for
+        this session (which moved here) is copied into a disk slot of this replica; the
+        caller checked one is free. A copy that fails leaves the session to re-prefill."""
+        owner = s.owner
+        slot = self.pools.disk.alloc_one(owner, "adopt")
+        blob = DiskState(owner, new_lease(self.pools.disk, owner, slot), tokens)
+        self._plan("adopt", s, blob, src_slot, slot, (), (), replica)
+        s.disk, s.cached_len = blob, tokens
 
     def to_device(self, s: Session) -> None:
         """host -> device: the session holds device slots again, written before the
@@ -182,10 +192,19 @@ class TierMoves:
         dst_slot: int,
         src_pages: np.ndarray | tuple[()],
         dst_pages: np.ndarray | tuple[()],
+        src_replica: str = "",
     ) -> Flight:
         tokens = s.host.tokens if kind == "restore" else dest.tokens
         move = TierMove.of(
-            kind, s.sid, tokens, int(src_slot), int(dst_slot), src_pages, dst_pages, s.owner.id
+            kind,
+            s.sid,
+            tokens,
+            int(src_slot),
+            int(dst_slot),
+            src_pages,
+            dst_pages,
+            s.owner.id,
+            src_replica,
         )
         flight = Flight(move, s, dest)
         self.batch.flights.append(flight)

@@ -1,0 +1,43 @@
+"""The operator routes the router moves a session between replicas with (draining a
+replica, re-homing the sessions of a dead one): sessions/migration.py has the why."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS
+from services.scheduler.http.common import read_body
+from services.scheduler.http.replies import Placed
+from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.session import Session
+
+
+def _placed(session: Session) -> web.Response:
+    placed = Placed(session.sid, session.state_tier, session.cached_len)
+    return web.json_response(msgspec.to_builtins(placed))
+
+
+async def migrate_out(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].migrate)
+    return _placed(await request.app[FRONT_DOOR].migrate_out(body.session_id))
+
+
+async def migrate_in(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].migrate)
+    if body.source is None:
+        raise InvalidRequest("source: the replica the session comes from is required")
+    return _placed(await request.app[FRONT_DOOR].migrate_in(body.session_id, body.source))
+
+
+async def migrate_done(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].migrate)
+    await request.app[FRONT_DOOR].migrate_done(body.session_id)
+    return web.json_response(True)
+
+
+ROUTES = (
+    ("POST", "/admin/migrate_out", migrate_out),
+    ("POST", "/admin/migrate_in", migrate_in),
+    ("POST", "/admin/migrate_done", migrate_done),
+)
