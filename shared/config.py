@@ -21,6 +21,9 @@ class Settings:
     # this replica's id (its Redis names carry it, shared/streams.py); custody up sets it
     replica: str = "0"
     replicas: int = 1  # custody up: replicas to start; more than 1 puts the router on `port`
+    # a replica whose registration is missing this long is dead: the router re-homes its
+    # sessions (until then their turns wait)
+    replica_dead_seconds: float = 10.0
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
     tokenizer: str = "auto"

@@ -72,6 +72,23 @@ class Keys:
         return self._name("alive")
 
     @property
+    def placed(self) -> str:
+        """Set of the sessions the placement directory puts on this replica (the router
+        keeps it beside each placement)."""
+        return self._name("placed")
+
+    @property
+    def draining(self) -> str:
+        """Set while the replica is drained: the router places nothing new on it."""
+        return self._name("draining")
+
+    @property
+    def rehoming(self) -> str:
+        """Held (expiring) by the router re-homing this dead replica's sessions; its
+        restarted scheduler waits for it to go before it takes its sessions back."""
+        return self._name("rehoming")
+
+    @property
     def sessions(self) -> str:
         """Set of persisted session ids."""
         return self._name("sessions")

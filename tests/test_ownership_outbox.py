@@ -92,3 +92,22 @@ def test_an_open_or_a_close_is_answered_only_once_its_record_is_on_the_stream(re
         await service.link.results.aclose()
 
     asyncio.run(scenario())
+
+
+def test_durable_returns_when_a_later_pass_has_nothing_to_send(redis_url):
+    """A wait for records that are already on the stream (a migration's, after its tier
+    moves shipped them) ends with the next pass even when that pass takes nothing: it
+    used to wait for unrelated traffic to flush something."""
+
+    async def scenario() -> None:
+        service = Scheduler(stack_settings(redis_url))
+        await service.start()
+        await service.loop.ship_events()  # everything so far is on the stream
+        waiting = asyncio.ensure_future(service.front_door.durable())
+        await asyncio.sleep(0.01)
+        await service.loop.ship_events()  # a pass that takes nothing, and its flush
+        await asyncio.wait_for(waiting, 5)
+        await service.redis.aclose()
+        await service.link.results.aclose()
+
+    asyncio.run(scenario())

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from services.router.choice import Chooser
 from services.router.directory import Directory
+from services.router.migration import Mover
 from services.router.proxy import Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
@@ -70,9 +71,10 @@ class Router:
         proxy: Proxy,
         tenancy: Tenancy,
         chooser: Chooser,
+        mover: Mover,
     ) -> None:
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
-        self.metrics, self.chooser = proxy.metrics, chooser
+        self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
@@ -97,13 +99,16 @@ class Router:
             return await self.to_placed(request, body, home, "request", received)
         if request.path == "/open_session":
             return await self.open_session(request, parsed, body, received)
+        if request.path == "/admin/drain":
+            return await self.drain(caller.operator, parsed)
         sid = session_of(request.path, parsed)
         if sid is not None:
+            await self.mover.settled(sid)
             home = await self.directory.session(sid)
             if home is not None:
                 response = await self.to_placed(request, body, home, "affinity", received)
                 if request.path == "/close_session" and response.status == 200:
-                    await self.directory.forget(sid)
+                    await self.directory.forget(sid, home)
                 return response
         choice = self.chooser.pick(request.path, parsed)
         if choice is None:
@@ -135,8 +140,17 @@ class Router:
         if response.status == 200:  # ... its replica's registration counts it
             replica.placed.append(time.time())
         if placed and response.status != 200:
-            await self.directory.forget(sid)
+            await self.directory.forget(sid, home)
         return response
+
+    async def drain(self, operator: bool, body: dict | None) -> web.Response:
+        """Move every session off a replica, which takes nothing new from then on."""
+        if not operator:
+            return _error(403, "/admin/drain needs an operator key", "permission_error")
+        replica = body.get("replica") if body else None
+        if not isinstance(replica, str) or replica not in self.table.known:
+            return _error(404, f"no replica {replica!r}", "not_found")
+        return web.json_response(await self.mover.drain(replica))
 
     async def to_placed(
         self, request: web.Request, body: bytes, home: str, decision: str, received: float

@@ -75,7 +75,7 @@ class Chooser:
 
     def pick(self, path: str, body: dict | None) -> Choice | None:
         """The replica for a request to `path` with JSON `body`; None if none is ready."""
-        ready = self.table.ready()
+        ready = self.table.placeable()
         if not ready:
             return None
         tokens = self.prompt(path, body)

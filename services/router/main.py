@@ -15,6 +15,7 @@ from services.router.app import Router
 from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.metrics import RouterMetrics
+from services.router.migration import Mover
 from services.router.prefix_feed import PrefixFeed
 from services.router.prefix_index import PrefixIndex
 from services.router.proxy import Proxy
@@ -38,7 +39,10 @@ async def serve(settings: Settings) -> None:
     tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
     chooser = Chooser(table, index, tokenizer, settings.context_len, metrics)
     tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
-    router = Router(table, Directory(client), proxy, tenancy, chooser)
+    directory = Directory(client)
+    admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
+    mover = Mover(table, directory, proxy.session, admin_key, settings.replica_dead_seconds)
+    router = Router(table, directory, proxy, tenancy, chooser, mover)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None)
@@ -46,10 +50,12 @@ async def serve(settings: Settings) -> None:
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("router listening on http://%s:%d", settings.host, settings.port)
     feeding = asyncio.create_task(PrefixFeed(client, table, index).run())
+    watching = asyncio.create_task(mover.watch())
     try:
         await table.run()
     finally:
         feeding.cancel()
+        watching.cancel()
         await proxy.close()
         await runner.cleanup()
 

@@ -28,6 +28,7 @@ class Replica:
     queued: int
     registered_sessions: int  # open on it when it wrote its registration
     written: float  # wall time the replica wrote its registration
+    draining: bool = False  # an operator drains it: nothing new is placed on it
     in_flight: int = 0  # requests this router sent it that have not ended
     # this router's opens: inf while one runs, then the wall time its answer came
     placed: list[float] = field(default_factory=list)
@@ -47,9 +48,11 @@ class ReplicaTable:
     def __init__(self, client: aioredis.Redis, period: float) -> None:
         self.client, self.period = client, period
         self.live: dict[str, Replica] = {}
+        self.known: list[str] = []  # every replica id ever registered
 
     async def refresh(self) -> None:
         ids = sorted(m.decode() for m in await self.client.smembers(streams.REPLICAS))
+        self.known = ids
         live: dict[str, Replica] = {}
         for rid in ids:  # one key each: on a cluster they live on different slots
             raw = await self.client.get(streams.Keys(rid).alive)
@@ -69,6 +72,7 @@ class ReplicaTable:
             except (ValueError, KeyError, TypeError) as err:
                 log.error("replica %s: unreadable registration (%s); skipped", rid, err)
                 continue
+            replica.draining = bool(await self.client.exists(streams.Keys(rid).draining))
             old = self.live.get(rid)
             if old is not None:
                 replica.in_flight = old.in_flight
@@ -85,12 +89,17 @@ class ReplicaTable:
             await asyncio.sleep(self.period)
 
     def ready(self) -> list[Replica]:
+        """Live replicas with an executor: they answer requests."""
         return [r for r in self.live.values() if r.executor]
 
-    def least_loaded(self) -> Replica | None:
-        """The ready replica with the least load; among equals the one with the fewest
-        sessions, then one at random."""
-        ready = self.ready()
+    def placeable(self, excluding: str | None = None) -> list[Replica]:
+        """Ready replicas that take new work (not drained)."""
+        return [r for r in self.ready() if not r.draining and r.id != excluding]
+
+    def least_loaded(self, excluding: str | None = None) -> Replica | None:
+        """The placeable replica with the least load; among equals the one with the
+        fewest sessions, then one at random."""
+        ready = self.placeable(excluding)
         if not ready:
             return None
         least = min((r.load, r.sessions) for r in ready)

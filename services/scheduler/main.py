@@ -76,6 +76,7 @@ class Scheduler:
         # From now on the executor refuses steps of any earlier scheduler life.
         await self.redis.set(self.keys.scheduler_epoch, self.outbox.shipper.epoch)
         epoch = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
+        await self.redis.delete(self.keys.draining)  # a restarted replica takes work again
         if epoch is not None:
             self.link.epoch = epoch
         self.outbox.queue_snapshot()

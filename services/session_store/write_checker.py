@@ -99,7 +99,7 @@ class PlannedStep:
         what = f"{move.kind} of session {move.sid}"
         if move.owner:
             self.parties.add(move.owner)
-        if move.kind == "spill":
+        if move.kind in ("spill", "adopt"):  # to a blob of this replica's disk tier
             self.writes.append(Write("disk", (move.dst_slot,), move.owner, what))
             return
         restore = move.kind == "restore"

@@ -36,8 +36,15 @@ async def migrate_done(request: web.Request) -> web.Response:
     return web.json_response(True)
 
 
+async def migrate_cancel(request: web.Request) -> web.Response:
+    body = await read_body(request, request.app[SCHEMAS].migrate)
+    request.app[FRONT_DOOR].migrate_cancel(body.session_id)
+    return web.json_response(True)
+
+
 ROUTES = (
     ("POST", "/admin/migrate_out", migrate_out),
     ("POST", "/admin/migrate_in", migrate_in),
     ("POST", "/admin/migrate_done", migrate_done),
+    ("POST", "/admin/migrate_cancel", migrate_cancel),
 )

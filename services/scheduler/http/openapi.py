@@ -59,6 +59,9 @@ ROUTES = {
     ("POST", "/admin/migrate_done"): Doc(
         "Close a session that now lives on another replica (router)", "migrate", BOOLEAN
     ),
+    ("POST", "/admin/migrate_cancel"): Doc(
+        "A move that failed: the session takes turns here again (router)", "migrate", BOOLEAN
+    ),
     ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/generate"): Doc(

@@ -34,6 +34,7 @@ OPERATOR_PATHS = frozenset(
         "/admin/migrate_out",
         "/admin/migrate_in",
         "/admin/migrate_done",
+        "/admin/migrate_cancel",
     }
 )
 MAX_RID = 256

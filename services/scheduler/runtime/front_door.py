@@ -166,6 +166,10 @@ class FrontDoor:
         await self.durable()
         return session
 
+    def migrate_cancel(self, sid: str) -> None:
+        """The move of `sid` failed before its placement changed: it stays here."""
+        migration.stay(self._engine.sessions, sid)
+
     async def migrate_done(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here."""
         migration.left(self._engine.sessions, sid)

@@ -92,9 +92,10 @@ class OwnershipOutbox:
     async def flush(self, redis: aioredis.Redis, step: bytes | None = None) -> None:
         """Every message not yet on the stream, in order, then `step` on the forward
         stream, in one round trip; a message leaves the outbox only once Redis took it."""
-        if not self.messages and not self.cache_messages and step is None:
-            return
         carried = self.taken
+        if not self.messages and not self.cache_messages and step is None:
+            self._shipped(carried)  # the passes up to here took nothing: all is on the stream
+            return
         pipe = redis.pipeline(transaction=False)
         stream, maxlen = self.keys.ownership, self.stream_maxlen
         for message in self.messages:
@@ -106,6 +107,10 @@ class OwnershipOutbox:
         await pipe.execute()
         self.messages.clear()
         self.cache_messages.clear()
+        self._shipped(carried)
+
+    def _shipped(self, carried: int) -> None:
+        """What the passes up to `carried` took is on the stream: wake `durable`."""
         self.shipped = carried
         self._flushed.set()
         self._flushed = asyncio.Event()

@@ -29,6 +29,7 @@ async def rebuild_sessions(
 ) -> str | None:
     """Rebuild every recorded session; returns the live executor's epoch when there were
     records (their slots are valid on it), else None."""
+    await rehoming_over(client, keys)
     caught_up = await store_caught_up(client, keys)
     sids = await client.smembers(keys.sessions)
     records: list[SessionRecord] = []
@@ -55,6 +56,15 @@ async def rebuild_sessions(
         return None
     log.info("rebuilt %d sessions from the session store", len(records))
     return epoch
+
+
+async def rehoming_over(client: aioredis.Redis, keys: streams.Keys, timeout: float = 300) -> None:
+    """Until no router is re-homing this replica's sessions (it was found dead): what it
+    moves, this scheduler must not take back."""
+    deadline = time.monotonic() + timeout
+    while await client.exists(keys.rehoming) and time.monotonic() < deadline:
+        log.info("a router is re-homing this replica's sessions; waiting")
+        await asyncio.sleep(0.5)
 
 
 async def store_caught_up(

@@ -41,6 +41,15 @@ def left(sessions: SessionManager, sid: str) -> None:
     sessions.close(sid)
 
 
+def stay(sessions: SessionManager, sid: str) -> None:
+    """A move that failed before the placement changed: the session takes turns here
+    again (its state is on disk now, and loads back for its next turn)."""
+    session = sessions.sessions.get(sid)
+    if session is None or not session.moving:
+        raise SessionError(f"session {sid} is not moving away from this replica", "not_found")
+    session.moving = False
+
+
 def arrive(sessions: SessionManager, record: SessionRecord, source: str) -> Session:
     """Open the session of `record` (persisted by replica `source`) here, and plan the
     copy of its blob if it names one and a disk slot is free."""

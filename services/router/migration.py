@@ -1,0 +1,148 @@
+"""Moving sessions between replicas: draining one before it stops, and re-homing the
+sessions of one that died.
+
+A move has two phases, and the placement directory is its commit point. First the
+session's state is copied: the replica it leaves stops its turns and places its state
+on its disk tier (`/admin/migrate_out`), and the replica it goes to opens it from the
+record the first one persisted and copies its blob (`/admin/migrate_in`). Then the
+placement is flipped, only if it still names the replica the session left (one key,
+compare-and-set), and the old replica closes its copy (`/admin/migrate_done`). Until the
+flip every router sends turns to the old replica, which answers 503 while the session is
+moving; this router holds them instead, and sends them on once the move is over. A move
+that fails before the flip leaves the session where it was (`/admin/migrate_cancel`).
+
+A replica is dead once its registration has been missing for `replica_dead_seconds`;
+until then its sessions' turns wait (503, Retry-After). Then one router (holding the
+replica's `rehoming` key) moves each of its sessions to a live replica, from the record
+the store persisted: with the state when that record names a blob the new replica can
+read, else from the history. Its restarted scheduler waits for the key to go, then takes
+back nothing the directory has placed elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from services.router.directory import Directory
+from services.router.replicas import Replica, ReplicaTable
+from shared import streams
+
+log = logging.getLogger("custody.router")
+REHOMING_SECONDS = 300  # the re-homing lock's expiry, should its router die holding it
+
+
+class Mover:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        directory: Directory,
+        session: aiohttp.ClientSession,
+        admin_key: str | None,
+        dead_seconds: float,
+    ) -> None:
+        self.table, self.directory, self.session = table, directory, session
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.dead_seconds = dead_seconds
+        self.moving: dict[str, asyncio.Event] = {}
+        self.last_seen: dict[str, float] = {}
+        self.moved = {"state": 0, "history": 0, "failed": 0}
+
+    async def settled(self, sid: str) -> None:
+        """Until a move of `sid` by this router is over."""
+        event = self.moving.get(sid)
+        if event is not None:
+            await event.wait()
+
+    async def _post(self, replica: Replica, path: str, body: dict) -> tuple[int, object]:
+        try:
+            async with self.session.post(
+                replica.url + path, json=body, headers=self.headers
+            ) as resp:
+                return resp.status, await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, ValueError) as err:
+            return 503, str(err)
+
+    async def move(self, sid: str, source: str, target: Replica) -> str:
+        """Move `sid` from replica `source` (live or dead) to `target`; how it went:
+        `state` (its state came along), `history` (it will re-prefill) or `failed`."""
+        self.moving[sid] = asyncio.Event()
+        try:
+            outcome = await self._move(sid, source, target)
+        finally:
+            self.moving.pop(sid).set()
+        self.moved[outcome] += 1
+        log.info("session %s: %s -> %s: %s", sid, source, target.id, outcome)
+        return outcome
+
+    async def _move(self, sid: str, source: str, target: Replica) -> str:
+        leaving = self.table.live.get(source)
+        if leaving is not None:
+            status, answer = await self._post(leaving, "/admin/migrate_out", {"session_id": sid})
+            if status != 200:
+                log.warning("session %s stays on %s: %s", sid, source, answer)
+                return "failed"
+        body = {"session_id": sid, "source": source}
+        status, placed = await self._post(target, "/admin/migrate_in", body)
+        moved = status == 200 and await self.directory.move(sid, source, target.id)
+        if not moved:
+            log.warning("session %s not moved to %s: %s", sid, target.id, placed)
+            if status == 200:  # placed elsewhere meanwhile: the copy here goes
+                await self._post(target, "/admin/migrate_done", {"session_id": sid})
+            if leaving is not None:
+                await self._post(leaving, "/admin/migrate_cancel", {"session_id": sid})
+            return "failed"
+        if leaving is not None:
+            await self._post(leaving, "/admin/migrate_done", {"session_id": sid})
+        has_state = isinstance(placed, dict) and placed.get("cached_tokens", 0) > 0
+        return "state" if has_state else "history"
+
+    async def drain(self, replica: str) -> dict:
+        """Place nothing new on `replica` and move every session off it."""
+        await self.directory.client.set(streams.Keys(replica).draining, 1)
+        await self.table.refresh()
+        return await self._empty(replica)
+
+    async def _empty(self, replica: str) -> dict:
+        outcomes = {"state": 0, "history": 0, "failed": 0}
+        for sid in await self.directory.placed_on(replica):
+            target = self.table.least_loaded(excluding=replica)
+            if target is None:
+                outcomes["failed"] += 1
+                continue
+            outcomes[await self.move(sid, replica, target)] += 1
+        return {"replica": replica, **outcomes}
+
+    async def watch(self) -> None:
+        """Re-home the sessions of replicas found dead, forever."""
+        while True:
+            await asyncio.sleep(self.table.period)
+            try:
+                for replica in self._dead():
+                    await self._rehome(replica)
+            except (ConnectionError, OSError) as err:
+                log.warning("re-homing check failed (%s); retrying", err)
+
+    def _dead(self) -> list[str]:
+        now = time.monotonic()
+        for rid in self.table.live:
+            self.last_seen[rid] = now
+        for rid in self.table.known:
+            self.last_seen.setdefault(rid, now)  # a replica first seen dead gets its grace
+        return [r for r, seen in self.last_seen.items() if now - seen > self.dead_seconds]
+
+    async def _rehome(self, replica: str) -> None:
+        client, keys = self.directory.client, streams.Keys(replica)
+        if not await self.directory.placed_on(replica):
+            return
+        if not await client.set(keys.rehoming, 1, nx=True, ex=REHOMING_SECONDS):
+            return  # another router is at it
+        try:
+            if await client.exists(keys.alive):
+                return  # it came back
+            log.warning("replica %s is dead: re-homing its sessions", replica)
+            log.info("re-homed from %s: %s", replica, await self._empty(replica))
+        finally:
+            await client.delete(keys.rehoming)

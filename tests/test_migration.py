@@ -1,0 +1,147 @@
+"""Sessions moving between two replicas, as processes on a real Redis: a drained
+replica's sessions resume from their state on the other; a replica killed whole (its
+scheduler and executor SIGKILLed) has its sessions re-homed and continued from their
+history; every answer equals one-shot, and neither replica's ledger leaks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import redis
+
+from custody.up import Stack
+from shared import streams
+from tests.services_harness import call, stack_settings, start_stack
+from tests.test_replicas import OUTPUT, one_shots, turn
+
+SESSIONS, INPUT = 6, 8
+
+
+def placements(client: redis.Redis, sids: list[str]) -> dict[str, str]:
+    return {sid: client.get(streams.placement_key(sid)).decode() for sid in sids}
+
+
+def patient_turn(port: int, sid: str, ids: list[int]) -> dict:
+    """One turn, retried while its replica answers 503 (dead, or its session moving)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return turn(port, sid, ids)
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and time.monotonic() < deadline, err
+            time.sleep(0.5)
+
+
+def patient_turns(port: int, inputs: dict[str, list[int]]) -> dict[str, dict]:
+    """One turn of every session at once, each patient."""
+    replies: dict[str, dict] = {}
+
+    def run(sid: str) -> None:
+        replies[sid] = patient_turn(port, sid, inputs[sid])
+
+    threads = [threading.Thread(target=run, args=(sid,)) for sid in inputs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert set(replies) == set(inputs), "a turn failed (see its thread's error)"
+    return replies
+
+
+def play(port: int, sids: list[str], history: dict, rng, turns: int, resumed: bool) -> list:
+    """`turns` turns of every session; each must resume from state if `resumed`."""
+    metas = []
+    for _ in range(turns):
+        inputs = {sid: rng.integers(0, 256, INPUT).tolist() for sid in sids}
+        replies = patient_turns(port, inputs)
+        for sid in sids:
+            meta = replies[sid]["meta_info"]
+            if resumed:
+                assert meta["cached_tokens"] >= len(history[sid]) - 16, (sid, meta)
+            history[sid] += inputs[sid] + replies[sid]["output_ids"]
+            metas.append(meta)
+    return metas
+
+
+def ledgers_clean(stack: Stack) -> None:
+    """Both replicas' ledgers, once idle: no violation, nothing leaked."""
+    deadline = time.monotonic() + 20
+    while True:
+        views = call(stack.settings.store_port, "/ledger/replicas")["replicas"]
+        busy = [
+            r for r, v in views.items() for c in v["counts"].values() if c["request"] or c["track"]
+        ]
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(views) == {"0", "1"}
+    for view in views.values():
+        assert view["violations"] == [] and view["leaked"] == {}, view
+
+
+def check_one_shot(sids: list[str], history: dict) -> None:
+    expected = one_shots([history[sid][:-OUTPUT] for sid in sids])
+    assert [history[sid][-OUTPUT:] for sid in sids] == expected
+
+
+def test_a_drained_replica_s_sessions_resume_from_their_state_elsewhere(redis_url, redis_client):
+    stack = start_stack(stack_settings(redis_url, replicas=2))
+    try:
+        port, rng = stack.settings.port, np.random.default_rng(3)
+        sids = [call(port, "/open_session", {}) for _ in range(SESSIONS)]
+        history = {sid: [] for sid in sids}
+        play(port, sids, history, rng, 2, resumed=False)
+        on_zero = [s for s, r in placements(redis_client, sids).items() if r == "0"]
+        drained = call(port, "/admin/drain", {"replica": "0"})
+        assert drained == {"replica": "0", "state": len(on_zero), "history": 0, "failed": 0}
+        assert set(placements(redis_client, sids).values()) == {"1"}
+        play(port, sids, history, rng, 2, resumed=True)
+        check_one_shot(sids, history)
+        new = call(port, "/open_session", {}).encode()
+        assert new in redis_client.smembers(streams.Keys("1").placed)  # none on a drained one
+        ledgers_clean(stack)
+    finally:
+        stack.stop()
+
+
+def test_a_dead_replica_s_sessions_continue_on_the_other(redis_url, redis_client):
+    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=2.0))
+    try:
+        port, rng = stack.settings.port, np.random.default_rng(5)
+        sids = [call(port, "/open_session", {}) for _ in range(SESSIONS)]
+        history = {sid: [] for sid in sids}
+        play(port, sids, history, rng, 2, resumed=False)
+        stack.kill("scheduler-0")
+        stack.kill("executor-0")
+        play(port, sids, history, rng, 1, resumed=False)  # waits out the death, re-homed
+        assert set(placements(redis_client, sids).values()) == {"1"}
+        play(port, sids, history, rng, 1, resumed=True)
+        check_one_shot(sids, history)
+        restart(stack, "scheduler-0", "executor-0")
+        deadline = time.monotonic() + 15  # the store records what replica 0 gave up
+        while redis_client.scard(streams.Keys("0").sessions) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert redis_client.scard(streams.Keys("0").sessions) == 0  # nothing taken back
+        ledgers_clean(stack)
+    finally:
+        stack.stop()
+
+
+def restart(stack: Stack, *names: str) -> None:
+    deadline = time.monotonic() + 90
+    url = f"http://127.0.0.1:{stack.settings.port}/health"
+    while time.monotonic() < deadline:
+        stack.supervise_once()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if json.loads(resp.read())["ready"] == 2:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{names} did not come back")
