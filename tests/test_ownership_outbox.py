@@ -32,7 +32,7 @@ def test_ownership_messages_survive_a_redis_restart_without_a_gap():
     with PrivateRedis(appendonly=True) as server:
 
         async def scenario() -> None:
-            service = Scheduler(stack_settings(server.url))
+            service = await Scheduler.connect(stack_settings(server.url))
             await service.start()
             pools = service.engine.pools
             owner = pools.ledger.new_owner(OwnerKind.REQUEST, "r1")
@@ -69,7 +69,7 @@ def test_an_open_or_a_close_is_answered_only_once_its_record_is_on_the_stream(re
     by a flush that took the records before the change, released by the one after."""
 
     async def scenario() -> None:
-        service = Scheduler(stack_settings(redis_url))
+        service = await Scheduler.connect(stack_settings(redis_url))
         await service.start()
         outbox, door = service.outbox, service.front_door
         outbox.queue_ownership(None)  # a pass takes the records, then ...
@@ -100,7 +100,7 @@ def test_durable_returns_when_a_later_pass_has_nothing_to_send(redis_url):
     used to wait for unrelated traffic to flush something."""
 
     async def scenario() -> None:
-        service = Scheduler(stack_settings(redis_url))
+        service = await Scheduler.connect(stack_settings(redis_url))
         await service.start()
         await service.loop.ship_events()  # everything so far is on the stream
         waiting = asyncio.ensure_future(service.front_door.durable())

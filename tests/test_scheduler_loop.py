@@ -30,8 +30,9 @@ def cache_messages(client: redis.Redis) -> list[CacheMessage]:
 
 
 def started(url: str) -> Scheduler:
-    service = Scheduler(stack_settings(url))
-    asyncio.get_event_loop().run_until_complete(service.start())
+    loop = asyncio.get_event_loop()
+    service = loop.run_until_complete(Scheduler.connect(stack_settings(url)))
+    loop.run_until_complete(service.start())
     service.link.epoch = "executor-under-test"  # steps are published for it
     return service
 

@@ -21,6 +21,7 @@ import redis
 
 from custody.soak.client import call
 from shared import streams
+from shared.redis_client import connect
 
 KEYS = streams.SINGLE  # the one replica of the stacks these drive
 
@@ -30,7 +31,7 @@ POLL_SECONDS = 0.003  # a move sleeps tier_move_delay_seconds half-way: far long
 
 class TierWatch:
     def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.client = connect(redis_url, socket_timeout=2, socket_connect_timeout=2)
 
     def in_flight(self) -> set[str]:
         """The kinds the mark shows with a move in flight; empty when Redis is down."""

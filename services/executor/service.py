@@ -35,6 +35,7 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError, encode
 from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
+from shared.redis_client import connect
 
 log = logging.getLogger("custody.executor")
 STEPS = Counter(
@@ -56,7 +57,7 @@ MALFORMED = Counter(
 class ExecutorService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.client = redis.Redis.from_url(settings.redis_url)
+        self.client = connect(settings.redis_url)
         self.keys = streams.Keys(settings.replica)
         self.epoch = secrets.token_hex(8)
         self.name = f"executor-{self.epoch}"

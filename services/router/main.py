@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import logging
 
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.router.app import Router
@@ -22,6 +21,7 @@ from services.router.proxy import Proxy
 from services.router.replicas import ReplicaTable
 from services.scheduler.http.tenancy import Tenancy
 from shared.config import Settings
+from shared.redis_client import connect_async
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
@@ -29,7 +29,7 @@ MAX_BODY = 64 << 20  # the replicas enforce their own limit; this only bounds th
 
 
 async def serve(settings: Settings) -> None:
-    client = aioredis.from_url(settings.redis_url)
+    client = await connect_async(settings.redis_url)
     table = ReplicaTable(client, period=min(0.5, settings.heartbeat_seconds))
     await table.refresh()
     metrics, index = RouterMetrics(table), PrefixIndex()

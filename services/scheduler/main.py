@@ -29,18 +29,24 @@ from services.scheduler.runtime.step_loop import StepLoop
 from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
+from shared.redis_client import connect_async
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.scheduler")
 
 
 class Scheduler:
-    def __init__(self, settings: Settings) -> None:
+    @classmethod
+    async def connect(cls, settings: Settings) -> Scheduler:
+        """A scheduler on the Redis (or Redis Cluster) of `settings`."""
+        return cls(settings, await connect_async(settings.redis_url))
+
+    def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
         self.settings = settings
         model = builtin_config() if settings.model is None else ModelConfig.from_dir(settings.model)
         tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.engine = build_engine(settings, model, tokenizer, strict=False)
-        self.redis = aioredis.from_url(settings.redis_url)
+        self.redis = redis
         self.keys = streams.Keys(settings.replica)
         shipper = EventShipper(self.engine.pools.ledger)
         self.link = ExecutorLink(shipper.epoch, settings.executor_timeout_seconds, self.keys)
@@ -86,7 +92,7 @@ class Scheduler:
 
 
 async def serve(settings: Settings) -> None:
-    scheduler = Scheduler(settings)
+    scheduler = await Scheduler.connect(settings)
     await scheduler.start()
     app = build_app(scheduler.front_door, scheduler.tenancy)
     runner = GuardedRunner(app, settings.read_timeout_seconds, settings.keepalive_seconds)

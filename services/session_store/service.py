@@ -12,7 +12,6 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -23,6 +22,7 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
+from shared.redis_client import connect
 
 log = logging.getLogger("custody.session_store")
 # Each replica's loop holds a thread while its read blocks: room for many replicas' reads
@@ -32,7 +32,7 @@ MAX_THREADS = 64
 
 class StoreService:
     def __init__(self, settings: Settings) -> None:
-        self.client = redis.Redis.from_url(settings.redis_url)
+        self.client = connect(settings.redis_url)
         self.replica = settings.replica  # the store's own: what /ledger shows unasked
         self.replicas = ReplicaConsumers(self.client, settings.replica)
         self.registry = CollectorRegistry()

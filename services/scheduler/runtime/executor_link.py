@@ -17,6 +17,7 @@ from services.scheduler.engine.step import StepPlan
 from shared import streams
 from shared.messages.envelope import WireError
 from shared.messages.forward import ResultHead, StepResult, decode_result, decode_result_head
+from shared.redis_client import connect_async
 
 log = logging.getLogger("custody.scheduler")
 
@@ -43,7 +44,7 @@ class ExecutorLink:
     async def start(self, redis_url: str, redis: aioredis.Redis) -> None:
         """Read results from an explicit id, never "$": a result that lands between
         publishing a step and starting to read must not be missed."""
-        self.results = aioredis.from_url(redis_url)
+        self.results = await connect_async(redis_url)
         last = await redis.xrevrange(self.keys.results, count=1)
         self._results_from = last[0][0] if last else "0-0"
 
