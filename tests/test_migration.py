@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 import redis
 
 from custody.up import Stack
@@ -100,6 +101,10 @@ def test_a_drained_replica_s_sessions_resume_from_their_state_elsewhere(redis_ur
         drained = call(port, "/admin/drain", {"replica": "0"})
         assert drained == {"replica": "0", "state": len(on_zero), "history": 0, "failed": 0}
         assert set(placements(redis_client, sids).values()) == {"1"}
+        home = stack.layout["scheduler-1"][1].port
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the directory puts it here
+            call(home, "/admin/migrate_done", {"session_id": sids[0]})
+        assert refused.value.code == 409
         play(port, sids, history, rng, 2, resumed=True)
         check_one_shot(sids, history)
         new = call(port, "/open_session", {}).encode()

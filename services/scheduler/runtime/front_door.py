@@ -171,7 +171,11 @@ class FrontDoor:
         migration.stay(self._engine.sessions, sid)
 
     async def migrate_done(self, sid: str) -> None:
-        """`sid` lives on another replica now: close it here."""
+        """`sid` lives on another replica now: close it here. Refused while the placement
+        directory still puts it on this replica."""
+        placed = await self._redis.get(streams.placement_key(sid))
+        if placed is not None and placed.decode() == self._outbox.keys.replica:
+            raise SessionError(f"session {sid} is placed on this replica", "busy")
         migration.left(self._engine.sessions, sid)
         await self.durable()
 
