@@ -1,4 +1,5 @@
-# One image for the three services; docker-compose.yml chooses the command of each.
+# One image for every service; docker-compose.yml chooses the command of each (a replica
+# container's: `python -m custody.replica`, its scheduler and executor together).
 FROM python:3.11-slim
 WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0

@@ -75,7 +75,14 @@ class Backoff:
 
 
 class Stack:
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        plan: Callable[[Settings], dict[str, tuple[str, Settings]]] = layout,
+    ) -> None:
+        """`plan` chooses the children: `layout` for `custody up`, one replica's two for a
+        compose replica container (custody/replica.py)."""
         self.redis: PrivateRedis | None = None
         if not settings.redis_url:
             self.redis = PrivateRedis(appendonly=True).start()
@@ -85,7 +92,7 @@ class Stack:
             self.state_dir = Path(tempfile.mkdtemp(prefix="custody-state-"))  # mode 0700
             settings = dataclasses.replace(settings, state_dir=self.state_dir)
         self.settings = settings
-        self.layout = layout(settings)
+        self.layout = plan(settings)
         self.children: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = dict.fromkeys(self.layout, 0)
         self.clock = clock
@@ -158,6 +165,18 @@ class Stack:
 def run(settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s up %(message)s")
     stack = Stack(settings)
+    s = stack.settings
+    return supervise(
+        stack,
+        f"custody API on http://{s.host}:{s.port}  (ledger: http://{s.store_host}:"
+        f"{s.store_port}/ledger; redis: {masked_url(s.redis_url)})",
+    )
+
+
+def supervise(stack: Stack, banner: str) -> int:
+    """Start every child, print `banner`, restart any child that exits until SIGTERM or
+    SIGINT, then stop them all: `custody up`'s loop, and a compose replica container's
+    (custody/replica.py), so both restart a dead service the same way."""
     stopping = False
 
     def on_signal(*_: object) -> None:
@@ -168,12 +187,7 @@ def run(settings: Settings) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start_all()
-        s = stack.settings
-        print(
-            f"custody API on http://{s.host}:{s.port}  (ledger: http://{s.store_host}:"
-            f"{s.store_port}/ledger; redis: {masked_url(s.redis_url)})",
-            flush=True,
-        )
+        print(banner, flush=True)
         while not stopping:
             stack.supervise_once()
             time.sleep(0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from shared.tokenizer import TOKENIZER_KINDS
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = ""  # empty: `custody up` starts a private Redis
-    # this replica's id (its Redis names carry it, shared/streams.py); custody up sets it
+    # this replica's id (its Redis names carry it, shared/streams.py); custody up sets it;
+    # auto: this machine's hostname (hostname_replica)
     replica: str = "0"
     replicas: int = 1  # custody up: replicas to start; more than 1 puts the router on `port`
     # a replica whose registration is missing this long is dead: the router re-homes its
@@ -155,6 +157,8 @@ class Settings:
                 values[f.name] = flag
             elif env is not None and env != "":
                 values[f.name] = _kind(f.type)(env)
+        if values.get("replica") == "auto":
+            values["replica"] = hostname_replica()
         settings = cls(**values)
         settings.check()
         return settings
@@ -167,6 +171,21 @@ class Settings:
             else str(getattr(self, f.name))
             for f in fields(self)
         }
+
+
+def hostname_replica() -> str:
+    """The replica id `auto` stands for: this machine's hostname. The containers of a
+    scaled compose service cannot be numbered, but each has a hostname of its own (its
+    short container id) that its restarts keep and that names it on the compose network,
+    so a restarted replica is the same replica, and one recreated is a new one whose
+    predecessor the router re-homes."""
+    name = socket.gethostname()
+    if not REPLICA_ID.fullmatch(name):
+        raise ValueError(
+            f"replica auto: the hostname {name!r} is not a replica id "
+            "(1..64 of A-Z a-z 0-9 _ . -); set the replica explicitly"
+        )
+    return name
 
 
 def _flag(text: str) -> bool:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from custody.replica import one_replica, replica_settings
+from custody.up import Stack
 from shared.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,48 +32,38 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
     assert set(services) == {
         "redis",
         "session-store",
-        "executor",
-        "scheduler",
+        "replica",
+        "router",
         "prometheus",
         "grafana",
     }
     defaults = Settings()
-    ports = {
-        "scheduler": defaults.port,
-        "session-store": defaults.store_port,
-        "executor": defaults.executor_metrics_port,
+    exposed = {  # the compose network only: the store's operator routes, metrics, the API
+        "session-store": [defaults.store_port],
+        "replica": [defaults.port, defaults.executor_metrics_port],
     }
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", name
-        if name in ports:
+        if name in ("session-store", "replica", "router"):
             assert (ROOT / service["build"] / "Dockerfile").exists()
             module = service["command"][-1]
             assert importlib.util.find_spec(module) is not None, module
-            if name == "scheduler":  # the API is the only port published on the host
-                assert service["ports"] == [f"{ports[name]}:{ports[name]}"]
-            else:  # the store's operator routes and the metrics: the compose network only
-                assert "ports" not in service and service["expose"] == [str(ports[name])]
             assert service["environment"]["CUSTODY_REDIS_URL"].startswith("redis://redis:")
+            assert service["environment"]["CUSTODY_HOST"] == "0.0.0.0"
+        if name in exposed:
+            assert "ports" not in service, name
+            assert service["expose"] == [str(p) for p in exposed[name]], name
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("."):
                 assert (ROOT / source).exists(), (name, source)
             else:
                 assert source in spec["volumes"], (name, source)
+    # The router's API is the only custody port published on the host.
+    assert services["router"]["command"][-1] == "services.router.main"
+    assert services["router"]["ports"] == [f"{defaults.port}:{defaults.port}"]
     assert services["session-store"]["environment"]["CUSTODY_STORE_HOST"] == "0.0.0.0"
     assert "--appendonly" in services["redis"]["command"]
-    assert services["executor"]["deploy"]["resources"]["reservations"]["devices"][0][
-        "capabilities"
-    ] == ["gpu"]
-    targets = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
-    scraped = set(targets["scrape_configs"][0]["static_configs"][0]["targets"])
-    assert scraped == {f"{name}:{port}" for name, port in ports.items()}
-    # The alert rules: next to prometheus.yml here, and mounted next to it in compose.
-    mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
-    config_dir = Path(mounts["./deploy/prometheus.yml"]).parent
-    assert targets["rule_files"] == ["alerts.yml"]
-    assert (ROOT / "deploy/alerts.yml").exists()
-    assert mounts["./deploy/alerts.yml"] == str(config_dir / "alerts.yml")
     provider = yaml.safe_load(
         (ROOT / "deploy/grafana/provisioning/dashboards/custody.yml").read_text()
     )
@@ -80,6 +74,80 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
         (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
     )
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_the_replica_service_scales():
+    """`docker compose up --scale replica=N`: nothing in the service may name one
+    container (a container name, a hostname, a published port would collide), each
+    container finds its own id, and every replica sees every replica's blobs."""
+    replica = compose()["services"]["replica"]
+    assert replica["command"] == ["python", "-m", "custody.replica"]
+    assert not {"container_name", "hostname", "ports"} & set(replica)
+    env = replica["environment"]
+    assert env["CUSTODY_REPLICA"] == "auto"
+    assert replica["init"] is True  # its children's orphans are reaped, SIGTERM forwarded
+    mounts = dict(v.split(":")[:2] for v in replica["volumes"])
+    assert mounts["session-state"] == env["CUSTODY_STATE_DIR"]  # the same path in each
+    assert mounts["compile-cache"] == env["TORCHINDUCTOR_CACHE_DIR"]
+    devices = replica["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == 1
+
+
+def test_prometheus_scrapes_the_router_the_store_and_every_replica():
+    services = compose()["services"]
+    defaults = Settings()
+    config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "custody"  # the alerts name it
+    (static,) = job["static_configs"]
+    assert set(static["targets"]) == {
+        f"router:{defaults.port}",
+        f"session-store:{defaults.store_port}",
+    }
+    # One A record per container of the scaled service: its scheduler and its executor.
+    found = {(tuple(sd["names"]), sd["type"], sd["port"]) for sd in job["dns_sd_configs"]}
+    assert found == {
+        (("replica",), "A", defaults.port),
+        (("replica",), "A", defaults.executor_metrics_port),
+    }
+    assert {str(port) for *_, port in found} == set(services["replica"]["expose"])
+    # The alert rules: next to prometheus.yml here, and mounted next to it in compose.
+    mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
+    config_dir = Path(mounts["./deploy/prometheus.yml"]).parent
+    assert config["rule_files"] == ["alerts.yml"]
+    assert (ROOT / "deploy/alerts.yml").exists()
+    assert mounts["./deploy/alerts.yml"] == str(config_dir / "alerts.yml")
+    # Its syntax: promtool check config, tests/test_prometheus.py.
+
+
+def test_a_replica_id_auto_is_the_hostname(monkeypatch, tmp_path):
+    """A compose replica container's id is its hostname, resolved once for both of its
+    children; an explicit id still wins, and `custody up` keeps replica 0."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "3f2a9c1b7d4e")
+    env = {"CUSTODY_REDIS_URL": "redis://redis:6379/0", "CUSTODY_STATE_DIR": str(tmp_path)}
+    assert Settings.resolve(environ={"CUSTODY_REPLICA": "auto"}).replica == "3f2a9c1b7d4e"
+    assert Settings.resolve(environ={}).replica == "0"
+    for unset in ({}, {"CUSTODY_REPLICA": ""}, {"CUSTODY_REPLICA": "auto"}):
+        settings = replica_settings([], {**env, **unset})
+        assert settings.replica == "3f2a9c1b7d4e"
+        assert settings.blob_dir == tmp_path / "replica-3f2a9c1b7d4e"
+    assert replica_settings([], {**env, "CUSTODY_REPLICA": "7"}).replica == "7"
+    assert replica_settings(["--replica", "8"], env).replica == "8"
+    stack = Stack(settings, plan=one_replica)  # no private Redis, no private state dir
+    assert stack.redis is None and stack.state_dir is None
+    assert {name: module for name, (module, _) in stack.layout.items()} == {
+        "executor": "services.executor.service",
+        "scheduler": "services.scheduler.main",
+    }
+    assert {own.to_env()["CUSTODY_REPLICA"] for _, own in stack.layout.values()} == {"3f2a9c1b7d4e"}
+    for bad in ("x" * 65, "bad host"):
+        monkeypatch.setattr(socket, "gethostname", lambda bad=bad: bad)
+        with pytest.raises(ValueError, match="hostname"):
+            replica_settings([], env)
+    for missing in ("CUSTODY_REDIS_URL", "CUSTODY_STATE_DIR"):
+        others = {k: v for k, v in env.items() if k != missing}
+        with pytest.raises(ValueError, match=missing):
+            replica_settings(["--replica", "1"], others)
 
 
 def exported(port: int) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -104,3 +105,33 @@ def test_sessions_keep_their_replica_across_a_router_restart_and_equal_one_shot(
     for sid in sids:
         assert call(port, "/close_session", {"session_id": sid}) is True
         assert redis_client.get(streams.placement_key(sid)) is None
+
+
+def keyed_open(port: int, key: str) -> int:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/open_session",
+        data=b"{}",
+        headers={"Authorization": f"Bearer {key}"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_a_key_s_session_limit_counts_every_replica(redis_url, redis_client):
+    """Each replica alone sees fewer than the limit; the router sees them all."""
+    settings = stack_settings(redis_url, replicas=2, api_keys="k1,k2", max_sessions_per_key=3)
+    stack = start_stack(settings)
+    try:
+        port = settings.port
+        assert [keyed_open(port, "k1") for _ in range(3)] == [200] * 3
+        homes = [redis_client.scard(streams.Keys(r).placed) for r in ("0", "1")]
+        assert sorted(homes) == [1, 2]  # no replica alone is at the limit
+        assert keyed_open(port, "k1") == 429
+        assert keyed_open(port, "k2") == 200  # another key's own count
+        assert keyed_open(port, "nope") == 401  # checked at the router
+    finally:
+        stack.stop()

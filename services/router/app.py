@@ -72,7 +72,9 @@ class Router:
         tenancy: Tenancy,
         chooser: Chooser,
         mover: Mover,
+        max_sessions_per_key: int,
     ) -> None:
+        self.max_sessions_per_key = max_sessions_per_key
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
 
@@ -98,7 +100,7 @@ class Router:
                 return await self.fan_out(request, body)
             return await self.to_placed(request, body, home, "request", received)
         if request.path == "/open_session":
-            return await self.open_session(request, parsed, body, received)
+            return await self.open_session(request, caller.tenant, parsed, body, received)
         if request.path == "/admin/drain":
             return await self.drain(caller.operator, parsed)
         sid = session_of(request.path, parsed)
@@ -118,7 +120,12 @@ class Router:
         return await self.send(request, body, choice.replica, choice.decision, received)
 
     async def open_session(
-        self, request: web.Request, parsed: dict | None, body: bytes, received: float
+        self,
+        request: web.Request,
+        tenant: str | None,
+        parsed: dict | None,
+        body: bytes,
+        received: float,
     ) -> web.StreamResponse:
         """Place first (the router names the session when the client did not), then open
         it there; an open the replica refuses leaves no placement behind."""
@@ -133,12 +140,16 @@ class Router:
             body = json.dumps(parsed).encode()
         if not isinstance(sid, str):
             return await self.send(request, body, replica, "load", received)
-        replica.placed.append(math.inf)  # counted while its open runs, then (below) until
+        refused = self.over_key_limit(tenant)
+        if refused is not None:
+            return refused
+        opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
+        replica.placed.append(opening)
         home, placed = await self.directory.place(sid, replica.id)
         response = await self.to_placed(request, body, home, "affinity", received)
-        replica.placed.remove(math.inf)
+        replica.placed.remove(opening)
         if response.status == 200:  # ... its replica's registration counts it
-            replica.placed.append(time.time())
+            replica.placed.append((time.time(), tenant))
         if placed and response.status != 200:
             await self.directory.forget(sid, home)
         return response
@@ -151,6 +162,22 @@ class Router:
         if not isinstance(replica, str) or replica not in self.table.known:
             return _error(404, f"no replica {replica!r}", "not_found")
         return web.json_response(await self.mover.drain(replica))
+
+    def over_key_limit(self, tenant: str | None) -> web.Response | None:
+        """429 when the caller's key has `max_sessions_per_key` sessions open across every
+        replica (each replica counts only its own). Counted from the registrations and
+        this router's opens since: routers opening at once for one key may pass it by the
+        opens in flight."""
+        if tenant is None or not self.max_sessions_per_key:
+            return None
+        held = sum(r.sessions_of(tenant) for r in self.table.live.values())
+        if held < self.max_sessions_per_key:
+            return None
+        message = (
+            f"this API key has {held} sessions open, its limit (--max-sessions-per-key); "
+            "close one first"
+        )
+        return _error(429, message, "session_limit")
 
     async def to_placed(
         self, request: web.Request, body: bytes, home: str, decision: str, received: float

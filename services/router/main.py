@@ -37,12 +37,14 @@ async def serve(settings: Settings) -> None:
     proxy = Proxy(metrics)
     await proxy.start()
     tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
-    chooser = Chooser(table, index, tokenizer, settings.context_len, metrics)
+    chooser = Chooser(
+        table, index, tokenizer, settings.context_len, metrics, settings.router_policy
+    )
     tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
     directory = Directory(client)
     admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
     mover = Mover(table, directory, proxy.session, admin_key, settings.replica_dead_seconds)
-    router = Router(table, directory, proxy, tenancy, chooser, mover)
+    router = Router(table, directory, proxy, tenancy, chooser, mover, settings.max_sessions_per_key)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None)

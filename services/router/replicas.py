@@ -30,8 +30,9 @@ class Replica:
     written: float  # wall time the replica wrote its registration
     draining: bool = False  # an operator drains it: nothing new is placed on it
     in_flight: int = 0  # requests this router sent it that have not ended
-    # this router's opens: inf while one runs, then the wall time its answer came
-    placed: list[float] = field(default_factory=list)
+    tenants: dict[str, int] = field(default_factory=dict)  # open sessions by key, registered
+    # this router's opens (time, tenant): time inf while one runs, then when it was answered
+    placed: list[tuple[float, str | None]] = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -42,6 +43,10 @@ class Replica:
         """Open on it: as registered, plus those this router placed after the
         registration was written (not in its count yet)."""
         return self.registered_sessions + len(self.placed)
+
+    def sessions_of(self, tenant: str) -> int:
+        """Open on it for the key whose hash is `tenant`, counted as `sessions` is."""
+        return self.tenants.get(tenant, 0) + sum(t == tenant for _, t in self.placed)
 
 
 class ReplicaTable:
@@ -68,6 +73,7 @@ class ReplicaTable:
                     int(entry["queued"]),
                     int(entry["sessions"]),
                     float(entry["at"]),
+                    tenants={str(k): int(v) for k, v in entry["tenants"].items()},
                 )
             except (ValueError, KeyError, TypeError) as err:
                 log.error("replica %s: unreadable registration (%s); skipped", rid, err)
@@ -76,7 +82,7 @@ class ReplicaTable:
             old = self.live.get(rid)
             if old is not None:
                 replica.in_flight = old.in_flight
-                replica.placed = [t for t in old.placed if t > replica.written]
+                replica.placed = [p for p in old.placed if p[0] > replica.written]
             live[rid] = replica
         self.live = live
 

@@ -10,6 +10,7 @@ import json
 import logging
 import socket
 import time
+from collections import Counter
 
 import redis.asyncio as aioredis
 
@@ -49,6 +50,9 @@ class Registration:
                 "running": len(engine.running),
                 "queued": len(engine.waiting),
                 "sessions": len(engine.sessions.sessions),
+                "tenants": Counter(
+                    s.tenant for s in engine.sessions.sessions.values() if s.tenant is not None
+                ),
                 "at": time.time(),
             }
         )
