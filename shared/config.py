@@ -15,6 +15,8 @@ from shared.streams import REPLICA_ID
 from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
 
+ROUTER_POLICIES = ("prefix", "random")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -26,6 +28,9 @@ class Settings:
     # a replica whose registration is missing this long is dead: the router re-homes its
     # sessions (until then their turns wait)
     replica_dead_seconds: float = 10.0
+    # how the router places a request no session binds: prefix (the longest cached prefix
+    # within a bounded load, services/router/choice.py) or random (uniform; a baseline)
+    router_policy: str = "prefix"
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
     tokenizer: str = "auto"
@@ -94,6 +99,8 @@ class Settings:
             raise ValueError("replica must be 1..64 of A-Z a-z 0-9 _ . -")
         if self.tokenizer not in TOKENIZER_KINDS:
             raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}")
         if self.pipeline_depth not in (0, 1):
             raise ValueError("pipeline_depth must be 0 or 1")
         if self.kv_pages * self.page_size < self.context_len:

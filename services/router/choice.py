@@ -14,6 +14,10 @@ The prompt's tokens are read as the replicas read them: `/generate`'s `input_ids
 `text` through the same tokenizer (the first of a batch), `/v1/completions`' `prompt`;
 anything else (chat, an ids-only deployment given text, a body that is not one) has no
 prefix and goes by load alone.
+
+With `router_policy` random, every such request goes to a placeable replica chosen
+uniformly (decision `random`): the baseline prefix-aware routing is measured against
+(`custody bench scaleout`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ CHARS_PER_TOKEN = 16  # text read past context_len x this could only be refused
 @dataclass(frozen=True)
 class Choice:
     replica: Replica
-    decision: str  # "prefix" or "load"
+    decision: str  # "prefix", "load" or "random"
     matched: int  # prompt tokens the replica's cache holds
 
 
@@ -69,15 +73,18 @@ class Chooser:
         tokenizer: Tokenizer,
         context_len: int,
         metrics: RouterMetrics,
+        policy: str = "prefix",
     ) -> None:
         self.table, self.index, self.tokenizer = table, index, tokenizer
-        self.context_len, self.metrics = context_len, metrics
+        self.context_len, self.metrics, self.policy = context_len, metrics, policy
 
     def pick(self, path: str, body: dict | None) -> Choice | None:
         """The replica for a request to `path` with JSON `body`; None if none is ready."""
         ready = self.table.placeable()
         if not ready:
             return None
+        if self.policy == "random":
+            return Choice(random.choice(ready), "random", 0)
         tokens = self.prompt(path, body)
         matched = self.index.match(tokens, [r.id for r in ready]) if tokens else {}
         choice = choose(ready, matched)

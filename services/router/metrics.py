@@ -22,7 +22,7 @@ class RouterMetrics:
             "custody_router_requests",
             "requests routed, by why the replica was chosen: affinity (a session's "
             "placement), prefix (the longest cached prefix), load (least loaded), request "
-            "(an abort by rid), fanout (all)",
+            "(an abort by rid), fanout (all), random (router_policy random)",
             ["decision", "replica"],
             registry=self.registry,
         )
