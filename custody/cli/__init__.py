@@ -22,7 +22,15 @@ if TYPE_CHECKING:
 
 # The choices of `custody bench`, known without importing the benchmarks (torch); a test
 # checks them against `benchmarks()`.
-BENCHMARK_NAMES = ("allocators", "e2e", "events", "executor", "multiturn", "sessions")
+BENCHMARK_NAMES = (
+    "allocators",
+    "e2e",
+    "events",
+    "executor",
+    "multiturn",
+    "scaleout",
+    "sessions",
+)
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
@@ -124,7 +132,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def benchmarks() -> dict[str, Callable[[int], dict]]:
     """Each benchmark's entry point (repeats -> result with a markdown "table"); imports
     them all, torch included."""
-    from custody.bench import allocators, e2e, events, executor, multiturn, sessions
+    from custody.bench import allocators, e2e, events, executor, multiturn, scaleout, sessions
 
     return {
         "allocators": allocators.run,
@@ -132,6 +140,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "events": events.run,
         "executor": executor.run,
         "multiturn": multiturn.run,
+        "scaleout": scaleout.run,
         "sessions": sessions.run,
     }
 
