@@ -49,13 +49,29 @@ class Replica:
         return self.tenants.get(tenant, 0) + sum(t == tenant for _, t in self.placed)
 
 
+REGISTERED = (  # what a registration read sets; the rest is this router's own count
+    "url",
+    "executor",
+    "running",
+    "queued",
+    "registered_sessions",
+    "written",
+    "tenants",
+    "draining",
+)
+
+
 class ReplicaTable:
     def __init__(self, client: aioredis.Redis, period: float) -> None:
         self.client, self.period = client, period
         self.live: dict[str, Replica] = {}
         self.known: list[str] = []  # every replica id ever registered
+        self._all: dict[str, Replica] = {}  # every replica seen, live or not
 
     async def refresh(self) -> None:
+        """Read every registration. A replica keeps its one `Replica` object for the
+        router's life, updated in place: requests in flight count on the object they were
+        sent with, so a new object per read would leave their ends on a stale one."""
         ids = sorted(m.decode() for m in await self.client.smembers(streams.REPLICAS))
         self.known = ids
         live: dict[str, Replica] = {}
@@ -65,7 +81,7 @@ class ReplicaTable:
                 continue
             try:
                 entry = json.loads(raw)
-                replica = Replica(
+                fresh = Replica(
                     rid,
                     str(entry["url"]),
                     bool(entry["executor"]),
@@ -75,16 +91,20 @@ class ReplicaTable:
                     float(entry["at"]),
                     tenants={str(k): int(v) for k, v in entry["tenants"].items()},
                 )
-            except (ValueError, KeyError, TypeError) as err:
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
                 log.error("replica %s: unreadable registration (%s); skipped", rid, err)
                 continue
-            replica.draining = bool(await self.client.exists(streams.Keys(rid).draining))
-            old = self.live.get(rid)
-            if old is not None:
-                replica.in_flight = old.in_flight
-                replica.placed = [p for p in old.placed if p[0] > replica.written]
-            live[rid] = replica
+            fresh.draining = bool(await self.client.exists(streams.Keys(rid).draining))
+            live[rid] = self._update(fresh)
         self.live = live
+
+    def _update(self, fresh: Replica) -> Replica:
+        replica = self._all.setdefault(fresh.id, fresh)
+        if replica is not fresh:
+            for name in REGISTERED:
+                setattr(replica, name, getattr(fresh, name))
+            replica.placed = [p for p in replica.placed if p[0] > replica.written]
+        return replica
 
     async def run(self) -> None:
         while True:
