@@ -208,6 +208,10 @@ def test_openapi_document_covers_every_route(stack):
         ("POST", "/generate"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/admin/migrate_out"),
+        ("POST", "/admin/migrate_in"),
+        ("POST", "/admin/migrate_done"),
+        ("POST", "/admin/migrate_cancel"),
     }
     schemas = doc["components"]["schemas"]
     ids = schemas["GenerateRequest"]["properties"]["input_ids"]["anyOf"][0]
