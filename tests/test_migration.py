@@ -6,7 +6,6 @@ history; every answer equals one-shot, and neither replica's ledger leaks."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +17,7 @@ import redis
 from custody.up import Stack
 from shared import streams
 from tests.services_harness import call, stack_settings, start_stack
-from tests.test_replicas import OUTPUT, one_shots, turn
+from tests.test_replicas import OUTPUT, all_turns, one_shots, turn
 
 SESSIONS, INPUT = 6, 8
 
@@ -40,18 +39,7 @@ def patient_turn(port: int, sid: str, ids: list[int]) -> dict:
 
 def patient_turns(port: int, inputs: dict[str, list[int]]) -> dict[str, dict]:
     """One turn of every session at once, each patient."""
-    replies: dict[str, dict] = {}
-
-    def run(sid: str) -> None:
-        replies[sid] = patient_turn(port, sid, inputs[sid])
-
-    threads = [threading.Thread(target=run, args=(sid,)) for sid in inputs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert set(replies) == set(inputs), "a turn failed (see its thread's error)"
-    return replies
+    return all_turns(port, inputs, patient_turn)
 
 
 def play(port: int, sids: list[str], history: dict, rng, turns: int, resumed: bool) -> list:

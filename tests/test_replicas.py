@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -50,18 +51,21 @@ def turn(port: int, sid: str, ids: list[int]) -> dict:
     return call(port, "/generate", body)
 
 
-def all_turns(port: int, inputs: dict[str, list[int]]) -> dict[str, dict]:
-    """One turn of every session at once."""
+def all_turns(
+    port: int, inputs: dict[str, list[int]], one: Callable[[int, str, list[int]], dict] = turn
+) -> dict[str, dict]:
+    """One turn (`one`) of every session at once."""
     replies: dict[str, dict] = {}
 
     def run(sid: str) -> None:
-        replies[sid] = turn(port, sid, inputs[sid])
+        replies[sid] = one(port, sid, inputs[sid])
 
     threads = [threading.Thread(target=run, args=(sid,)) for sid in inputs]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert set(replies) == set(inputs), "a turn failed (see its thread's error)"
     return replies
 
 
