@@ -22,10 +22,12 @@ MAXLEN = 100_000
 REPLICA_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 REPLICAS = "custody:replicas"  # set of replica ids ever registered (the store reads each)
+MOVES = "custody:moves"  # sessions in transit between replicas (shared/placement.py)
 
 
 def placement_key(sid: str) -> str:
-    """The replica a session lives on (the router's placement directory, one key each)."""
+    """Where a session lives (`shared.placement.Placement`): the router's placement
+    directory, one key each."""
     return f"custody:placement:{sid}"
 
 

@@ -17,13 +17,13 @@ import redis
 from custody.up import Stack
 from shared import streams
 from tests.services_harness import call, stack_settings, start_stack
-from tests.test_replicas import OUTPUT, all_turns, one_shots, turn
+from tests.test_replicas import OUTPUT, all_turns, home, one_shots, turn
 
 SESSIONS, INPUT = 6, 8
 
 
 def placements(client: redis.Redis, sids: list[str]) -> dict[str, str]:
-    return {sid: client.get(streams.placement_key(sid)).decode() for sid in sids}
+    return {sid: home(client, sid) for sid in sids}
 
 
 def patient_turn(port: int, sid: str, ids: list[int]) -> dict:

@@ -13,8 +13,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.up import Stack
-from shared import streams
 from tests.services_harness import call, stack_settings, start_stack
+from tests.test_replicas import home
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_one_store_serves_both_replicas_and_every_sample_names_its_replica(two, 
     sid = call(s.port, "/open_session", {})  # through the router: placed on one replica
     body = {"input_ids": [5, 6, 7], "session_params": {"id": sid}}
     call(s.port, "/generate", body | {"sampling_params": {"max_new_tokens": 3}})
-    placed = redis_client.get(streams.placement_key(sid)).decode()
+    placed = home(redis_client, sid)
     ledgers = both_ready(s.store_port)
     assert all(v["violations"] == [] for v in ledgers.values()), ledgers
     assert ledgers["0"]["epoch"] != ledgers["1"]["epoch"]  # each its own scheduler's

@@ -19,6 +19,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared import streams
 from shared.config import Settings
+from shared.placement import Placement
 from tests.services_harness import POOLS, call, stack_settings, start_stack
 
 SESSIONS, TURNS, INPUT, OUTPUT = 12, 4, 8, 8
@@ -29,6 +30,11 @@ def two(redis_url: str, redis_client: redis.Redis) -> Stack:
     running = start_stack(stack_settings(redis_url, replicas=2))
     yield running
     running.stop()
+
+
+def home(client: redis.Redis, sid: str) -> str:
+    """The replica the placement directory puts `sid` on."""
+    return Placement.decode(client.get(streams.placement_key(sid))).replica
 
 
 def one_shots(prompts: list[list[int]]) -> list[list[int]]:
@@ -90,7 +96,7 @@ def test_sessions_keep_their_replica_across_a_router_restart_and_equal_one_shot(
     port = two.settings.port
     rng = np.random.default_rng(7)
     sids = [call(port, "/open_session", {}) for _ in range(SESSIONS)]
-    homes = {sid: redis_client.get(streams.placement_key(sid)).decode() for sid in sids}
+    homes = {sid: home(redis_client, sid) for sid in sids}
     # placed by load, then sessions: balanced up to the registrations' staleness (an open
     # answered just after a registration that already counts it is counted twice a while)
     assert min(list(homes.values()).count(r) for r in "01") >= 4, homes
@@ -105,7 +111,7 @@ def test_sessions_keep_their_replica_across_a_router_restart_and_equal_one_shot(
             if t > 0:  # resumed from the state on its replica
                 assert meta["cached_tokens"] >= len(history[sid]) - 16, (sid, t, meta)
             history[sid] += inputs[sid] + replies[sid]["output_ids"]
-    assert {sid: redis_client.get(streams.placement_key(sid)).decode() for sid in sids} == homes
+    assert {sid: home(redis_client, sid) for sid in sids} == homes
     expected = one_shots([history[sid][:-OUTPUT] for sid in sids])
     assert [history[sid][-OUTPUT:] for sid in sids] == expected
     for sid in sids:

@@ -12,7 +12,8 @@ replica that should answer it.
 
 API keys are checked here as each replica checks them (the same `Tenancy`), and passed
 on, so a replica still knows the caller. A session placed on a replica that is not live
-is answered 503 with Retry-After: its state is there, and the turn waits for it."""
+is answered 503 with Retry-After: its state is there, and the turn waits for it; so is
+a session in transit between replicas (shared/placement.py)."""
 
 from __future__ import annotations
 
@@ -107,10 +108,13 @@ class Router:
         if sid is not None:
             await self.mover.settled(sid)
             home = await self.directory.session(sid)
+            if home is not None and home.moving_to is not None:
+                message = f"session {sid} is moving to replica {home.moving_to}; retry"
+                return _error(503, message, "moving", retry=True)
             if home is not None:
-                response = await self.to_placed(request, body, home, "affinity", received)
+                response = await self.to_placed(request, body, home.replica, "affinity", received)
                 if request.path == "/close_session" and response.status == 200:
-                    await self.directory.forget(sid, home)
+                    await self.directory.forget(sid, home.replica)
                 return response
         choice = self.chooser.pick(request.path, parsed)
         if choice is None:
@@ -146,12 +150,12 @@ class Router:
         opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
         replica.placed.append(opening)
         home, placed = await self.directory.place(sid, replica.id)
-        response = await self.to_placed(request, body, home, "affinity", received)
+        response = await self.to_placed(request, body, home.replica, "affinity", received)
         replica.placed.remove(opening)
         if response.status == 200:  # ... its replica's registration counts it
             replica.placed.append((time.time(), tenant))
         if placed and response.status != 200:
-            await self.directory.forget(sid, home)
+            await self.directory.forget(sid, home.replica)
         return response
 
     async def drain(self, operator: bool, body: dict | None) -> web.Response:

@@ -1,60 +1,109 @@
 """Where a session lives and where a request runs, in Redis, so that every router (a
 restarted one, a second one) sends a session's turns to the same replica.
 
-A session's placement is written when it is opened, before the replica is asked, with
-a single-key `SET NX`: of two routers opening the same id at once, one placement wins
-and both send the open there (the replica answers the second with its own conflict).
-It is removed when the session is closed. Each replica's sessions are also listed in a
-set under its own tag (`Keys.placed`), which a drain or a re-homing walks; a move
-changes the placement only if it is still where the mover found it (a compare-and-set,
-one key), so two routers cannot both move a session. A request's replica is kept for an hour, for
-`/abort_request` by rid; it is keyed by the caller's tenant too, as the replicas key rids."""
+A session's placement (`shared.placement.Placement`) is written when it is opened, before
+the replica is asked, with a single-key `SET NX`: of two routers opening the same id at
+once, one placement wins and both send the open there (the replica answers the second
+with its own conflict). It is removed when the session is closed. Each replica's
+sessions are also listed in a set under its own tag (`Keys.placed`), which a drain or a
+re-homing walks.
+
+A move changes the placement by compare-and-set only (one key, a Lua script): into
+transit from exactly the placement the mover read, out of transit to the target at the
+next epoch (commit) or back to the source (abort). So two routers never both move a
+session, and a move whose router died is finished or undone by another, never both. The
+move is listed in `streams.MOVES` first, under a lease its router renews at every step.
+A request's replica is kept for an hour, for `/abort_request` by rid; it is keyed by the
+caller's tenant too, as the replicas key rids."""
 
 from __future__ import annotations
+
+import time
 
 import redis.asyncio as aioredis
 
 from shared import streams
+from shared.placement import Move, Placement
 
 REQUEST_TTL_SECONDS = 3600
-MOVE = """if redis.call('GET', KEYS[1]) == ARGV[1] then
+SWAP = """if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2])
+  return 1
+end
+return 0"""
+TAKE_OVER = """local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if lease and tonumber(lease) <= tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
   return 1
 end
 return 0"""
 
 
 class Directory:
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self._move = client.register_script(MOVE)
+    def __init__(self, client: aioredis.Redis, lease_seconds: float) -> None:
+        self.client, self.lease_seconds = client, lease_seconds
+        self._swap = client.register_script(SWAP)
+        self._take_over = client.register_script(TAKE_OVER)
 
-    async def session(self, sid: str) -> str | None:
-        raw = await self.client.get(streams.placement_key(sid))
-        return None if raw is None else raw.decode()
+    async def session(self, sid: str) -> Placement | None:
+        return Placement.decode(await self.client.get(streams.placement_key(sid)))
 
-    async def place(self, sid: str, replica: str) -> tuple[str, bool]:
-        """(the replica the session is placed on, whether this call placed it)."""
-        key = streams.placement_key(sid)
-        if await self.client.set(key, replica, nx=True):
+    async def place(self, sid: str, replica: str) -> tuple[Placement, bool]:
+        """(the session's placement, whether this call placed it)."""
+        key, placement = streams.placement_key(sid), Placement(replica)
+        if await self.client.set(key, placement.encode(), nx=True):
             await self.client.sadd(streams.Keys(replica).placed, sid)
-            return replica, True
-        raw = await self.client.get(key)
-        if raw is None:  # removed in between (a close): place it again
+            return placement, True
+        found = await self.session(sid)
+        if found is None:  # removed in between (a close): place it again
             return await self.place(sid, replica)
-        return raw.decode(), False
+        return found, False
 
     async def forget(self, sid: str, replica: str) -> None:
         await self.client.delete(streams.placement_key(sid))
         await self.client.srem(streams.Keys(replica).placed, sid)
 
-    async def move(self, sid: str, source: str, target: str) -> bool:
-        """Place `sid` on `target` if it is still placed on `source`."""
-        if not await self._move(keys=[streams.placement_key(sid)], args=[source, target]):
+    async def swap(self, sid: str, old: Placement, new: Placement) -> bool:
+        """Place `sid` as `new` if it is placed as `old`."""
+        args = [old.encode(), new.encode()]
+        return bool(await self._swap(keys=[streams.placement_key(sid)], args=args))
+
+    async def begin(self, move: Move) -> bool:
+        """Put the session in transit (listed first, so no transit goes unlisted), if it
+        is still where the mover found it."""
+        await self.renew(move)
+        if await self.swap(move.sid, move.before, move.in_transit):
+            return True
+        await self.client.zrem(streams.MOVES, move.encode())
+        return False
+
+    async def commit(self, move: Move) -> bool:
+        if not await self.swap(move.sid, move.in_transit, move.after):
             return False
-        await self.client.sadd(streams.Keys(target).placed, sid)
-        await self.client.srem(streams.Keys(source).placed, sid)
+        await self.client.sadd(streams.Keys(move.target).placed, move.sid)
+        await self.client.srem(streams.Keys(move.source).placed, move.sid)
         return True
+
+    async def abort(self, move: Move) -> bool:
+        return await self.swap(move.sid, move.in_transit, move.before)
+
+    async def renew(self, move: Move) -> None:
+        """This router holds `move` for another lease."""
+        await self.client.zadd(streams.MOVES, {move.encode(): time.time() + self.lease_seconds})
+
+    async def done(self, move: Move) -> None:
+        await self.client.zrem(streams.MOVES, move.encode())
+
+    async def abandoned(self) -> list[Move]:
+        """Moves whose router's lease ran out, each taken over by this router (of two
+        routers asking at once, one gets each)."""
+        now = time.time()
+        taken = []
+        for raw in await self.client.zrangebyscore(streams.MOVES, "-inf", now):
+            args = [raw, now, now + self.lease_seconds]
+            if await self._take_over(keys=[streams.MOVES], args=args):
+                taken.append(Move.decode(raw))
+        return taken
 
     async def placed_on(self, replica: str) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(streams.Keys(replica).placed))

@@ -41,7 +41,7 @@ async def serve(settings: Settings) -> None:
         table, index, tokenizer, settings.context_len, metrics, settings.router_policy
     )
     tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
-    directory = Directory(client)
+    directory = Directory(client, lease_seconds=settings.replica_dead_seconds)
     admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
     mover = Mover(table, directory, proxy.session, admin_key, settings.replica_dead_seconds)
     router = Router(table, directory, proxy, tenancy, chooser, mover, settings.max_sessions_per_key)

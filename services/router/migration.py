@@ -29,6 +29,7 @@ import aiohttp
 from services.router.directory import Directory
 from services.router.replicas import Replica, ReplicaTable
 from shared import streams
+from shared.placement import Move, Placement
 
 log = logging.getLogger("custody.router")
 REHOMING_SECONDS = 300  # the re-homing lock's expiry, should its router die holding it
@@ -56,7 +57,10 @@ class Mover:
         if event is not None:
             await event.wait()
 
-    async def _post(self, replica: Replica, path: str, body: dict) -> tuple[int, object]:
+    async def _post(
+        self, replica: Replica, path: str, sid: str, extra: dict | None = None
+    ) -> tuple[int, object]:
+        body = {"session_id": sid, **(extra or {})}
         try:
             async with self.session.post(
                 replica.url + path, json=body, headers=self.headers
@@ -68,36 +72,75 @@ class Mover:
     async def move(self, sid: str, source: str, target: Replica) -> str:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
         `state` (its state came along), `history` (it will re-prefill) or `failed`."""
+        placement = await self.directory.session(sid)
+        if placement is None or placement.replica != source or placement.moving_to:
+            return "failed"  # closed, or moved or moving meanwhile
+        move = Move(sid, source, target.id, placement.epoch)
+        if not await self.directory.begin(move):
+            return "failed"
         self.moving[sid] = asyncio.Event()
         try:
-            outcome = await self._move(sid, source, target)
+            outcome = await self._carry(move, target)
         finally:
             self.moving.pop(sid).set()
         self.moved[outcome] += 1
         log.info("session %s: %s -> %s: %s", sid, source, target.id, outcome)
         return outcome
 
-    async def _move(self, sid: str, source: str, target: Replica) -> str:
-        leaving = self.table.live.get(source)
+    async def _carry(self, move: Move, target: Replica) -> str:
+        """The steps of a move in transit, each safe to repeat (a router taking over an
+        abandoned move runs them again from the first)."""
+        leaving = self.table.live.get(move.source)
         if leaving is not None:
-            status, answer = await self._post(leaving, "/admin/migrate_out", {"session_id": sid})
+            status, answer = await self._post(leaving, "/admin/migrate_out", move.sid)
             if status != 200:
-                log.warning("session %s stays on %s: %s", sid, source, answer)
-                return "failed"
-        body = {"session_id": sid, "source": source}
-        status, placed = await self._post(target, "/admin/migrate_in", body)
-        moved = status == 200 and await self.directory.move(sid, source, target.id)
-        if not moved:
-            log.warning("session %s not moved to %s: %s", sid, target.id, placed)
-            if status == 200:  # placed elsewhere meanwhile: the copy here goes
-                await self._post(target, "/admin/migrate_done", {"session_id": sid})
-            if leaving is not None:
-                await self._post(leaving, "/admin/migrate_cancel", {"session_id": sid})
-            return "failed"
-        if leaving is not None:
-            await self._post(leaving, "/admin/migrate_done", {"session_id": sid})
+                log.warning("session %s stays on %s: %s", move.sid, move.source, answer)
+                return await self._undo(move)
+        await self.directory.renew(move)
+        body = {"source": move.source, "epoch": move.epoch + 1}
+        status, placed = await self._post(target, "/admin/migrate_in", move.sid, body)
+        if status != 200:
+            log.warning("session %s not moved to %s: %s", move.sid, target.id, placed)
+            return await self._undo(move)
+        if not await self.directory.commit(move):
+            return "failed"  # taken over by another router, which finishes it
+        await self._settle(move, move.after)
         has_state = isinstance(placed, dict) and placed.get("cached_tokens", 0) > 0
         return "state" if has_state else "history"
+
+    async def _undo(self, move: Move) -> str:
+        if await self.directory.abort(move):
+            await self._settle(move, move.before)
+        return "failed"
+
+    async def _settle(self, move: Move, placement: Placement | None) -> None:
+        """Leave each replica of `move` as `placement` says, then unlist the move: the
+        replica it names takes turns again (if the move was undone), every other closes
+        its copy (each refuses while the directory names it)."""
+        for rid in (move.source, move.target):
+            replica = self.table.live.get(rid)
+            if replica is None:
+                continue
+            if placement == move.before and rid == move.source:
+                await self._post(replica, "/admin/migrate_cancel", move.sid)
+            elif placement is None or not placement.names(rid):
+                await self._post(replica, "/admin/migrate_done", move.sid)
+        await self.directory.done(move)
+
+    async def recover(self) -> None:
+        """Finish, or undo, every move whose router's lease ran out (it died, or lost
+        Redis): a move still in transit is carried on if its target is ready, else
+        undone; any other is settled as its placement now stands."""
+        for move in await self.directory.abandoned():
+            placement = await self.directory.session(move.sid)
+            target = next((r for r in self.table.ready() if r.id == move.target), None)
+            log.warning("taking over the move of %s (%s -> %s)", move.sid, move.source, move.target)
+            if placement != move.in_transit:
+                await self._settle(move, placement)
+            elif target is None:
+                await self._undo(move)
+            else:
+                self.moved[await self._carry(move, target)] += 1
 
     async def drain(self, replica: str) -> dict:
         """Place nothing new on `replica` and move every session off it."""
@@ -116,10 +159,12 @@ class Mover:
         return {"replica": replica, **outcomes}
 
     async def watch(self) -> None:
-        """Re-home the sessions of replicas found dead, forever."""
+        """Take over abandoned moves and re-home the sessions of replicas found dead,
+        forever."""
         while True:
             await asyncio.sleep(self.table.period)
             try:
+                await self.recover()
                 for replica in self._dead():
                     await self._rehome(replica)
             except (ConnectionError, OSError) as err:

@@ -22,6 +22,7 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
+from shared.placement import Placement
 from shared.redis_client import connect
 
 log = logging.getLogger("custody.session_store")
@@ -65,8 +66,8 @@ class StoreService:
     def replica_of(self, sid: str) -> str:
         """The replica a session lives on: the router's placement, else the store's own
         (a single replica's stack has no router, so places nothing)."""
-        raw = self.client.get(streams.placement_key(sid))
-        return self.replica if raw is None else raw.decode("utf-8", "replace")
+        placed = Placement.decode(self.client.get(streams.placement_key(sid)))
+        return self.replica if placed is None else placed.replica
 
     def metrics(self) -> bytes:
         return generate_latest(self.registry)

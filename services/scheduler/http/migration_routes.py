@@ -25,9 +25,12 @@ async def migrate_out(request: web.Request) -> web.Response:
 
 async def migrate_in(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].migrate)
-    if body.source is None:
-        raise InvalidRequest("source: the replica the session comes from is required")
-    return _placed(await request.app[FRONT_DOOR].migrate_in(body.session_id, body.source))
+    if body.source is None or body.epoch is None:
+        raise InvalidRequest(
+            "source and epoch (the move's source replica, its new epoch) are required"
+        )
+    door = request.app[FRONT_DOOR]
+    return _placed(await door.migrate_in(body.session_id, body.source, body.epoch))
 
 
 async def migrate_done(request: web.Request) -> web.Response:

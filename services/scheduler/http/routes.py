@@ -93,7 +93,7 @@ async def open_session(request: web.Request) -> web.Response:
 async def close_session(request: web.Request) -> web.Response:
     sid = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
     own_session(request, sid)
-    request.app[FRONT_DOOR].close_session(sid)
+    await request.app[FRONT_DOOR].close_session(sid)
     await request.app[FRONT_DOOR].durable()
     return web.json_response(True)
 

@@ -92,10 +92,12 @@ class PlaceSessionRequest(Struct):
 
 class MigrateRequest(Struct):
     """The router moves a session between replicas (operator): `source` names the
-    replica it comes from, for the replica it goes to."""
+    replica it comes from, and `epoch` the placement epoch it takes, for the replica it
+    goes to."""
 
     session_id: str
     source: Annotated[str, Meta(pattern=REPLICA_ID.pattern)] | None = None
+    epoch: Annotated[int, Meta(ge=1, le=2**62)] | None = None
 
 
 class AbortRequest(Struct):

@@ -16,6 +16,7 @@ from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
 from shared.messages.ownership import ChatEntry
+from shared.placement import FIRST_EPOCH
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
@@ -77,6 +78,7 @@ class Session:
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
     chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
     moving: bool = False  # leaving for another replica: no turn starts (sessions/migration.py)
+    epoch: int = FIRST_EPOCH  # its placement's epoch here (shared/placement.py)
 
     @property
     def state_tier(self) -> str | None:

@@ -27,6 +27,7 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
+from shared.placement import Placement
 from shared.tokenizer import Tokenizer
 
 Progress = Callable[[Request], Awaitable[None]]
@@ -104,6 +105,7 @@ class FrontDoor:
             return await self._intake.run(
                 lambda: engine.submit(Request(rid, tokens, params)), progress
             )
+        await self._undo_stale_move(sid)
         return await self._intake.run(
             lambda: engine.submit_turn(sid, tokens, rid, params, session_params, chat), progress
         )
@@ -111,9 +113,21 @@ class FrontDoor:
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
         return self._engine.sessions.open(sid, timeout, tenant)
 
-    def close_session(self, sid: str) -> None:
+    async def close_session(self, sid: str) -> None:
+        await self._undo_stale_move(sid)
         self._engine.sessions.close(sid)
         self._intake.wake.set()
+
+    async def _undo_stale_move(self, sid: str) -> None:
+        """A session marked moving whose placement names this replica and no target was
+        moved back, or never left, by a router that could not tell this replica (it was
+        restarting): it takes turns here again. The directory decides, as everywhere."""
+        session = self._engine.sessions.sessions.get(sid)
+        if session is None or not session.moving:
+            return
+        placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
+        if placed == Placement(self._outbox.keys.replica, session.epoch):
+            migration.stay(self._engine.sessions, sid)
 
     async def durable(self) -> None:
         """Until the sessions opened or closed so far are recorded on the ownership
@@ -148,9 +162,10 @@ class FrontDoor:
             raise SessionError("the session store is behind; retry the move", "moving")
         return session
 
-    async def migrate_in(self, sid: str, source: str, timeout: float = 30.0) -> Session:
-        """Open `sid` from the record replica `source` persisted, its blob copied here;
-        returns once the copy ran (or failed: then it re-prefills) and it is recorded."""
+    async def migrate_in(self, sid: str, source: str, epoch: int, timeout: float = 30.0) -> Session:
+        """Open `sid` at placement `epoch` from the record replica `source` persisted,
+        its blob copied here; returns once the copy ran (or failed: then it re-prefills)
+        and it is recorded."""
         raw = await self._redis.hget(streams.Keys(source).session(sid), "record")
         if raw is None:
             raise SessionError(f"replica {source} has no record of session {sid}", "not_found")
@@ -158,7 +173,7 @@ class FrontDoor:
             record = RECORDS.decode(raw)
         except WireError as err:
             raise SessionError(f"the record of session {sid} is refused: {err}", "invalid") from err
-        session = migration.arrive(self._engine.sessions, record, source)
+        session = migration.arrive(self._engine.sessions, record, source, epoch)
         deadline = time.monotonic() + timeout
         while not session.state_ready and time.monotonic() < deadline:
             self._intake.wake.set()
@@ -172,9 +187,9 @@ class FrontDoor:
 
     async def migrate_done(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here. Refused while the placement
-        directory still puts it on this replica."""
-        placed = await self._redis.get(streams.placement_key(sid))
-        if placed is not None and placed.decode() == self._outbox.keys.replica:
+        directory puts it on this replica, or is moving it here."""
+        placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
+        if placed is not None and placed.names(self._outbox.keys.replica):
             raise SessionError(f"session {sid} is placed on this replica", "busy")
         migration.left(self._engine.sessions, sid)
         await self.durable()

@@ -6,7 +6,9 @@ is skipped with a warning: one bad record must not keep the scheduler from start
 
 With replicas, the placement directory is the authority on where a session lives: a
 record of a session placed on another replica (it moved while this one was down) is not
-taken back but recorded closed here, and a blob it named is deleted as unnamed."""
+taken back but recorded closed here, and a blob it named is deleted as unnamed. A
+session in transit from here is taken back moving (no turn starts) and at its placement's
+epoch: the router that finishes or undoes the move decides where it lives."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from services.scheduler.sessions.manager import SessionManager
 from shared import streams
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS, SessionRecord
+from shared.placement import Placement
 
 log = logging.getLogger("custody.scheduler")
 
@@ -33,12 +36,15 @@ async def rebuild_sessions(
     caught_up = await store_caught_up(client, keys)
     sids = await client.smembers(keys.sessions)
     records: list[SessionRecord] = []
+    placements: dict[str, Placement] = {}
     for sid in sorted(k.decode() for k in sids):
-        placed = await client.get(streams.placement_key(sid))
-        if placed is not None and placed.decode() != keys.replica:
-            log.info("session %s lives on replica %s now; not taken back", sid, placed.decode())
+        placed = Placement.decode(await client.get(streams.placement_key(sid)))
+        if placed is not None and placed.replica != keys.replica:
+            log.info("session %s lives on replica %s now; not taken back", sid, placed.replica)
             sessions.dirty.add(sid)  # recorded closed here
             continue
+        if placed is not None:
+            placements[sid] = placed
         raw = await client.hget(keys.session(sid), "record")
         if raw is None:
             continue
@@ -52,6 +58,10 @@ async def rebuild_sessions(
         valid = caught_up and epoch is not None and group == epoch
         sessions.rebuild([r for r in records if r.executor == group], valid)
     sessions.discard_unnamed_blobs()
+    for sid, placed in placements.items():
+        if sid in sessions.sessions:
+            session = sessions.sessions[sid]
+            session.epoch, session.moving = placed.epoch, placed.moving_to is not None
     if not records:
         return None
     log.info("rebuilt %d sessions from the session store", len(records))

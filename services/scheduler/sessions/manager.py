@@ -138,12 +138,23 @@ class SessionManager(DurableRecords, Reencoding):
         return req
 
     def close(self, sid: str) -> None:
-        """Close now, or when the turn in flight ends; later turns are refused."""
+        """Close now, or when the turn in flight ends; later turns are refused. Refused
+        while the session moves: the replica it goes to would keep it open."""
         session = self.get(sid)
+        if session.moving:
+            raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
         session.closing = True
         self.dirty.add(sid)  # recorded closed now: a restart must not resurrect it
         if session.turn is None:
             self._close_now(session)
+
+    def depart(self, sid: str) -> None:
+        """`sid` lives on another replica now: close it here without remembering it
+        closed, for it may come back."""
+        session = self.get(sid)
+        session.closing = True
+        self._close_now(session)
+        del self._closed[sid]
 
     def expire(self) -> list[str]:
         """Close idle sessions past their timeout (expiry.py); returns their ids."""
@@ -154,6 +165,9 @@ class SessionManager(DurableRecords, Reencoding):
                 continue
             if session.last_used + session.timeout != deadline:
                 continue  # used since: a later entry holds its deadline
+            if session.moving:  # in use by its move, which decides where it ends
+                self._touch(session, self.clock())
+                continue
             session.closing = True
             self._close_now(session)
             gone.append(sid)

@@ -36,7 +36,7 @@ def leave(sessions: SessionManager, sid: str) -> Session:
 def left(sessions: SessionManager, sid: str) -> None:
     """The session lives on another replica (the caller checked the directory): close
     it here, freeing what it held."""
-    sessions.close(sid)
+    sessions.depart(sid)
 
 
 def stay(sessions: SessionManager, sid: str) -> None:
@@ -48,15 +48,19 @@ def stay(sessions: SessionManager, sid: str) -> None:
     session.moving = False
 
 
-def arrive(sessions: SessionManager, record: SessionRecord, source: str) -> Session:
-    """Open the session of `record` (persisted by replica `source`) here, and plan the
-    copy of its blob if it names one and a disk slot is free."""
+def arrive(sessions: SessionManager, record: SessionRecord, source: str, epoch: int) -> Session:
+    """Open the session of `record` (persisted by replica `source`) here at placement
+    `epoch`, and plan the copy of its blob if it names one and a disk slot is free. A copy
+    here of an older epoch was left by a move that never closed it: it is stale, and goes."""
     if record.closed:
         raise SessionError(f"session {record.sid} is closed", "not_found")
     here = sessions.sessions.get(record.sid)
-    if here is not None:  # a retried move: it arrived already
+    if here is not None and here.epoch >= epoch:  # a retried move: it arrived already
         return here
+    if here is not None:
+        sessions.depart(record.sid)
     session = sessions.open(record.sid, record.timeout, record.tenant)
+    session.epoch = epoch
     session.history = record.tokens().astype(np.int64)
     session.chat = None if record.chat is None else tuple(record.chat)
     if record.disk is not None and sessions.pools.disk.free_count:

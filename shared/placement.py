@@ -1,0 +1,85 @@
+"""A session's placement: which replica owns it, under which epoch, and, while it moves,
+which replica it is moving to (docs/scaleout.md, "Moving a session").
+
+The value of `streams.placement_key(sid)` is `"<replica> <epoch>"`, or
+`"<replica> <epoch> <target>"` while the session is in transit. In transit is an owner of
+its own, written to Redis before any replica is asked to do anything, so it survives the
+router that began the move: every router answers the session's turns 503 while it lasts,
+and a router that finds the move abandoned finishes or undoes it. The epoch grows by one
+at every move: a replica holding a copy of an older epoch (left behind by a move whose
+last step never ran) knows that copy is stale.
+
+A move is also listed in `streams.MOVES` (a sorted set scored by the moment its router's
+lease on it ends) as a `Move`, so an abandoned one is found without scanning every
+placement, and its cleanup runs even after the placement has changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.streams import REPLICA_ID
+
+FIRST_EPOCH = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    replica: str
+    epoch: int = FIRST_EPOCH
+    moving_to: str | None = None
+
+    def encode(self) -> str:
+        parts = [self.replica, str(self.epoch)]
+        return " ".join(parts if self.moving_to is None else [*parts, self.moving_to])
+
+    @classmethod
+    def decode(cls, raw: bytes | str | None) -> Placement | None:
+        """The placement stored as `raw` (None: the session is placed nowhere). A value
+        written before epochs existed (a bare replica id) is at the first epoch."""
+        if raw is None:
+            return None
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        parts = text.split(" ")
+        if not all(REPLICA_ID.fullmatch(p) for p in parts[:1] + parts[2:]):
+            raise ValueError(f"not a placement: {text!r}")
+        if len(parts) == 1:
+            return cls(parts[0])
+        if len(parts) in (2, 3) and parts[1].isdigit():
+            return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None)
+        raise ValueError(f"not a placement: {text!r}")
+
+    def names(self, replica: str) -> bool:
+        """Whether `replica` owns the session, or is taking it over."""
+        return replica in (self.replica, self.moving_to)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One move of `sid` from `source` at `epoch` to `target` (which takes it at epoch + 1)."""
+
+    sid: str
+    source: str
+    target: str
+    epoch: int
+
+    @property
+    def before(self) -> Placement:
+        return Placement(self.source, self.epoch)
+
+    @property
+    def in_transit(self) -> Placement:
+        return Placement(self.source, self.epoch, self.target)
+
+    @property
+    def after(self) -> Placement:
+        return Placement(self.target, self.epoch + 1)
+
+    def encode(self) -> str:
+        return f"{self.sid} {self.source} {self.target} {self.epoch}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Move:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        sid, source, target, epoch = text.split(" ")
+        return cls(sid, source, target, int(epoch))

@@ -1,0 +1,145 @@
+"""Moves whose router died part-way, as processes on a real Redis: with the router killed,
+the test plays a router's steps itself (the same directory calls, the same admin routes)
+and stops where a router's death would; a restarted router finds each abandoned move once
+its lease has run out and finishes it. Then every session is on one replica only, resumes
+from its state there, answers as one-shot, and neither ledger leaks.
+
+- a: in transit, its state placed on disk by the replica it leaves; nothing more.
+- b: also opened on the replica it goes to, and then the replica it leaves is restarted
+  (its scheduler SIGKILLed): that replica takes the session back moving, and refuses
+  its turns until the move is decided.
+- c: moved (committed) but never closed where it was, then given a turn where it went
+  and moved back: its arrival replaces the stale copy left there (an older epoch).
+- d: undone in the directory, but its replica never told: the placement names that
+  replica and no target again, so the replica takes the session's turns again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+
+import numpy as np
+import pytest
+import redis
+
+from custody.up import Stack
+from services.router.directory import Directory
+from shared import streams
+from shared.placement import Move, Placement
+from shared.redis_client import connect_async
+from tests.services_harness import call, stack_settings, start_stack
+from tests.test_migration import check_one_shot, ledgers_clean, play, restart
+from tests.test_replicas import home, turn
+
+LEASE = 2.0  # replica_dead_seconds: a move's lease
+
+
+def directory(url: str, step: str, move: Move) -> bool:
+    """One directory step of `move`, as a router takes it."""
+
+    async def run() -> bool:
+        client = await connect_async(url)
+        try:
+            return bool(await getattr(Directory(client, LEASE), step)(move))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def admin(stack: Stack, replica: str, path: str, sid: str, **extra: object) -> object:
+    port = stack.layout[f"scheduler-{replica}"][1].port
+    return call(port, f"/admin/{path}", {"session_id": sid, **extra})
+
+
+def begin(stack: Stack, client: redis.Redis, sid: str) -> Move:
+    """Put `sid` in transit to the other replica and take it out of its own."""
+    placed = Placement.decode(client.get(streams.placement_key(sid)))
+    move = Move(sid, placed.replica, "1" if placed.replica == "0" else "0", placed.epoch)
+    assert directory(stack.settings.redis_url, "begin", move)
+    admin(stack, move.source, "migrate_out", sid)
+    return move
+
+
+def arrive(stack: Stack, move: Move) -> None:
+    admin(stack, move.target, "migrate_in", move.sid, source=move.source, epoch=move.epoch + 1)
+
+
+def refused(stack: Stack, replica: str, sid: str) -> int:
+    """The status a direct turn of `sid` gets from `replica`."""
+    with pytest.raises(urllib.error.HTTPError) as err:
+        turn(stack.layout[f"scheduler-{replica}"][1].port, sid, [1, 2, 3])
+    return err.value.code
+
+
+def test_a_restarted_router_finishes_the_moves_its_predecessor_abandoned(redis_url, redis_client):
+    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=LEASE))
+    try:
+        port, rng = stack.settings.port, np.random.default_rng(11)
+        sids = a, b, c, d = [call(port, "/open_session", {}) for _ in range(4)]
+        history = {sid: [] for sid in sids}
+        play(port, sids, history, rng, 2, resumed=False)
+        stack.kill("router")
+        url = stack.settings.redis_url
+
+        move_a = begin(stack, redis_client, a)
+
+        move_c = begin(stack, redis_client, c)
+        arrive(stack, move_c)
+        assert directory(url, "commit", move_c)  # ... and its router died
+        ids = rng.integers(0, 256, 8).tolist()
+        reply = turn(stack.layout[f"scheduler-{move_c.target}"][1].port, c, ids)
+        history[c] += ids + reply["output_ids"]
+        back = Move(c, move_c.target, move_c.source, move_c.epoch + 1)
+        assert directory(url, "begin", back)
+        admin(stack, back.source, "migrate_out", c)
+        arrive(stack, back)
+        assert directory(url, "commit", back)
+        admin(stack, back.source, "migrate_done", c)
+        directory(url, "done", back)
+
+        move_d = begin(stack, redis_client, d)
+        assert directory(url, "abort", move_d)  # ... and its router died
+        ids = rng.integers(0, 256, 8).tolist()
+        reply = turn(stack.layout[f"scheduler-{move_d.source}"][1].port, d, ids)
+        history[d] += ids + reply["output_ids"]
+
+        move_b = begin(stack, redis_client, b)
+        arrive(stack, move_b)
+        stack.kill(f"scheduler-{move_b.source}")
+        restart_scheduler(stack, move_b.source)
+        assert refused(stack, move_b.source, b) == 503  # taken back moving
+
+        restart(stack, "router")
+        deadline = time.monotonic() + 30
+        while redis_client.zcard(streams.MOVES) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert redis_client.zcard(streams.MOVES) == 0
+        assert home(redis_client, a) == move_a.target and home(redis_client, b) == move_b.target
+        assert Placement.decode(redis_client.get(streams.placement_key(d))) == move_d.before
+        assert Placement.decode(redis_client.get(streams.placement_key(c))) == back.after
+        for sid in sids:  # one copy only: the other replica has none
+            elsewhere = "1" if home(redis_client, sid) == "0" else "0"
+            assert refused(stack, elsewhere, sid) == 404, sid
+        play(stack.settings.port, sids, history, rng, 2, resumed=True)
+        check_one_shot(sids, history)
+        ledgers_clean(stack)
+    finally:
+        stack.stop()
+
+
+def restart_scheduler(stack: Stack, replica: str) -> None:
+    """Start the killed scheduler of `replica` again, and nothing else (the router stays
+    dead)."""
+    stack.start(f"scheduler-{replica}")
+    port = stack.layout[f"scheduler-{replica}"][1].port
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if call(port, "/health", timeout=2).get("executor"):
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"scheduler-{replica} did not come back")

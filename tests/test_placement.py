@@ -1,0 +1,80 @@
+"""The placement directory's moves on a real Redis: a move goes into transit only from the
+placement its mover read, leaves it once (commit or abort, never both), and an abandoned
+move is taken over by one router only once its lease has run out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.router.directory import Directory
+from shared import streams
+from shared.placement import Move, Placement
+from shared.redis_client import connect_async
+
+
+def test_a_placement_reads_back_as_written_and_refuses_what_it_is_not():
+    for placement in (Placement("0"), Placement("r-1", 7), Placement("a", 3, "b")):
+        assert Placement.decode(placement.encode().encode()) == placement
+    assert Placement.decode(None) is None
+    assert Placement.decode(b"0") == Placement("0", 1)  # written before epochs
+    assert Placement("a", 3, "b").names("b") and not Placement("a", 3).names("b")
+    for bad in ("a x", "a 1 b c", "", "a 1 ", "a\n 1"):
+        with pytest.raises(ValueError):
+            Placement.decode(bad)
+    move = Move("s", "a", "b", 4)
+    assert Move.decode(move.encode().encode()) == move
+    assert (move.before, move.in_transit, move.after) == (
+        Placement("a", 4),
+        Placement("a", 4, "b"),
+        Placement("b", 5),
+    )
+
+
+def run(redis_url: str, steps) -> object:
+    async def go() -> object:
+        client = await connect_async(redis_url)
+        try:
+            return await steps(Directory(client, lease_seconds=0.3))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_move_commits_or_aborts_once_and_only_from_where_it_began(redis_url, redis_client):
+    async def steps(d: Directory) -> None:
+        placed, new = await d.place("s", "a")
+        assert new and placed == Placement("a") and not (await d.place("s", "b"))[1]
+        stale = Move("s", "a", "b", 2)  # read at another epoch: refused, and not listed
+        assert not await d.begin(stale) and not redis_client.zcard(streams.MOVES)
+        move = Move("s", "a", "b", 1)
+        assert await d.begin(move) and not await d.begin(Move("s", "a", "c", 1))
+        assert await d.session("s") == move.in_transit
+        assert await d.commit(move) and not await d.abort(move) and not await d.commit(move)
+        assert await d.session("s") == Placement("b", 2)
+        assert await d.placed_on("b") == ["s"] and await d.placed_on("a") == []
+        back = Move("s", "b", "a", 2)
+        assert await d.begin(back) and await d.abort(back) and not await d.commit(back)
+        assert await d.session("s") == Placement("b", 2)
+        await d.done(move)
+        await d.done(back)
+        assert not redis_client.zcard(streams.MOVES)
+
+    run(redis_url, steps)
+
+
+def test_an_abandoned_move_is_taken_over_once_its_lease_runs_out(redis_url):
+    async def steps(d: Directory) -> None:
+        await d.place("t", "a")
+        move = Move("t", "a", "b", 1)
+        assert await d.begin(move)
+        assert await d.abandoned() == []  # its router's lease still runs
+        await asyncio.sleep(0.4)
+        first, second = await asyncio.gather(d.abandoned(), d.abandoned())
+        assert sorted([first, second], key=len) == [[], [move]]  # one router takes it
+        assert await d.abandoned() == []  # ... and holds it for a lease
+        await d.done(move)
+
+    run(redis_url, steps)
