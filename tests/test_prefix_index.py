@@ -2,7 +2,8 @@
 log through random inserts, splits and evictions, it matches what the cache would serve
 and holds what a fresh snapshot holds; a duplicate is dropped, a gap or a new epoch
 clears it and asks for a snapshot. Then the choice: the longest match within the load
-bound, and the prompt read as the replicas read it."""
+bound, a prompt no replica holds to the smallest cache, and the prompt read as the
+replicas read it."""
 
 from __future__ import annotations
 
@@ -113,6 +114,50 @@ def test_the_longest_match_wins_within_the_load_bound():
     assert eligible([a, b, hot]) == [a, b]
     assert choose([a, b, hot], {"c": 64, "b": 4}) == Choice(b, "prefix", 4)
     assert choose([replica("a", 2), replica("b", 1)], {}).replica.id == "b"
+
+
+def test_a_prompt_no_replica_holds_goes_to_the_smallest_cache():
+    a, b = replica("a", 0), replica("b", 2)  # average 1, bound 3: both eligible
+    sizes = {"a": 4096, "b": 1024}
+    assert choose([a, b], {}, sizes) == Choice(b, "load", 0)  # before the lower load
+    assert choose([a, b], {}).replica is a  # no sizes (no prompt read): load alone
+    assert choose([a, b], {"a": 16}, sizes) == Choice(a, "prefix", 16)  # a match first
+    assert choose([a, b], {}, {"a": 1024, "b": 1024}).replica is a  # equal: load
+    hot = replica("b", 6)  # average 3, bound ceil(3.75) + 1 = 5
+    assert choose([a, hot], {}, sizes).replica is a  # the bound still holds
+
+
+def indexed(block: int, prompts: dict[str, list[int]]) -> PrefixIndex:
+    """An index whose replica `rid` caches `prompts[rid]` as one node (none if empty)."""
+    pool = PrefixIndex()
+    snapshot = CacheShipper(CacheHarness(page_size=block).cache, "e").snapshot()
+    for rid, tokens in prompts.items():
+        pool.replica(rid).apply(snapshot)
+        if tokens:
+            ops = [Stored(1, 0, chain(tokens, block))]
+            pool.replica(rid).apply(encode(CacheEvents(epoch="e", seq=2, ops=ops)))
+    return pool
+
+
+def test_the_chooser_fills_the_emptier_cache_and_counts_diversions():
+    shared = list(range(32))
+    pool = indexed(4, {"a": shared, "b": []})
+    assert pool.cached_tokens("a") == 32 and pool.cached_tokens("b") == 0
+    table = ReplicaTable(None, 1.0)
+    table.live = {"a": replica("a", 0), "b": replica("b", 1)}
+    metrics = RouterMetrics(table)
+    chooser = Chooser(table, pool, ByteTokenizer(), 1024, metrics)
+    other = {"input_ids": [9] * 40}
+    assert chooser.pick("/generate", other) == Choice(table.live["b"], "load", 0)
+    assert chooser.pick("/v1/chat/completions", {}).replica.id == "a"  # no prompt: load
+    mine = {"input_ids": [*shared, 5]}
+    assert chooser.pick("/generate", mine) == Choice(table.live["a"], "prefix", 32)
+    table.live["a"].running = 8  # past the bound (7): the prompt goes elsewhere, counted
+    assert chooser.pick("/generate", mine).replica.id == "b"
+    diverted = metrics.registry.get_sample_value(
+        "custody_router_prefix_diverted_total", {"replica": "a"}
+    )
+    assert diverted == 1
 
 
 @pytest.mark.parametrize(

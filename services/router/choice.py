@@ -10,6 +10,18 @@ eligible, the longest match wins, ties going to the least loaded (then fewest se
 then one at random). The decision is `prefix` when a match picked the replica (it holds
 more of the prompt than some other eligible one), else `load`.
 
+A prompt that no eligible replica holds any of (a prefix on its first request, or one
+evicted everywhere) goes to the eligible replica whose indexed cache is the smallest
+(`PrefixIndex.cached_tokens`), and only among equals to the least loaded. That first
+request decides where every later one of its prefix goes, so spreading first requests by
+load alone deals prefixes out by chance: one replica can get more than its cache holds
+and evict them in turn while the other has room. Filling the emptier cache splits them
+evenly; once the caches are equally full it is the load rule again. (SGLang's
+cache-aware router does the same below its match threshold.) Requests whose prompt the
+router cannot read, and session opens, go by load alone: the cache does not tell where
+they belong. A request sent away from the replica holding the most of its prompt because
+that one is past the bound is counted in `custody_router_prefix_diverted`.
+
 The prompt's tokens are read as the replicas read them: `/generate`'s `input_ids` or its
 `text` through the same tokenizer (the first of a batch), `/v1/completions`' `prompt`;
 anything else (chat, an ids-only deployment given text, a body that is not one) has no
@@ -25,6 +37,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+
+from prometheus_client import Counter
 
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
@@ -48,11 +62,18 @@ def eligible(ready: list[Replica]) -> list[Replica]:
     return [r for r in ready if r.load <= cap]
 
 
-def choose(ready: list[Replica], matched: dict[str, int]) -> Choice:
-    """Among the eligible of `ready` (not empty), the longest match, then the least load."""
+def choose(
+    ready: list[Replica], matched: dict[str, int], sizes: dict[str, int] | None = None
+) -> Choice:
+    """Among the eligible of `ready` (not empty): the longest match; when nothing matches
+    and `sizes` (cached tokens per replica) is given, the smallest cache; then the least
+    load."""
     candidates = eligible(ready)
     longest = max(matched.get(r.id, 0) for r in candidates)
     best = [r for r in candidates if matched.get(r.id, 0) == longest]
+    if longest == 0 and sizes is not None:
+        smallest = min(sizes.get(r.id, 0) for r in best)
+        best = [r for r in best if sizes.get(r.id, 0) == smallest]
     least = min((r.load, r.sessions) for r in best)
     replica = random.choice([r for r in best if (r.load, r.sessions) == least])
     decided = longest > 0 and len(best) < len(candidates)
@@ -77,6 +98,15 @@ class Chooser:
     ) -> None:
         self.table, self.index, self.tokenizer = table, index, tokenizer
         self.context_len, self.metrics, self.policy = context_len, metrics, policy
+        self.diverted: Counter | None = None
+        if metrics is not None:
+            self.diverted = Counter(
+                "custody_router_prefix_diverted",
+                "requests the load bound sent away from the replica whose cache held the "
+                "most of their prompt (labelled with that replica)",
+                ["replica"],
+                registry=metrics.registry,
+            )
 
     def pick(self, path: str, body: dict | None) -> Choice | None:
         """The replica for a request to `path` with JSON `body`; None if none is ready."""
@@ -86,10 +116,16 @@ class Chooser:
         if self.policy == "random":
             return Choice(random.choice(ready), "random", 0)
         tokens = self.prompt(path, body)
-        matched = self.index.match(tokens, [r.id for r in ready]) if tokens else {}
-        choice = choose(ready, matched)
+        if not tokens:
+            return choose(ready, {})
+        matched = self.index.match(tokens, [r.id for r in ready])
+        sizes = {r.id: self.index.cached_tokens(r.id) for r in ready}
+        choice = choose(ready, matched, sizes)
         if choice.matched:
             self.metrics.prefix_tokens.labels(choice.replica.id).inc(choice.matched)
+        holder = max(matched, key=matched.__getitem__, default=None)
+        if holder is not None and matched[holder] > choice.matched and self.diverted is not None:
+            self.diverted.labels(holder).inc()
         return choice
 
     def prompt(self, path: str, body: dict | None) -> list[int] | None:

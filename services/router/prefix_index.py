@@ -143,6 +143,13 @@ class PrefixIndex:
     def replica(self, replica_id: str) -> ReplicaIndex:
         return self.replicas.setdefault(replica_id, ReplicaIndex())
 
+    def cached_tokens(self, replica_id: str) -> int:
+        """How many tokens of distinct blocks the index holds for a replica (0 while it
+        waits for a snapshot): the size of its cache, to send a prompt that no replica
+        holds to the emptiest cache."""
+        index = self.replicas.get(replica_id)
+        return len(index.present) * index.block if index is not None and index.ready else 0
+
     def match(self, tokens: Sequence[int], among: Iterable[str]) -> dict[str, int]:
         """Per replica of `among`, how many of `tokens` its cache would serve: the longest
         prefix, short of the last token (a request computes at least that one), ending
