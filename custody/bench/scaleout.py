@@ -16,7 +16,11 @@
   process on the same Redis and replicas with `--router-policy random`; caches flushed
   before each phase. Also straight to one replica (no router) for context. Two orders:
   `iid` (each request's prefix drawn uniformly; the headline) and `rounds` (every prefix
-  once per round, rounds shuffled).
+  once per round, rounds shuffled). Each phase says where its misses stand (a prefix's
+  first request, one sent while its prefix's first was still running, one after its
+  prefix had been cached), how many the load bound diverted, and what the router's index
+  promised. The ceiling is the ratio a router missing only first requests would get
+  against the same random run.
 
 The stack runs eager (`compile=False`): compiling costs ~45 s cold per executor, and
 neither the router's overhead nor where state lands depends on the forward's speed."""
@@ -41,6 +45,7 @@ from custody.bench.harness import progress
 from custody.bench.scaleout_report import write
 from custody.up import Stack
 from shared.config import Settings
+from shared.placement import Placement
 from shared.redis_server import free_port
 from shared.streams import placement_key
 
@@ -130,7 +135,7 @@ def _sessions(settings: Settings, urls: list[str], repeats: int, clients: int, t
     store = redis.Redis.from_url(settings.redis_url)
 
     def placed(sid: str) -> None:
-        homes[sid] = store.get(placement_key(sid)).decode()
+        homes[sid] = Placement.decode(store.get(placement_key(sid))).replica
 
     def jobs(tag: str, url_of: list[str], opened: Callable[[str], None]) -> list:
         shape = (INPUT, OUTPUT)
@@ -176,16 +181,28 @@ def _phase(router: str, url: str, prompts: list[list[int]]) -> dict:
     _flush(router)
     before = load.scrape(url)
     start = time.perf_counter()
-    cached = load.send_plain(url, prompts, PREFIX_CLIENTS, PREFIX_OUT)
+    replies = load.send_plain(url, prompts, PREFIX_CLIENTS, PREFIX_OUT)
     seconds = time.perf_counter() - start
     after = load.scrape(url)
-    decisions = load.by_label(before, after, "custody_router_requests_total", "decision")
+
+    def counted(name: str, label: str) -> dict[str, int]:
+        return {k: int(v) for k, v in load.by_label(before, after, name, label).items() if v}
+
+    cached = [r.cached for r in replies]
     return {
         "hit_tokens": sum(cached),
         "hit_requests": sum(c >= PREFIX_LEN for c in cached),
         "requests": len(cached),
         "seconds": round(seconds, 2),
-        "decisions": {k: int(v) for k, v in decisions.items() if v},
+        "decisions": counted("custody_router_requests_total", "decision"),
+        "misses": load.misses(prompts, replies, PREFIX_LEN),
+        "routed_by_replica": counted("custody_router_requests_total", "replica"),
+        "index_matched_tokens": sum(
+            counted("custody_router_prefix_tokens_total", "replica").values()
+        ),
+        "diverted_by_bound": sum(
+            counted("custody_router_prefix_diverted_total", "replica").values()
+        ),
     }
 
 
@@ -198,17 +215,26 @@ def _prefix(settings: Settings, random_url: str, urls: list[str], rounds: int) -
     )
     targets = {"prefix": router, "random": random_url, "one_replica": urls[0]}
     phases: dict[str, dict] = {}
+    reusable: dict[str, int] = {}  # prompt tokens a router that never misses reuses
     for i, (order, name) in enumerate(PHASES):
         prompts = load.prefix_prompts(cap["P"], PREFIX_LEN, SUFFIX, rounds * cap["P"], order)
+        firsts = len({tuple(p[:PREFIX_LEN]) for p in prompts})
+        reusable[order] = (len(prompts) - firsts) * PREFIX_LEN
         phases.setdefault(order, {})[name] = _phase(router, targets[name], prompts)
         progress("scaleout: prefix phases", i + 1, len(PHASES))
     ratios = {
         order: round(p["prefix"]["hit_tokens"] / max(1, p["random"]["hit_tokens"]), 3)
         for order, p in phases.items()
     }
+    ceilings = {
+        order: round(reusable[order] / max(1, p["random"]["hit_tokens"]), 3)
+        for order, p in phases.items()
+    }
     return {
         "prefix_hit_tokens_ratio_vs_random": ratios["iid"],
         "prefix_hit_tokens_ratio_vs_random_rounds": ratios["rounds"],
+        "prefix_hit_tokens_ratio_ceiling": ceilings,
+        "prefix_hit_tokens_max": reusable,
         "prefix_hit_tokens": {
             o: {n: v["hit_tokens"] for n, v in p.items()} for o, p in phases.items()
         },

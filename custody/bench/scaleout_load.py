@@ -176,10 +176,17 @@ def prefix_prompts(
     return [shared[p] + [rng.randrange(256) for _ in range(suffix)] for p in picks[:requests]]
 
 
-def send_plain(url: str, prompts: list[list[int]], clients: int, out: int) -> list[int]:
-    """Every prompt as a plain /generate, `clients` at a time, in order; the
-    cached_tokens of each reply."""
-    cached = [0] * len(prompts)
+@dataclass
+class Reply:
+    cached: int  # meta_info.cached_tokens
+    sent: float  # perf_counter when the request went out
+    answered: float  # ... and when its reply came back
+
+
+def send_plain(url: str, prompts: list[list[int]], clients: int, out: int) -> list[Reply]:
+    """Every prompt as a plain /generate, `clients` at a time, in order; what each reply
+    reused, and when it was sent and answered."""
+    replies = [Reply(0, 0.0, 0.0) for _ in prompts]
     cursor = iter(range(len(prompts)))
     lock = threading.Lock()
 
@@ -191,7 +198,29 @@ def send_plain(url: str, prompts: list[list[int]], clients: int, out: int) -> li
                 return []
             params = {"max_new_tokens": out, "ignore_eos": True}
             body = {"input_ids": prompts[i], "sampling_params": params}
-            cached[i] = post(url, "/generate", body)["meta_info"]["cached_tokens"]
+            sent = time.perf_counter()
+            cached = post(url, "/generate", body)["meta_info"]["cached_tokens"]
+            replies[i] = Reply(cached, sent, time.perf_counter())
 
     concurrently([client] * clients)
-    return cached
+    return replies
+
+
+def misses(prompts: list[list[int]], replies: list[Reply], length: int) -> dict[str, int]:
+    """Where the requests that reused less than their prefix (`length` tokens) stand:
+    the first of their prefix (no router can help), sent while every earlier request of
+    their prefix was still running (nothing was cached yet), or after one was answered
+    (the prefix had been cached: it was evicted, or routed elsewhere)."""
+    out = {"first": 0, "while_first_in_flight": 0, "after_cached": 0}
+    answered: dict[tuple, list[float]] = {}
+    for prompt, reply in zip(prompts, replies, strict=True):
+        earlier = answered.setdefault(tuple(prompt[:length]), [])
+        if reply.cached < length:
+            if not earlier:
+                out["first"] += 1
+            elif min(earlier) > reply.sent:
+                out["while_first_in_flight"] += 1
+            else:
+                out["after_cached"] += 1
+        earlier.append(reply.answered)
+    return out

@@ -25,6 +25,12 @@ NOTES = {
     "routing still hits about C/P of requests once the caches are warm (each replica's LRU "
     "over a uniform stream), which P x L <= two caches keeps >= 1/2, so the iid ratio "
     "stays below 2 even for a router that never misses after a prefix's first request",
+    "prefix_ceiling_note": "max: the prompt tokens a router reuses if it misses only "
+    "each prefix's first request; ceiling: max over the random router's reuse in the same "
+    "run, the highest ratio any router could report then. A miss after its prefix was "
+    "cached is mostly a KV eviction: a request needs a page past its cached prefix while "
+    "it runs, and a cache full of prefixes frees it by evicting a whole prefix, so while "
+    "requests run the two caches hold about P - 2 of the P prefixes",
     "affinity_note": "a returning turn is a hit when its reply's cached_tokens >= its "
     "history - page_size (only the session's replica holds that state); "
     "affinity_counts_match_placement checks the router's affinity count per replica "
@@ -77,9 +83,21 @@ def table(p: dict) -> str:
     for order, by in hits.items():
         one = by.get("one_replica", "-")
         lines.append(f"| {order} | {by['prefix']} | {by['random']} | {one} |")
+    lines += ["", "| prefix-aware router | max | ceiling | misses | diverted by the bound |"]
+    lines.append("|---|---|---|---|---|")
+    for order, phase in p["prefix_phases"].items():
+        aware, missed = phase["prefix"], phase["prefix"]["misses"]
+        lines.append(
+            f"| {order} | {p['prefix_hit_tokens_max'][order]} "
+            f"| {p['prefix_hit_tokens_ratio_ceiling'][order]} "
+            f"| {missed['first']} first, {missed['while_first_in_flight']} while the first "
+            f"ran, {missed['after_cached']} after it was cached | {aware['diverted_by_bound']} |"
+        )
     lines += [
         "",
         NOTES["prefix_order_note"] + ".",
+        "",
+        NOTES["prefix_ceiling_note"] + ".",
         "",
         f"Stack: 2 replicas, {NOTES['compile_note']}; {p['wall_seconds']} s in all.",
     ]
