@@ -16,6 +16,7 @@ from its state there, answers as one-shot, and neither ledger leaks.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.error
 
@@ -143,3 +144,33 @@ def restart_scheduler(stack: Stack, replica: str) -> None:
             pass
         time.sleep(0.3)
     raise AssertionError(f"scheduler-{replica} did not come back")
+
+
+def test_a_turn_sent_where_a_router_last_saw_its_session_follows_a_move_it_did_not_make(
+    redis_url, redis_client
+):
+    """The router remembers placements; a move by someone else (here the test, as a
+    second router) makes that memory stale, and the old replica's 503 (moving) or 404
+    (gone) sends the router to the directory."""
+    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=30.0))
+    try:
+        port, rng = stack.settings.port, np.random.default_rng(13)
+        sids = [call(port, "/open_session", {}) for _ in range(2)]
+        history = {sid: [] for sid in sids}
+        play(port, sids, history, rng, 1, resumed=False)
+        url, moves = stack.settings.redis_url, [begin(stack, redis_client, sid) for sid in sids]
+        with pytest.raises(urllib.error.HTTPError) as moving:  # the first, while it moves
+            turn(port, sids[0], [1, 2, 3])
+        assert moving.value.code == 503
+        assert json.loads(moving.value.read())["error"]["type"] == "moving"
+        for move in moves:
+            arrive(stack, move)
+            assert directory(url, "commit", move)
+            admin(stack, move.source, "migrate_done", move.sid)
+            directory(url, "done", move)
+        play(port, sids, history, rng, 2, resumed=True)  # on the target, from its state
+        check_one_shot(sids, history)
+        for move in moves:
+            assert refused(stack, move.source, move.sid) == 404
+    finally:
+        stack.stop()

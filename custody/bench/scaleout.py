@@ -157,7 +157,9 @@ def _sessions(settings: Settings, urls: list[str], repeats: int, clients: int, t
     counted = load.by_label(
         before, after, "custody_router_requests_total", "replica", decision="affinity"
     )
-    buckets = load.bucket_counts(before, after, "custody_router_overhead_seconds")
+    name = "custody_router_overhead_seconds"
+    buckets = load.bucket_counts(before, after, name)
+    kinds = {k: load.bucket_counts(before, after, name, kind=k) for k in ("open", "turn")}
     return {
         "affinity_hit_rate": round(hits / len(returning), 4),
         "affinity_hits": hits,
@@ -168,6 +170,14 @@ def _sessions(settings: Settings, urls: list[str], repeats: int, clients: int, t
         "router_overhead_p99_ms": round(load.quantile(buckets, 0.99) * 1e3, 4),
         "router_overhead_requests": int(sum(n for _, n in buckets)),
         "router_overhead_buckets": [[b if b < np.inf else "+Inf", int(n)] for b, n in buckets],
+        "router_overhead_by_kind": {
+            k: {
+                "requests": int(sum(n for _, n in b)),
+                "p50_ms": round(load.quantile(b, 0.50) * 1e3, 4),
+                "p99_ms": round(load.quantile(b, 0.99) * 1e3, 4),
+            }
+            for k, b in kinds.items()
+        },
         "client_through_router": _times(routed),
         "client_direct_to_replica": _times(direct),
         "sessions": {"clients": clients, "turns": turns, "input": INPUT, "output": OUTPUT},

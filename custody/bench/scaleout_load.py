@@ -65,12 +65,14 @@ def by_label(
     return out
 
 
-def bucket_counts(before: Samples, after: Samples, name: str) -> list[tuple[float, float]]:
-    """(upper bound, observations in that bucket alone) over the run, ascending; the
-    exposition's buckets are cumulative, so each is differenced from the one below."""
-    cumulative = sorted(
-        (float(le), n) for le, n in by_label(before, after, name + "_bucket", "le").items()
-    )
+def bucket_counts(
+    before: Samples, after: Samples, name: str, **where: str
+) -> list[tuple[float, float]]:
+    """(upper bound, observations in that bucket alone) over the run, ascending, summed
+    over the samples whose labels include `where`; the exposition's buckets are
+    cumulative, so each is differenced from the one below."""
+    counts = by_label(before, after, name + "_bucket", "le", **where)
+    cumulative = sorted((float(le), n) for le, n in counts.items())
     below, out = 0.0, []
     for bound, n in cumulative:
         out.append((bound, n - below))

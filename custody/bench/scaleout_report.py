@@ -64,6 +64,13 @@ def table(p: dict) -> str:
         f"{p['router_overhead_requests']} requests through the router at "
         f"{p['sessions']['clients']} concurrent clients; {NOTES['quantile_note']}.",
         "",
+        "| router overhead by kind | requests | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+        *(
+            f"| {kind} | {k['requests']} | {k['p50_ms']} | {k['p99_ms']} |"
+            for kind, k in p["router_overhead_by_kind"].items()
+        ),
+        "",
         "| client-side, ms | TTFT p50 | TTFT p99 | turn p50 | turn p99 |",
         "|---|---|---|---|---|",
         _times_row("through the router", via),

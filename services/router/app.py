@@ -22,17 +22,20 @@ import json
 import math
 import secrets
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
 from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.migration import Mover
-from services.router.proxy import Proxy, ReplicaDown
+from services.router.proxy import KIND, UPSTREAM_TIMES, Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
 
 SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
+STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
 FANOUT_ROUTES = frozenset({"/flush_cache"})
 
 
@@ -78,8 +81,22 @@ class Router:
         self.max_sessions_per_key = max_sessions_per_key
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
+        self._pending: set[asyncio.Future] = set()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """The request routed and answered. A streamed answer's overhead is observed as
+        its first byte goes (proxy.py); one in one piece, here, once the router starts
+        sending it: so what the router does after the upstream answered counts too."""
+        response = await self.route(request)
+        times = request.get(UPSTREAM_TIMES)
+        if times is not None and not response.prepared:
+            await response.prepare(request)
+            before, first = times
+            overhead = before + time.perf_counter() - first
+            self.metrics.overhead.labels(request.get(KIND, "other")).observe(overhead)
+        return response
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
         if request.path == "/metrics":
             return web.Response(body=self.metrics.render(), content_type="text/plain")
@@ -101,27 +118,61 @@ class Router:
                 return await self.fan_out(request, body)
             return await self.to_placed(request, body, home, "request", received)
         if request.path == "/open_session":
+            request[KIND] = "open"
             return await self.open_session(request, caller.tenant, parsed, body, received)
         if request.path == "/admin/drain":
             return await self.drain(caller.operator, parsed)
         sid = session_of(request.path, parsed)
         if sid is not None:
+            request[KIND] = "turn"
             await self.mover.settled(sid)
-            home = await self.directory.session(sid)
-            if home is not None and home.moving_to is not None:
-                message = f"session {sid} is moving to replica {home.moving_to}; retry"
-                return _error(503, message, "moving", retry=True)
-            if home is not None:
-                response = await self.to_placed(request, body, home.replica, "affinity", received)
-                if request.path == "/close_session" and response.status == 200:
-                    await self.directory.forget(sid, home.replica)
+            response = await self.to_seen(request, body, sid, received)
+            if response is None:
+                response = await self.to_session(request, body, sid, received)
+            if response is not None:
                 return response
         choice = self.chooser.pick(request.path, parsed)
         if choice is None:
             return _error(503, "no replica is ready", "no_replica", retry=True)
         if request.path == "/generate" and parsed is not None:
-            await self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
+            self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
         return await self.send(request, body, choice.replica, choice.decision, received)
+
+    async def to_seen(
+        self, request: web.Request, body: bytes, sid: str, received: float
+    ) -> web.StreamResponse | None:
+        """Sent where this router last saw the session placed, without reading Redis; None
+        if it saw nothing, that replica is not ready, or it answered that the session is
+        not there (404: moved or closed by another router) or not now (503)."""
+        home = self.directory.seen(sid)
+        replica = None if home is None or home.moving_to else self.table.live.get(home.replica)
+        if replica is None or not replica.executor:
+            return None
+        response = await self.send(request, body, replica, "affinity", received, STALE)
+        if response is not None and request.path == "/close_session" and response.status == 200:
+            self._later(self.directory.forget(sid, home.replica))
+        return response
+
+    async def to_session(
+        self, request: web.Request, body: bytes, sid: str, received: float
+    ) -> web.StreamResponse | None:
+        """Sent where the directory places the session; None if it places it nowhere."""
+        home = await self.directory.session(sid)
+        if home is not None and home.moving_to is not None:
+            message = f"session {sid} is moving to replica {home.moving_to}; retry"
+            return _error(503, message, "moving", retry=True)
+        if home is None:
+            return None
+        response = await self.to_placed(request, body, home.replica, "affinity", received)
+        if request.path == "/close_session" and response.status == 200:
+            self._later(self.directory.forget(sid, home.replica))
+        return response
+
+    def _later(self, work: Coroutine[Any, Any, object]) -> None:
+        """Redis bookkeeping the answer need not wait for (kept referenced until done)."""
+        task = asyncio.ensure_future(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def open_session(
         self,
@@ -131,8 +182,11 @@ class Router:
         body: bytes,
         received: float,
     ) -> web.StreamResponse:
-        """Place first (the router names the session when the client did not), then open
-        it there; an open the replica refuses leaves no placement behind."""
+        """Place and open at once (the router names the session when the client did not):
+        the open is sent to the replica the placement is written for, which it names
+        unless another open of the same id placed it first; then the copy opened here is
+        released and the open sent where that one placed it. An open the replica refuses
+        leaves no placement behind."""
         replica = self.table.least_loaded()
         if parsed is None or replica is None:
             if replica is None:
@@ -149,13 +203,18 @@ class Router:
             return refused
         opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
         replica.placed.append(opening)
-        home, placed = await self.directory.place(sid, replica.id)
-        response = await self.to_placed(request, body, home.replica, "affinity", received)
+        placing = asyncio.ensure_future(self.directory.place(sid, replica.id))
+        response = await self.send(request, body, replica, "affinity", received)
+        home, placed = await placing
+        if home.replica != replica.id:
+            if response.status == 200:
+                self._later(self.mover.release(replica, sid))
+            response = await self.to_placed(request, body, home.replica, "affinity", received)
         replica.placed.remove(opening)
         if response.status == 200:  # ... its replica's registration counts it
             replica.placed.append((time.time(), tenant))
         if placed and response.status != 200:
-            await self.directory.forget(sid, home.replica)
+            self._later(self.directory.forget(sid, home.replica))
         return response
 
     async def drain(self, operator: bool, body: dict | None) -> web.Response:
@@ -194,12 +253,22 @@ class Router:
         return await self.send(request, body, replica, decision, received)
 
     async def send(
-        self, request: web.Request, body: bytes, replica: Replica, decision: str, received: float
-    ) -> web.StreamResponse:
+        self,
+        request: web.Request,
+        body: bytes,
+        replica: Replica,
+        decision: str,
+        received: float,
+        unless: frozenset[int] = frozenset(),
+    ) -> web.StreamResponse | None:
+        """The replica's answer; None if its status is in `unless` (or, with `unless`,
+        the replica could not be reached), for the caller to send it elsewhere."""
         self.metrics.routed.labels(decision, replica.id).inc()
         try:
-            return await self.proxy.forward(request, replica, body, received)
+            return await self.proxy.forward(request, replica, body, received, unless)
         except ReplicaDown as down:
+            if unless:
+                return None
             return _error(503, str(down), "replica_unavailable", retry=True)
 
     async def fan_out(self, request: web.Request, body: bytes) -> web.Response:
@@ -216,10 +285,12 @@ class Router:
         refused = [a for a in answers if a.status != 200]
         return (refused or answers)[0]
 
-    async def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
+    def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
+        """Kept while the request runs (an abort by a rid not yet kept goes to every
+        replica, so it still finds it)."""
         for one in rid if isinstance(rid, list) else [rid]:
             if isinstance(one, str) and one:
-                await self.directory.remember_request(tenant, one, replica)
+                self._later(self.directory.remember_request(tenant, one, replica))
 
     def health(self) -> web.Response:
         replicas = {

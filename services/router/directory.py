@@ -6,7 +6,8 @@ the replica is asked, with a single-key `SET NX`: of two routers opening the sam
 once, one placement wins and both send the open there (the replica answers the second
 with its own conflict). It is removed when the session is closed. Each replica's
 sessions are also listed in a set under its own tag (`Keys.placed`), which a drain or a
-re-homing walks.
+re-homing walks. A close's placement is removed just after the close is answered (a turn
+in between finds the session closed on its replica).
 
 A move changes the placement by compare-and-set only (one key, a Lua script): into
 transit from exactly the placement the mover read, out of transit to the target at the
@@ -14,7 +15,12 @@ next epoch (commit) or back to the source (abort). So two routers never both mov
 session, and a move whose router died is finished or undone by another, never both. The
 move is listed in `streams.MOVES` first, under a lease its router renews at every step.
 A request's replica is kept for an hour, for `/abort_request` by rid; it is keyed by the
-caller's tenant too, as the replicas key rids."""
+caller's tenant too, as the replicas key rids.
+
+Each router also remembers the placements it read or wrote (`seen`), so a turn costs it
+no Redis round trip. What it remembers may be stale (another router moved or closed the
+session): the replica named then answers that it does not have the session (404) or
+not now (503), and the router reads the directory before it answers (app.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from shared import streams
 from shared.placement import Move, Placement
 
 REQUEST_TTL_SECONDS = 3600
+REMEMBERED = 1 << 17  # placements a router remembers; the oldest read is forgotten first
 SWAP = """if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2])
   return 1
@@ -44,29 +51,54 @@ class Directory:
         self.client, self.lease_seconds = client, lease_seconds
         self._swap = client.register_script(SWAP)
         self._take_over = client.register_script(TAKE_OVER)
+        self._seen: dict[str, Placement] = {}
+
+    def seen(self, sid: str) -> Placement | None:
+        """Where this router last read or wrote `sid`'s placement (maybe stale)."""
+        return self._seen.get(sid)
+
+    def _saw(self, sid: str, placement: Placement | None) -> Placement | None:
+        self._seen.pop(sid, None)
+        if placement is not None:
+            self._seen[sid] = placement
+            if len(self._seen) > REMEMBERED:
+                del self._seen[next(iter(self._seen))]
+        return placement
 
     async def session(self, sid: str) -> Placement | None:
-        return Placement.decode(await self.client.get(streams.placement_key(sid)))
+        """`sid`'s placement, read from the directory."""
+        raw = await self.client.get(streams.placement_key(sid))
+        return self._saw(sid, Placement.decode(raw))
 
     async def place(self, sid: str, replica: str) -> tuple[Placement, bool]:
-        """(the session's placement, whether this call placed it)."""
+        """(the session's placement, whether this call placed it). One round trip: the
+        placement and the replica's list are written together (two slots, so not one
+        transaction), and the list entry is taken back if the placement was not."""
         key, placement = streams.placement_key(sid), Placement(replica)
-        if await self.client.set(key, placement.encode(), nx=True):
-            await self.client.sadd(streams.Keys(replica).placed, sid)
-            return placement, True
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(key, placement.encode(), nx=True)
+        pipe.sadd(streams.Keys(replica).placed, sid)
+        placed, added = await pipe.execute()
+        if placed:
+            return self._saw(sid, placement), True
         found = await self.session(sid)
+        if added and (found is None or found.replica != replica):
+            await self.client.srem(streams.Keys(replica).placed, sid)
         if found is None:  # removed in between (a close): place it again
             return await self.place(sid, replica)
         return found, False
 
     async def forget(self, sid: str, replica: str) -> None:
+        self._saw(sid, None)
         await self.client.delete(streams.placement_key(sid))
         await self.client.srem(streams.Keys(replica).placed, sid)
 
     async def swap(self, sid: str, old: Placement, new: Placement) -> bool:
         """Place `sid` as `new` if it is placed as `old`."""
         args = [old.encode(), new.encode()]
-        return bool(await self._swap(keys=[streams.placement_key(sid)], args=args))
+        swapped = bool(await self._swap(keys=[streams.placement_key(sid)], args=args))
+        self._saw(sid, new if swapped else None)  # not swapped: read it again when needed
+        return swapped
 
     async def begin(self, move: Move) -> bool:
         """Put the session in transit (listed first, so no transit goes unlisted), if it

@@ -35,7 +35,9 @@ class RouterMetrics:
         self.overhead = Histogram(
             "custody_router_overhead_seconds",
             "time spent inside the router per request: receive to upstream send, plus "
-            "first upstream byte to first byte to the client",
+            "first upstream byte to first byte to the client; by kind: open (a session's "
+            "open, its placement written meanwhile), turn (a session's request), other",
+            ["kind"],
             buckets=OVERHEAD_BUCKETS,
             registry=self.registry,
         )

@@ -69,6 +69,10 @@ class Mover:
         except (aiohttp.ClientError, OSError, ValueError) as err:
             return 503, str(err)
 
+    async def release(self, replica: Replica, sid: str) -> None:
+        """Close `replica`'s copy of `sid`, which the directory places elsewhere."""
+        await self._post(replica, "/admin/migrate_done", sid)
+
     async def move(self, sid: str, source: str, target: Replica) -> str:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
         `state` (its state came along), `history` (it will re-prefill) or `failed`."""

@@ -14,6 +14,10 @@ from services.router.replicas import Replica
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
+# (seconds from receipt to the upstream send, when the whole upstream answer was in) of a
+# request answered in one piece: its overhead ends when the router starts its answer
+UPSTREAM_TIMES = web.RequestKey("upstream_times", tuple)
+KIND = web.RequestKey("kind", str)  # the request's kind for the overhead histogram
 
 
 class ReplicaDown(Exception):
@@ -37,10 +41,16 @@ class Proxy:
             await self.session.close()
 
     async def forward(
-        self, request: web.Request, replica: Replica, body: bytes, received: float
-    ) -> web.StreamResponse:
-        """`request` (its `body` already read) answered by `replica`. Raises
-        `ReplicaDown` if the replica cannot be connected to."""
+        self,
+        request: web.Request,
+        replica: Replica,
+        body: bytes,
+        received: float,
+        unless: frozenset[int] = frozenset(),
+    ) -> web.StreamResponse | None:
+        """`request` (its `body` already read) answered by `replica`; None, with the
+        answer dropped, if its status is in `unless`. Raises `ReplicaDown` if the replica
+        cannot be connected to."""
         headers = {h: request.headers[h] for h in PASSED_UP if h in request.headers}
         replica.in_flight += 1
         try:
@@ -53,6 +63,9 @@ class Proxy:
                 self.metrics.upstream_errors.labels(replica.id).inc()
                 raise ReplicaDown(f"replica {replica.id} unreachable: {err}") from err
             async with upstream:
+                if upstream.status in unless:
+                    await upstream.read()
+                    return None
                 return await self._answer(request, upstream, sent - received)
         finally:
             replica.in_flight -= 1
@@ -83,13 +96,12 @@ class Proxy:
         headers = {h: upstream.headers[h] for h in PASSED_DOWN if h in upstream.headers}
         if upstream.content_type != "text/event-stream":
             body = await upstream.read()
-            first = time.perf_counter()
-            response = web.Response(status=upstream.status, body=body, headers=headers)
-            self.metrics.overhead.observe(before + time.perf_counter() - first)
-            return response
+            request[UPSTREAM_TIMES] = (before, time.perf_counter())  # the router observes
+            return web.Response(status=upstream.status, body=body, headers=headers)
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
-        self.metrics.overhead.observe(before + time.perf_counter() - first)
+        overhead = before + time.perf_counter() - first
+        self.metrics.overhead.labels(request.get(KIND, "other")).observe(overhead)
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
         await response.write_eof()
