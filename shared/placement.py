@@ -80,6 +80,8 @@ class Move:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Move:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        sid, source, target, epoch = text.split(" ")
-        return cls(sid, source, target, int(epoch))
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        parts = text.split(" ")
+        if len(parts) != 4 or not parts[3].isdigit():
+            raise ValueError(f"not a move: {text!r}")
+        return cls(parts[0], parts[1], parts[2], int(parts[3]))

@@ -13,7 +13,7 @@ A move changes the placement by compare-and-set only (one key, a Lua script): in
 transit from exactly the placement the mover read, out of transit to the target at the
 next epoch (commit) or back to the source (abort). So two routers never both move a
 session, and a move whose router died is finished or undone by another, never both. The
-move is listed in `streams.MOVES` first, under a lease its router renews at every step.
+move is listed in `streams.MOVES` first, under a lease its router renews while it works.
 A request's replica is kept for an hour, for `/abort_request` by rid; it is keyed by the
 caller's tenant too, as the replicas key rids.
 
@@ -24,6 +24,7 @@ not now (503), and the router reads the directory before it answers (app.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis.asyncio as aioredis
@@ -31,6 +32,7 @@ import redis.asyncio as aioredis
 from shared import streams
 from shared.placement import Move, Placement
 
+log = logging.getLogger("custody.router")
 REQUEST_TTL_SECONDS = 3600
 REMEMBERED = 1 << 17  # placements a router remembers; the oldest read is forgotten first
 SWAP = """if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -103,7 +105,7 @@ class Directory:
     async def begin(self, move: Move) -> bool:
         """Put the session in transit (listed first, so no transit goes unlisted), if it
         is still where the mover found it."""
-        await self.renew(move)
+        await self.client.zadd(streams.MOVES, {move.encode(): time.time() + self.lease_seconds})
         if await self.swap(move.sid, move.before, move.in_transit):
             return True
         await self.client.zrem(streams.MOVES, move.encode())
@@ -120,8 +122,9 @@ class Directory:
         return await self.swap(move.sid, move.in_transit, move.before)
 
     async def renew(self, move: Move) -> None:
-        """This router holds `move` for another lease."""
-        await self.client.zadd(streams.MOVES, {move.encode(): time.time() + self.lease_seconds})
+        """This router holds `move` for another lease (if it is still listed)."""
+        lease = {move.encode(): time.time() + self.lease_seconds}
+        await self.client.zadd(streams.MOVES, lease, xx=True)
 
     async def done(self, move: Move) -> None:
         await self.client.zrem(streams.MOVES, move.encode())
@@ -132,9 +135,15 @@ class Directory:
         now = time.time()
         taken = []
         for raw in await self.client.zrangebyscore(streams.MOVES, "-inf", now):
+            try:
+                move = Move.decode(raw)
+            except ValueError:
+                log.error("unreadable move %r in %s: dropped", raw, streams.MOVES)
+                await self.client.zrem(streams.MOVES, raw)
+                continue
             args = [raw, now, now + self.lease_seconds]
             if await self._take_over(keys=[streams.MOVES], args=args):
-                taken.append(Move.decode(raw))
+                taken.append(move)
         return taken
 
     async def placed_on(self, replica: str) -> list[str]:

@@ -93,14 +93,26 @@ class Mover:
 
     async def _carry(self, move: Move, target: Replica) -> str:
         """The steps of a move in transit, each safe to repeat (a router taking over an
-        abandoned move runs them again from the first)."""
+        abandoned move runs them again from the first), its lease renewed meanwhile: a
+        slow step (a large blob's copy) does not let another router take it over."""
+        holding = asyncio.ensure_future(self._hold(move))
+        try:
+            return await self._steps(move, target)
+        finally:
+            holding.cancel()
+
+    async def _hold(self, move: Move) -> None:
+        while True:
+            await self.directory.renew(move)
+            await asyncio.sleep(self.directory.lease_seconds / 3)
+
+    async def _steps(self, move: Move, target: Replica) -> str:
         leaving = self.table.live.get(move.source)
         if leaving is not None:
             status, answer = await self._post(leaving, "/admin/migrate_out", move.sid)
             if status != 200:
                 log.warning("session %s stays on %s: %s", move.sid, move.source, answer)
                 return await self._undo(move)
-        await self.directory.renew(move)
         body = {"source": move.source, "epoch": move.epoch + 1}
         status, placed = await self._post(target, "/admin/migrate_in", move.sid, body)
         if status != 200:
@@ -173,6 +185,8 @@ class Mover:
                     await self._rehome(replica)
             except (ConnectionError, OSError) as err:
                 log.warning("re-homing check failed (%s); retrying", err)
+            except Exception:  # one bad entry must not end the loop for every other
+                log.exception("re-homing check failed; retrying")
 
     def _dead(self) -> list[str]:
         now = time.monotonic()

@@ -38,7 +38,7 @@ async def rebuild_sessions(
     records: list[SessionRecord] = []
     placements: dict[str, Placement] = {}
     for sid in sorted(k.decode() for k in sids):
-        placed = Placement.decode(await client.get(streams.placement_key(sid)))
+        placed = await _placement(client, sid)
         if placed is not None and placed.replica != keys.replica:
             log.info("session %s lives on replica %s now; not taken back", sid, placed.replica)
             sessions.dirty.add(sid)  # recorded closed here
@@ -66,6 +66,17 @@ async def rebuild_sessions(
         return None
     log.info("rebuilt %d sessions from the session store", len(records))
     return epoch
+
+
+async def _placement(client: aioredis.Redis, sid: str) -> Placement | None:
+    """`sid`'s placement; one that does not read is taken as none (the session is taken
+    back here), so one bad value cannot keep the scheduler from starting."""
+    raw = await client.get(streams.placement_key(sid))
+    try:
+        return Placement.decode(raw)
+    except ValueError as err:
+        log.warning("session %s: its placement is unreadable (%s); taken back here", sid, err)
+        return None
 
 
 async def rehoming_over(client: aioredis.Redis, keys: streams.Keys, timeout: float = 300) -> None:
