@@ -137,9 +137,11 @@ def keyed_open(port: int, key: str) -> int:
         return err.code
 
 
-def test_a_key_s_session_limit_counts_every_replica(redis_url, redis_client):
-    """Each replica alone sees fewer than the limit; the router sees them all."""
-    settings = stack_settings(redis_url, replicas=2, api_keys="k1,k2", max_sessions_per_key=3)
+def test_a_key_s_session_limit_and_the_global_one_count_every_replica(redis_url, redis_client):
+    """Each replica alone sees fewer than either limit; the router sees them all."""
+    settings = stack_settings(
+        redis_url, replicas=2, api_keys="k1,k2", max_sessions_per_key=3, max_sessions=5
+    )
     stack = start_stack(settings)
     try:
         port = settings.port
@@ -147,7 +149,10 @@ def test_a_key_s_session_limit_counts_every_replica(redis_url, redis_client):
         homes = [redis_client.scard(streams.Keys(r).placed) for r in ("0", "1")]
         assert sorted(homes) == [1, 2]  # no replica alone is at the limit
         assert keyed_open(port, "k1") == 429
-        assert keyed_open(port, "k2") == 200  # another key's own count
         assert keyed_open(port, "nope") == 401  # checked at the router
+        assert [keyed_open(port, "k2") for _ in range(2)] == [200] * 2  # its own count
+        homes = [redis_client.scard(streams.Keys(r).placed) for r in ("0", "1")]
+        assert max(homes) < 5  # no replica alone is at the global limit ...
+        assert keyed_open(port, "k2") == 429  # ... which the router counts
     finally:
         stack.stop()

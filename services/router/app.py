@@ -29,6 +29,7 @@ from aiohttp import web
 
 from services.router.choice import Chooser
 from services.router.directory import Directory
+from services.router.limits import SessionLimits
 from services.router.migration import Mover
 from services.router.proxy import KIND, UPSTREAM_TIMES, Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
@@ -76,9 +77,9 @@ class Router:
         tenancy: Tenancy,
         chooser: Chooser,
         mover: Mover,
-        max_sessions_per_key: int,
+        limits: SessionLimits,
     ) -> None:
-        self.max_sessions_per_key = max_sessions_per_key
+        self.limits = limits
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
         self._pending: set[asyncio.Future] = set()
@@ -198,7 +199,7 @@ class Router:
             body = json.dumps(parsed).encode()
         if not isinstance(sid, str):
             return await self.send(request, body, replica, "load", received)
-        refused = self.over_key_limit(tenant)
+        refused = self.limits.refuse_open(tenant)
         if refused is not None:
             return refused
         opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
@@ -225,22 +226,6 @@ class Router:
         if not isinstance(replica, str) or replica not in self.table.known:
             return _error(404, f"no replica {replica!r}", "not_found")
         return web.json_response(await self.mover.drain(replica))
-
-    def over_key_limit(self, tenant: str | None) -> web.Response | None:
-        """429 when the caller's key has `max_sessions_per_key` sessions open across every
-        replica (each replica counts only its own). Counted from the registrations and
-        this router's opens since: routers opening at once for one key may pass it by the
-        opens in flight."""
-        if tenant is None or not self.max_sessions_per_key:
-            return None
-        held = sum(r.sessions_of(tenant) for r in self.table.live.values())
-        if held < self.max_sessions_per_key:
-            return None
-        message = (
-            f"this API key has {held} sessions open, its limit (--max-sessions-per-key); "
-            "close one first"
-        )
-        return _error(429, message, "session_limit")
 
     async def to_placed(
         self, request: web.Request, body: bytes, home: str, decision: str, received: float

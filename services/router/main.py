@@ -13,6 +13,7 @@ from aiohttp import web
 from services.router.app import Router
 from services.router.choice import Chooser
 from services.router.directory import Directory
+from services.router.limits import SessionLimits
 from services.router.metrics import RouterMetrics
 from services.router.migration import Mover
 from services.router.prefix_feed import PrefixFeed
@@ -44,7 +45,8 @@ async def serve(settings: Settings) -> None:
     directory = Directory(client, lease_seconds=settings.replica_dead_seconds)
     admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
     mover = Mover(table, directory, proxy.session, admin_key, settings.replica_dead_seconds)
-    router = Router(table, directory, proxy, tenancy, chooser, mover, settings.max_sessions_per_key)
+    limits = SessionLimits(table, settings.max_sessions_per_key, settings.max_sessions)
+    router = Router(table, directory, proxy, tenancy, chooser, mover, limits)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = web.AppRunner(app, access_log=None)
