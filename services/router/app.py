@@ -3,7 +3,7 @@ replica that should answer it.
 
 - A session's turns (`/generate` with `session_params.id`, chat with `session_id`,
   `/close_session`, `/place_session`) go where the directory places the session
-  (`affinity`); an open is placed first, on the least loaded replica, then sent there.
+  (`affinity`); an open is placed on the least loaded replica while that replica opens it.
 - Anything else goes to the ready replica with the longest cached prefix of its prompt
   within a bounded load (`prefix`), else the least loaded (`load`), choice.py; a body
   the router cannot read goes by load, and that replica answers it with its own 400.
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import secrets
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
+from services.router.addressing import FANOUT_ROUTES, aborts_all, error, read_json, session_of
+from services.router.background import Background
 from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.limits import SessionLimits
@@ -35,37 +37,8 @@ from services.router.proxy import KIND, UPSTREAM_TIMES, Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
 
-SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
+log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
-FANOUT_ROUTES = frozenset({"/flush_cache"})
-
-
-def _error(status: int, message: str, kind: str, retry: bool = False) -> web.Response:
-    headers = {"Retry-After": "1"} if retry else {}
-    body = {"error": {"message": message, "type": kind}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _json(body: bytes) -> dict | None:
-    try:
-        value = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def session_of(path: str, body: dict | None) -> str | None:
-    """The session a request addresses, if any."""
-    if body is None:
-        return None
-    if path == "/generate":
-        params = body.get("session_params")
-        sid = params.get("id") if isinstance(params, dict) else None
-    elif path in SESSION_ROUTES or path.startswith("/v1/"):
-        sid = body.get("session_id")
-    else:
-        return None
-    return sid if isinstance(sid, str) else None
 
 
 class Router:
@@ -82,13 +55,19 @@ class Router:
         self.limits = limits
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
-        self._pending: set[asyncio.Future] = set()
+        self.background = Background()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """The request routed and answered. A streamed answer's overhead is observed as
         its first byte goes (proxy.py); one in one piece, here, once the router starts
-        sending it: so what the router does after the upstream answered counts too."""
-        response = await self.route(request)
+        sending it: so what the router does after the upstream answered counts too. Redis
+        unreachable is a 503 (the directory cannot be read), not a failure."""
+        try:
+            response = await self.route(request)
+        except (RedisError, ConnectionError) as err:
+            log.warning("%s: Redis unavailable (%s)", request.path, err)
+            message = "the placement directory (Redis) is unavailable; retry"
+            return error(503, message, "directory_unavailable", retry=True)
         times = request.get(UPSTREAM_TIMES)
         if times is not None and not response.prepared:
             await response.prepare(request)
@@ -108,9 +87,9 @@ class Router:
         except Refused as refused:
             return refused.response()
         body = await request.read()
-        parsed = _json(body)
+        parsed = read_json(body)
         tenant = caller.tenant or "-"
-        if request.path in FANOUT_ROUTES or _aborts_all(request.path, parsed):
+        if request.path in FANOUT_ROUTES or aborts_all(request.path, parsed):
             return await self.fan_out(request, body)
         if request.path == "/abort_request":
             rid = parsed.get("rid") if parsed else None
@@ -134,7 +113,7 @@ class Router:
                 return response
         choice = self.chooser.pick(request.path, parsed)
         if choice is None:
-            return _error(503, "no replica is ready", "no_replica", retry=True)
+            return error(503, "no replica is ready", "no_replica", retry=True)
         if request.path == "/generate" and parsed is not None:
             self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
         return await self.send(request, body, choice.replica, choice.decision, received)
@@ -151,7 +130,7 @@ class Router:
             return None
         response = await self.send(request, body, replica, "affinity", received, STALE)
         if response is not None and request.path == "/close_session" and response.status == 200:
-            self._later(self.directory.forget(sid, home.replica))
+            self.background.run(self.directory.forget(sid, home.replica))
         return response
 
     async def to_session(
@@ -161,19 +140,13 @@ class Router:
         home = await self.directory.session(sid)
         if home is not None and home.moving_to is not None:
             message = f"session {sid} is moving to replica {home.moving_to}; retry"
-            return _error(503, message, "moving", retry=True)
+            return error(503, message, "moving", retry=True)
         if home is None:
             return None
         response = await self.to_placed(request, body, home.replica, "affinity", received)
         if request.path == "/close_session" and response.status == 200:
-            self._later(self.directory.forget(sid, home.replica))
+            self.background.run(self.directory.forget(sid, home.replica))
         return response
-
-    def _later(self, work: Coroutine[Any, Any, object]) -> None:
-        """Redis bookkeeping the answer need not wait for (kept referenced until done)."""
-        task = asyncio.ensure_future(work)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
     async def open_session(
         self,
@@ -191,7 +164,7 @@ class Router:
         replica = self.table.least_loaded()
         if parsed is None or replica is None:
             if replica is None:
-                return _error(503, "no replica is ready", "no_replica", retry=True)
+                return error(503, "no replica is ready", "no_replica", retry=True)
             return await self.send(request, body, replica, "load", received)
         sid = parsed.get("session_id")
         if sid is None:
@@ -204,27 +177,50 @@ class Router:
             return refused
         opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
         replica.placed.append(opening)
+        sent = time.time()
+        try:
+            response = await self._open(request, body, sid, replica, received)
+        finally:
+            replica.placed.remove(opening)
+        if response.status == 200:  # ... a registration written after it was sent: the
+            replica.placed.append((sent, tenant))  # replica opened it after that, or not
+        return response  # yet (uncounted then for a heartbeat; never counted twice)
+
+    async def _open(
+        self, request: web.Request, body: bytes, sid: str, replica: Replica, received: float
+    ) -> web.StreamResponse:
         placing = asyncio.ensure_future(self.directory.place(sid, replica.id))
-        response = await self.send(request, body, replica, "affinity", received)
-        home, placed = await placing
+        try:
+            response = await self.send(request, body, replica, "affinity", received)
+            home, placed = await placing
+        except BaseException:  # Redis failed, or the client left: nothing stays behind
+            self.background.run(self._abandon(placing, replica, sid))
+            raise
         if home.replica != replica.id:
             if response.status == 200:
-                self._later(self.mover.release(replica, sid))
+                self.background.run(self.mover.release(replica, sid))
             response = await self.to_placed(request, body, home.replica, "affinity", received)
-        replica.placed.remove(opening)
-        if response.status == 200:  # ... its replica's registration counts it
-            replica.placed.append((time.time(), tenant))
         if placed and response.status != 200:
-            self._later(self.directory.forget(sid, home.replica))
+            self.background.run(self.directory.forget(sid, home.replica))
         return response
+
+    async def _abandon(self, placing: asyncio.Future, replica: Replica, sid: str) -> None:
+        """An open that failed part-way: its placement, if written, and then the copy
+        opened on `replica`, if any, go."""
+        try:
+            home, placed = await placing
+            if placed:
+                await self.directory.forget(sid, home.replica)
+        finally:
+            await self.mover.release(replica, sid)
 
     async def drain(self, operator: bool, body: dict | None) -> web.Response:
         """Move every session off a replica, which takes nothing new from then on."""
         if not operator:
-            return _error(403, "/admin/drain needs an operator key", "permission_error")
+            return error(403, "/admin/drain needs an operator key", "permission_error")
         replica = body.get("replica") if body else None
         if not isinstance(replica, str) or replica not in self.table.known:
-            return _error(404, f"no replica {replica!r}", "not_found")
+            return error(404, f"no replica {replica!r}", "not_found")
         return web.json_response(await self.mover.drain(replica))
 
     async def to_placed(
@@ -232,7 +228,7 @@ class Router:
     ) -> web.StreamResponse:
         replica = self.table.live.get(home)
         if replica is None or not replica.executor:
-            return _error(
+            return error(
                 503, f"replica {home} is not available; retry", "replica_unavailable", True
             )
         return await self.send(request, body, replica, decision, received)
@@ -254,14 +250,14 @@ class Router:
         except ReplicaDown as down:
             if unless:
                 return None
-            return _error(503, str(down), "replica_unavailable", retry=True)
+            return error(503, str(down), "replica_unavailable", retry=True)
 
     async def fan_out(self, request: web.Request, body: bytes) -> web.Response:
         """The same request to every ready replica; the first refusal if any refused,
         else the first answer."""
         ready = self.table.ready()
         if not ready:
-            return _error(503, "no replica is ready", "no_replica", retry=True)
+            return error(503, "no replica is ready", "no_replica", retry=True)
         for replica in ready:
             self.metrics.routed.labels("fanout", replica.id).inc()
         answers = await asyncio.gather(
@@ -275,7 +271,7 @@ class Router:
         replica, so it still finds it)."""
         for one in rid if isinstance(rid, list) else [rid]:
             if isinstance(one, str) and one:
-                self._later(self.directory.remember_request(tenant, one, replica))
+                self.background.run(self.directory.remember_request(tenant, one, replica))
 
     def health(self) -> web.Response:
         replicas = {
@@ -286,7 +282,3 @@ class Router:
         return web.json_response(
             {"status": "ok", "executor": ready > 0, "ready": ready, "replicas": replicas}
         )
-
-
-def _aborts_all(path: str, body: dict | None) -> bool:
-    return path == "/abort_request" and body is not None and body.get("abort_all") is True

@@ -31,7 +31,7 @@ class Replica:
     draining: bool = False  # an operator drains it: nothing new is placed on it
     in_flight: int = 0  # requests this router sent it that have not ended
     tenants: dict[str, int] = field(default_factory=dict)  # open sessions by key, registered
-    # this router's opens (time, tenant): time inf while one runs, then when it was answered
+    # this router's opens (time, tenant): time inf while one runs, then when it was sent
     placed: list[tuple[float, str | None]] = field(default_factory=list)
 
     @property

@@ -1,0 +1,45 @@
+"""What a request to the router addresses (a session, every replica), read from its path
+and body before anything is sent, and the router's own error answers."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
+FANOUT_ROUTES = frozenset({"/flush_cache"})
+
+
+def error(status: int, message: str, kind: str, retry: bool = False) -> web.Response:
+    """An error the router answers itself, shaped as the replicas shape theirs."""
+    headers = {"Retry-After": "1"} if retry else {}
+    body = {"error": {"message": message, "type": kind}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def read_json(body: bytes) -> dict | None:
+    """The body as a JSON object, or None (the replica answers it with its own 400)."""
+    try:
+        value = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def session_of(path: str, body: dict | None) -> str | None:
+    """The session a request addresses, if any."""
+    if body is None:
+        return None
+    if path == "/generate":
+        params = body.get("session_params")
+        sid = params.get("id") if isinstance(params, dict) else None
+    elif path in SESSION_ROUTES or path.startswith("/v1/"):
+        sid = body.get("session_id")
+    else:
+        return None
+    return sid if isinstance(sid, str) else None
+
+
+def aborts_all(path: str, body: dict | None) -> bool:
+    return path == "/abort_request" and body is not None and body.get("abort_all") is True
