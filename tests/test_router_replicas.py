@@ -1,19 +1,27 @@
-"""The router's table of replicas, on a real Redis: a replica keeps one object across
-registration reads, so a request in flight while the table is read ends on the object
-that counts it (a new object per read left +1 of load behind for every such request)."""
+"""The router on a real Redis: a replica keeps one object across registration reads, so
+a request in flight while the table is read ends on the object that counts it (a new
+object per read left +1 of load behind for every such request); an open while Redis is
+away is a clear 503 that leaves no session behind."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
+from custody.up import Stack
 from services.router.replicas import ReplicaTable
 from shared import streams
 from shared.redis_client import connect_async
+from shared.redis_server import PrivateRedis
+from tests.services_harness import stack_settings, start_stack
 
 
 def register(client: redis.Redis, rid: str, **load: int) -> None:
@@ -49,3 +57,58 @@ def test_requests_and_opens_in_flight_across_a_read_end_where_they_count(
         await table.client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_open_while_redis_is_away_is_a_503_and_leaves_nothing_behind():
+    """Redis stopped while an open runs: the placement cannot be written, the replica
+    opens the session once Redis is back, and the router answers 503 (the directory is
+    unavailable) and releases that copy, so no session is left open without a home."""
+    with PrivateRedis(appendonly=True) as server:
+        stack = start_stack(stack_settings(server.url, replicas=2))
+        try:
+            port = stack.settings.port
+            server.stop()
+            assert sessions_open(stack) == 0  # a replica's metrics are served with Redis away
+            answer: dict = {}
+            opening = threading.Thread(target=lambda: answer.update(open_answer(port)))
+            opening.start()
+            time.sleep(1.0)
+            server.start()
+            opening.join(60)
+            assert answer == {"status": 503, "type": "directory_unavailable"}, answer
+            deadline = time.monotonic() + 20
+            while sessions_open(stack) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert sessions_open(stack) == 0
+            deadline = time.monotonic() + 30  # opens work again once replicas re-register
+            while open_answer(port)["status"] != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+        finally:
+            stack.stop()
+
+
+def open_answer(port: int) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/open_session", data=b"{}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return {"status": resp.status}
+    except urllib.error.HTTPError as err:
+        return {"status": err.code, "type": json.loads(err.read())["error"]["type"]}
+
+
+def sessions_open(stack: Stack) -> int:
+    """Sessions open on every replica, as each replica's metrics count them."""
+    total = 0
+    for i in ("0", "1"):
+        text = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{stack.layout[f'scheduler-{i}'][1].port}/metrics"
+            )
+            .read()
+            .decode()
+        )
+        for family in text_string_to_metric_families(text):
+            if family.name == "custody_sessions_open":
+                total += int(sum(s.value for s in family.samples))
+    return total

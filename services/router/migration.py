@@ -25,6 +25,7 @@ import logging
 import time
 
 import aiohttp
+from redis.exceptions import RedisError
 
 from services.router.directory import Directory
 from services.router.replicas import Replica, ReplicaTable
@@ -183,7 +184,7 @@ class Mover:
                 await self.recover()
                 for replica in self._dead():
                     await self._rehome(replica)
-            except (ConnectionError, OSError) as err:
+            except (ConnectionError, OSError, RedisError) as err:
                 log.warning("re-homing check failed (%s); retrying", err)
             except Exception:  # one bad entry must not end the loop for every other
                 log.exception("re-homing check failed; retrying")

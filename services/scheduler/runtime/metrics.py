@@ -194,13 +194,14 @@ class SchedulerMetrics:
     async def render(self, client: aioredis.Redis) -> bytes:
         """The exposition, with each stream's lag read fresh: entries not yet read, or
         read and not acknowledged, by each consumer group. Every sample carries this
-        replica's `replica` label (shared/metrics_labels.py)."""
+        replica's `replica` label (shared/metrics_labels.py). With Redis away, the lag
+        last read is kept: every other sample is still served."""
         from shared.metrics_labels import with_replica
 
         for stream, name in (("ownership", self.keys.ownership), ("forward", self.keys.forward)):
             try:
                 groups = await client.xinfo_groups(name)
-            except aioredis.ResponseError:
+            except (aioredis.RedisError, ConnectionError, OSError):  # no stream yet; or away
                 continue
             self.live.stream_lag[stream] = sum(
                 int(g.get("lag") or 0) + int(g["pending"]) for g in groups
