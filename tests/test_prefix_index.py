@@ -176,7 +176,13 @@ def test_the_chooser_fills_the_emptier_cache_and_counts_diversions():
     ],
 )
 def test_the_prompt_is_read_as_the_replicas_read_it(path, body, expected):
-    chooser = Chooser(ReplicaTable(None, 1.0), PrefixIndex(), ByteTokenizer(), 1024, None)
+    chooser = Chooser(
+        ReplicaTable(None, 1.0),
+        PrefixIndex(),
+        ByteTokenizer(),
+        1024,
+        RouterMetrics(ReplicaTable(None, 1.0)),
+    )
     assert chooser.prompt(path, body) == expected
 
 

@@ -38,8 +38,6 @@ import math
 import random
 from dataclasses import dataclass
 
-from prometheus_client import Counter
-
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaTable
@@ -98,15 +96,6 @@ class Chooser:
     ) -> None:
         self.table, self.index, self.tokenizer = table, index, tokenizer
         self.context_len, self.metrics, self.policy = context_len, metrics, policy
-        self.diverted: Counter | None = None
-        if metrics is not None:
-            self.diverted = Counter(
-                "custody_router_prefix_diverted",
-                "requests the load bound sent away from the replica whose cache held the "
-                "most of their prompt (labelled with that replica)",
-                ["replica"],
-                registry=metrics.registry,
-            )
 
     def pick(self, path: str, body: dict | None) -> Choice | None:
         """The replica for a request to `path` with JSON `body`; None if none is ready."""
@@ -124,8 +113,8 @@ class Chooser:
         if choice.matched:
             self.metrics.prefix_tokens.labels(choice.replica.id).inc(choice.matched)
         holder = max(matched, key=matched.__getitem__, default=None)
-        if holder is not None and matched[holder] > choice.matched and self.diverted is not None:
-            self.diverted.labels(holder).inc()
+        if holder is not None and matched[holder] > choice.matched:
+            self.metrics.prefix_diverted.labels(holder).inc()
         return choice
 
     def prompt(self, path: str, body: dict | None) -> list[int] | None:

@@ -48,6 +48,13 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.prefix_diverted = Counter(
+            "custody_router_prefix_diverted",
+            "requests the load bound sent away from the replica whose cache held the most "
+            "of their prompt (labelled with that replica)",
+            ["replica"],
+            registry=self.registry,
+        )
         self.registry.register(_Replicas(table))
 
     def watch(self, index: PrefixIndex) -> None:
