@@ -11,6 +11,7 @@ import logging
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.http.app import build_app
@@ -24,7 +25,7 @@ from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import LiveState, SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
 from services.scheduler.runtime.registration import Registration
-from services.scheduler.runtime.session_rebuild import rebuild_sessions
+from services.scheduler.runtime.session_rebuild import finish_rebuild, rebuild_sessions
 from services.scheduler.runtime.step_loop import StepLoop
 from shared import streams
 from shared.config import Settings
@@ -76,16 +77,31 @@ class Scheduler:
         )
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
         self.registration = Registration(settings, self.keys, self.engine, self.link)
+        self.unproven: str | None = None  # the stream entry pending sessions wait for
+
+    async def finish_rebuild(self) -> None:
+        """Take back the sessions that waited for the store's proof, then send the store
+        the full set of records (the pending ones were its to keep until now)."""
+        while self.unproven is not None:
+            try:
+                await finish_rebuild(self.redis, self.engine.sessions, self.keys, self.unproven)
+            except (RedisError, OSError) as err:
+                log.warning("pending sessions not taken back yet (%s); retrying", err)
+                await asyncio.sleep(1.0)
+                continue
+            self.unproven = None
+            self.outbox.queue_snapshot(self.link.epoch)
+            self.intake.wake.set()
 
     async def start(self) -> None:
         """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
         # From now on the executor refuses steps of any earlier scheduler life.
         await self.redis.set(self.keys.scheduler_epoch, self.outbox.shipper.epoch)
-        epoch = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
+        epoch, self.unproven = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
         await self.redis.delete(self.keys.draining)  # a restarted replica takes work again
         if epoch is not None:
             self.link.epoch = epoch
-        self.outbox.queue_snapshot()
+        self.outbox.queue_snapshot(self.link.epoch)
         self.outbox.queue_cache_snapshot()  # a router drops what it had of an earlier epoch
         await self.loop.flush()
         await self.link.start(self.settings.redis_url, self.redis)
@@ -100,10 +116,12 @@ async def serve(settings: Settings) -> None:
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("API listening on http://%s:%d", settings.host, settings.port)
     beating = asyncio.create_task(scheduler.registration.run(scheduler.redis))
+    rebuilding = asyncio.create_task(scheduler.finish_rebuild())
     try:
         await scheduler.loop.run()
     finally:
         beating.cancel()
+        rebuilding.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:

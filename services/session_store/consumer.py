@@ -7,6 +7,13 @@ reported and a snapshot requested. After applying, the ledger's checkpoint and t
 acknowledgements are written in one transaction, so a restart resumes from the
 checkpoint and the still-pending entries, never applying anything twice.
 
+The records are current only while no message was lost: `records_through` (in the
+checkpoint) is the last stream entry up to which every session record on the stream has
+been applied. A gap stops it, until a snapshot's `full` set of records (every open
+session, shipped with each snapshot) has replaced what the gap may have lost. A restarted
+scheduler, or a replica taking a session over, reads from the records only once
+`records_through` has passed the stream's end as it saw it (shared/records_proof.py).
+
 A message that does not decode as one of shared/messages/ownership.py's kinds (or
 names slots the ledger lacks) is refused whole: counted in `refused`, its reason kept in
 `last_refused` (both on `/ledger` and `/metrics`), acknowledged, and treated as a gap,
@@ -30,7 +37,7 @@ import redis
 from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLedger, Violation
 from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
-from shared import streams
+from shared import records_proof, streams
 from shared.messages.cache import CACHE_KIND
 from shared.messages.envelope import WireError, pack, unpack
 from shared.messages.ownership import (
@@ -63,6 +70,9 @@ class OwnershipConsumer:
         self.refused = 0  # messages refused as malformed
         self.last_refused: str | None = None  # why the latest was
         self._writes: list[SessionRecord] = []  # to persist with the next checkpoint
+        self._full: set[str] | None = None  # a full set applied: every sid it named
+        self.records_complete = True  # no session record lost since the last full set
+        self.records_through = records_proof.NO_STREAM  # every record applied up to it
         streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
 
@@ -103,6 +113,12 @@ class OwnershipConsumer:
             if fields and fields.get(b"k") != CACHE_KIND:
                 self._apply(fields.get(b"m", b""))
         keys, pipe = self.keys, self.client.pipeline(transaction=True)
+        if self._full is not None:
+            known = {m.decode() for m in self.client.smembers(keys.sessions)}
+            for sid in known - self._full:  # closed in a gap: its close was lost
+                pipe.delete(keys.session(sid))
+                pipe.srem(keys.sessions, sid)
+            self._full = None
         for rec in self._writes:
             if rec.closed:
                 pipe.delete(keys.session(rec.sid))
@@ -111,6 +127,9 @@ class OwnershipConsumer:
                 pipe.hset(keys.session(rec.sid), "record", encode_record(rec))
                 pipe.sadd(keys.sessions, rec.sid)
         self._writes.clear()
+        if self.records_complete and self.epoch is not None:
+            last = entries[-1][0]
+            self.records_through = last.decode() if isinstance(last, bytes) else last
         pipe.hset(keys.checkpoint, mapping=self._checkpoint())
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         self.checker.ack(pipe)
@@ -144,6 +163,10 @@ class OwnershipConsumer:
             return self._replay(msg)
         if isinstance(msg, Idle):
             return self.ledger.check_idle(msg.counts, msg.seq)
+        if msg.full:
+            self._writes.clear()  # the full set supersedes what this batch had taken
+            self._full = {r.sid for r in msg.records}
+            self.records_complete = True
         self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]
         return self.ledger.report(check_records(self.ledger, msg.records))
 
@@ -165,6 +188,7 @@ class OwnershipConsumer:
         found = Violation("gap", "*", [], what + "; snapshot requested", None)
         self.ledger.report([found])
         self.epoch = None  # apply nothing more until a snapshot arrives
+        self.records_complete = False  # records may be lost: until a full set
         self.client.set(self.keys.snapshot_wanted, 1)
         return [found]
 
@@ -184,12 +208,20 @@ class OwnershipConsumer:
             "events_applied": led.events_applied,
             "steps": self.checker.state(),
         }
-        return {"state": msgpack.packb(state, use_bin_type=True)}
+        return {
+            "state": msgpack.packb(state, use_bin_type=True),
+            "records_complete": int(self.records_complete),
+            records_proof.THROUGH: self.records_through,
+        }
 
     def _load_checkpoint(self) -> None:
-        raw = self.client.hget(self.keys.checkpoint, "state")
+        raw, complete, through = self.client.hmget(
+            self.keys.checkpoint, ["state", "records_complete", records_proof.THROUGH]
+        )
         if raw is None:
             return
+        self.records_complete = complete is None or complete == b"1"
+        self.records_through = records_proof.NO_STREAM if through is None else through.decode()
         state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         led = self.ledger
         self.epoch, self.seq = state["epoch"], state["seq"]

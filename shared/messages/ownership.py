@@ -197,10 +197,14 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class SessionRecords(Message, tag="sessions"):
-    """Session records that changed; their slots are valid only on `executor`."""
+    """Session records that changed; their slots are valid only on `executor`. A `full`
+    message carries every open session of the scheduler (sent after each snapshot): the
+    store forgets any record it holds that the message does not name, so records lost in
+    a gap are made whole again."""
 
     records: list[SessionRecord]
     executor: str | None  # the executor epoch when they were taken
+    full: bool = False
 
 
 class Idle(Message, tag="idle"):

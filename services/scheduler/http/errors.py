@@ -28,7 +28,9 @@ SESSION_STATUS = {
     "invalid": 400,
     "limit": 429,
     "moving": 503,  # leaving for another replica: the router sends the retry there
+    "rebuilding": 503,  # its records are not proven current yet (session_rebuild.py)
 }
+RETRY_AFTER_SECONDS = 1  # on every 503: what is refused now is served soon
 
 
 def classify(err: Exception) -> tuple[int, str, str]:
@@ -65,7 +67,7 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
                 await stream.send(body)
                 await stream.send("[DONE]")
             return stream.response
-        headers = {}
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else {}
         if isinstance(err, web.HTTPMethodNotAllowed):
             headers["Allow"] = ",".join(sorted(err.allowed_methods))
         return web.json_response(body, status=status, headers=headers)

@@ -67,11 +67,18 @@ class EventShipper:
         message = Events.of(self.epoch, self._next(), first, reasons, records, owners)
         return encode(message), len(raw)
 
-    def sessions(self, records: list[SessionRecord], executor_epoch: str | None) -> bytes:
-        """Durable session records; their slots are valid only on `executor_epoch`."""
+    def sessions(
+        self, records: list[SessionRecord], executor_epoch: str | None, full: bool = False
+    ) -> bytes:
+        """Durable session records; their slots are valid only on `executor_epoch`.
+        `full`: every open session's (the store forgets any other)."""
         return encode(
             SessionRecords(
-                epoch=self.epoch, seq=self._next(), records=records, executor=executor_epoch
+                epoch=self.epoch,
+                seq=self._next(),
+                records=records,
+                executor=executor_epoch,
+                full=full,
             )
         )
 

@@ -21,14 +21,15 @@ from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
-from services.scheduler.runtime.session_rebuild import store_caught_up
 from services.scheduler.sessions import migration
-from shared import streams
+from shared import records_proof, streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
 from shared.placement import Placement
 from shared.tokenizer import Tokenizer
+
+PROOF_WAIT_SECONDS = 10.0  # a move waits this long for the store to apply the records
 
 Progress = Callable[[Request], Awaitable[None]]
 
@@ -158,14 +159,26 @@ class FrontDoor:
         migration.leave(self._engine.sessions, sid)
         session = await self.place_session(sid, "disk")
         await self.durable()
-        if not await store_caught_up(self._redis, self._outbox.keys):
-            raise SessionError("the session store is behind; retry the move", "moving")
+        await self._records_current(self._outbox.keys)
         return session
+
+    async def _records_current(self, keys: streams.Keys) -> None:
+        """Until the store has applied `keys`'s records up to the stream's end as it is now
+        (shared/records_proof.py); a store that lags longer refuses the move, which the
+        router undoes and tries again."""
+        target = await records_proof.stream_end(self._redis, keys)
+        if not await records_proof.wait_records_current(
+            self._redis, keys, target, PROOF_WAIT_SECONDS
+        ):
+            raise SessionError("the session store is behind; retry the move", "moving")
 
     async def migrate_in(self, sid: str, source: str, epoch: int, timeout: float = 30.0) -> Session:
         """Open `sid` at placement `epoch` from the record replica `source` persisted,
         its blob copied here; returns once the copy ran (or failed: then it re-prefills)
-        and it is recorded."""
+        and it is recorded. The record is read only once proven current: a source that
+        died (or paused) with records still unapplied would otherwise hand over an older
+        history than the one it acknowledged."""
+        await self._records_current(streams.Keys(source))
         raw = await self._redis.hget(streams.Keys(source).session(sid), "record")
         if raw is None:
             raise SessionError(f"replica {source} has no record of session {sid}", "not_found")

@@ -62,8 +62,15 @@ class OwnershipOutbox:
         if cache is not None:
             self.cache_messages.append(cache)
 
-    def queue_snapshot(self) -> None:
+    def queue_snapshot(self, executor_epoch: str | None) -> None:
+        """The ledger's snapshot, then every open session's record (a full set): what a
+        gap made the store lose is whole again. Not while sessions wait to be taken back
+        after a restart (their records are the store's to keep until then)."""
         self.messages.append(self.shipper.snapshot())
+        sessions = self.engine.sessions
+        if not sessions.pending:
+            records = sessions.all_records()
+            self.messages.append(self.shipper.sessions(records, executor_epoch, full=True))
 
     def queue_cache_snapshot(self) -> None:
         self.cache_messages.append(self.cache.snapshot())
@@ -85,7 +92,7 @@ class OwnershipOutbox:
             pipe.delete(self.keys.cache_snapshot_wanted)
             store_wants, routers_want = await pipe.execute()
             if store_wants:
-                self.queue_snapshot()
+                self.queue_snapshot(executor_epoch)
             if routers_want:
                 self.queue_cache_snapshot()
 

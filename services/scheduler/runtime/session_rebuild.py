@@ -1,7 +1,9 @@
-"""How a restarted scheduler takes its sessions back from the session store's records:
-the history always, the slots too when the store has applied everything on the ownership
-stream and the executor alive now is the one the records' slots belong to; otherwise
-history only (their next turn re-prefills). A record the store holds that does not decode
+"""How a restarted scheduler takes its sessions back from the session store's records,
+only once they are proven current (shared/records_proof.py: the store has applied every
+record up to the stream's end as this life first saw it): the history always, the slots
+too when the executor alive now is the one the records' slots belong to. Until the proof
+comes, the sessions answer 503 with Retry-After; taken back late, they keep their history
+only (their next turn re-prefills). A record the store holds that does not decode
 is skipped with a warning: one bad record must not keep the scheduler from starting.
 
 With replicas, the placement directory is the authority on where a session lives: a
@@ -16,10 +18,11 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import redis.asyncio as aioredis
 
 from services.scheduler.sessions.manager import SessionManager
-from shared import streams
+from shared import records_proof, streams
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS, SessionRecord
 from shared.placement import Placement
@@ -27,17 +30,72 @@ from shared.placement import Placement
 log = logging.getLogger("custody.scheduler")
 
 
+PROOF_WAIT_SECONDS = 2.0  # at start; then the sessions answer 503 until the proof comes
+
+
 async def rebuild_sessions(
     client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys
-) -> str | None:
-    """Rebuild every recorded session; returns the live executor's epoch when there were
-    records (their slots are valid on it), else None."""
+) -> tuple[str | None, str | None]:
+    """Take back every recorded session whose records are proven current (shared/
+    records_proof.py): (the live executor's epoch when there were records, their slots
+    valid on it, else None; the stream entry the proof still waits for, else None). While
+    the proof waits, every recorded session is `pending`: it answers 503, never a turn
+    from a record older than the last one written; `finish_rebuild` takes them back."""
     await rehoming_over(client, keys)
-    caught_up = await store_caught_up(client, keys)
-    sids = await client.smembers(keys.sessions)
-    records: list[SessionRecord] = []
+    target = await records_proof.stream_end(client, keys)  # before this life writes
+    proven = await records_proof.wait_records_current(client, keys, target, PROOF_WAIT_SECONDS)
+    sids, placements = await _ours(client, sessions, keys)
+    if not proven:
+        log.warning(
+            "the session store has not applied this replica's records up to %s: "
+            "%d sessions answer 503 until it has",
+            target,
+            len(sids),
+        )
+        sessions.pending |= set(sids)
+        return None, target
+    records = await _records(client, keys, sids)
+    alive = await client.get(keys.executor_alive)
+    epoch = alive.decode() if alive else None
+    for group in {r.executor for r in records}:
+        sessions.rebuild([r for r in records if r.executor == group], epoch == group)
+    sessions.discard_unnamed_blobs()
+    _place(sessions, placements)
+    if not records:
+        return None, None
+    log.info("rebuilt %d sessions from the session store", len(records))
+    return epoch, None
+
+
+async def finish_rebuild(
+    client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys, target: str
+) -> None:
+    """Once the store's records are proven current up to `target`, take back the pending
+    sessions, from their history only: this life may have given their slots and blobs to
+    other sessions meanwhile (their next turn re-prefills)."""
+    while not await records_proof.records_current(client, keys, target):
+        await asyncio.sleep(0.2)
+    pending = sorted(sessions.pending)
+    sids, placements = await _ours(client, sessions, keys)
+    records = [
+        msgspec.structs.replace(r, disk=None, row=None, working=None, pages=None)
+        for r in await _records(client, keys, [s for s in pending if s in sids])
+    ]
+    sessions.rebuild(records, state_valid=False)
+    sessions.dirty |= sessions.pending  # placed elsewhere now, or never recorded: closed
+    sessions.pending.clear()
+    _place(sessions, placements)
+    log.info("rebuilt %d sessions from the session store, after waiting for it", len(records))
+
+
+async def _ours(
+    client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys
+) -> tuple[list[str], dict[str, Placement]]:
+    """The recorded sessions this replica owns, and their placements. One the directory
+    places elsewhere (it moved while this one was down) is recorded closed here."""
+    sids: list[str] = []
     placements: dict[str, Placement] = {}
-    for sid in sorted(k.decode() for k in sids):
+    for sid in sorted(k.decode() for k in await client.smembers(keys.sessions)):
         placed = await _placement(client, sid)
         if placed is not None and placed.replica != keys.replica:
             log.info("session %s lives on replica %s now; not taken back", sid, placed.replica)
@@ -45,6 +103,14 @@ async def rebuild_sessions(
             continue
         if placed is not None:
             placements[sid] = placed
+        sids.append(sid)
+    return sids, placements
+
+
+async def _records(client: aioredis.Redis, keys: streams.Keys, sids: list[str]) -> list:
+    """The stored records of `sids`; one that does not decode is skipped with a warning."""
+    records: list[SessionRecord] = []
+    for sid in sids:
         raw = await client.hget(keys.session(sid), "record")
         if raw is None:
             continue
@@ -52,20 +118,15 @@ async def rebuild_sessions(
             records.append(RECORDS.decode(raw))
         except WireError as err:
             log.warning("session %s not rebuilt: its stored record is refused (%s)", sid, err)
-    alive = await client.get(keys.executor_alive)
-    epoch = alive.decode() if alive else None
-    for group in {r.executor for r in records}:
-        valid = caught_up and epoch is not None and group == epoch
-        sessions.rebuild([r for r in records if r.executor == group], valid)
-    sessions.discard_unnamed_blobs()
+    return records
+
+
+def _place(sessions: SessionManager, placements: dict[str, Placement]) -> None:
+    """A session taken back is at its placement's epoch, and moving if in transit."""
     for sid, placed in placements.items():
         if sid in sessions.sessions:
             session = sessions.sessions[sid]
             session.epoch, session.moving = placed.epoch, placed.moving_to is not None
-    if not records:
-        return None
-    log.info("rebuilt %d sessions from the session store", len(records))
-    return epoch
 
 
 async def _placement(client: aioredis.Redis, sid: str) -> Placement | None:
@@ -86,22 +147,3 @@ async def rehoming_over(client: aioredis.Redis, keys: streams.Keys, timeout: flo
     while await client.exists(keys.rehoming) and time.monotonic() < deadline:
         log.info("a router is re-homing this replica's sessions; waiting")
         await asyncio.sleep(0.5)
-
-
-async def store_caught_up(
-    client: aioredis.Redis, keys: streams.Keys, timeout: float = 10.0
-) -> bool:
-    """Whether the store has applied everything on the ownership stream."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            groups = await client.xinfo_groups(keys.ownership)
-            info = await client.xinfo_stream(keys.ownership)
-        except aioredis.ResponseError:
-            return True  # no stream yet: nothing to catch up on
-        store = next((g for g in groups if g["name"].decode() == streams.STORE_GROUP), None)
-        last = info["last-generated-id"]
-        if store is not None and store["pending"] == 0 and store["last-delivered-id"] == last:
-            return True
-        await asyncio.sleep(0.1)
-    return False

@@ -61,6 +61,9 @@ class SessionManager(DurableRecords, Reencoding):
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
+        # recorded sessions a restarted scheduler has not taken back yet: their records
+        # are not proven current (runtime/session_rebuild.py), so they answer 503
+        self.pending: set[str] = set()
         self.states_dropped = 0
         self.reencoded = 0  # chat replies re-encoded (chat_log.py)
         self.deadlines = Deadlines()
@@ -86,6 +89,7 @@ class SessionManager(DurableRecords, Reencoding):
         sid = secrets.token_hex(16) if sid is None else sid
         if not isinstance(sid, str) or not SESSION_ID.match(sid):
             raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
+        self._not_pending(sid)
         if sid in self.sessions or sid in self._closed:
             raise SessionError(f"session {sid} already exists", "invalid")
         if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
@@ -98,6 +102,7 @@ class SessionManager(DurableRecords, Reencoding):
         return session
 
     def get(self, sid: str) -> Session:
+        self._not_pending(sid)
         session = self.sessions.get(sid)
         if session is None:
             if sid in self._closed:
@@ -301,6 +306,12 @@ class SessionManager(DurableRecords, Reencoding):
         return bool(self.moves.discards or self.tiers.placing or self.moves.batch)
 
     # ---- internals ----
+    def _not_pending(self, sid: str) -> None:
+        if sid in self.pending:
+            raise SessionError(
+                f"session {sid} is being restored after a restart; retry", "rebuilding"
+            )
+
     def _touch(self, session: Session, now: float) -> None:
         """`session` was used at `now`: its expiry deadline moves."""
         session.last_used = now

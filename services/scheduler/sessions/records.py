@@ -34,43 +34,50 @@ class DurableRecords:
     pools: Pools
     sessions: dict[str, Session]
     dirty: set[str]  # sessions whose record changed since the last `take_records`
+    pending: set[str]  # recorded sessions not yet taken back (records not proven current)
     moves: TierMoves
     open: Callable[..., Session]
 
     def take_records(self) -> list[SessionRecord]:
-        """What changed since the last call, as records the session store persists: the
-        history always; the slots only while the session itself holds them (not lent to
-        a turn, not borrowing cache pages), since only then can a restarted scheduler
-        take them over."""
-        out = []
-        for sid in sorted(self.dirty):
-            s = self.sessions.get(sid)
-            if s is None or s.closing:
-                out.append(SessionRecord(sid=sid, closed=True))
-                continue
-            rec = SessionRecord(
-                sid=sid,
-                timeout=s.timeout,
-                tenant=s.tenant,  # its owner survives a restart (a hash, never a key)
-                history=pack(s.history, TOKEN),
-                cached_len=s.cached_len,
-                chat=None if s.chat is None else list(s.chat),  # docs/chat.md
-            )
-            if s.disk is not None and s.disk.ready:
-                rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
-            elif s.slots is not None and s.slots.borrowed == 0:
-                rec.row = s.slots.row.slot
-                rec.working = s.slots.working.slot
-                rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
-            out.append(rec)
+        """What changed since the last call, as records the session store persists."""
+        out = [self._record(sid) for sid in sorted(self.dirty)]
         self.dirty.clear()
         return out
+
+    def all_records(self) -> list[SessionRecord]:
+        """Every open session's record: the full set the store is sent after a snapshot,
+        which replaces whatever a gap in the stream made it lose."""
+        return [self._record(sid) for sid in sorted(self.sessions)]
+
+    def _record(self, sid: str) -> SessionRecord:
+        """`sid`'s record: the history always; the slots only while the session itself
+        holds them (not lent to a turn, not borrowing cache pages), since only then can a
+        restarted scheduler take them over."""
+        s = self.sessions.get(sid)
+        if s is None or s.closing:
+            return SessionRecord(sid=sid, closed=True)
+        rec = SessionRecord(
+            sid=sid,
+            timeout=s.timeout,
+            tenant=s.tenant,  # its owner survives a restart (a hash, never a key)
+            history=pack(s.history, TOKEN),
+            cached_len=s.cached_len,
+            chat=None if s.chat is None else list(s.chat),  # docs/chat.md
+        )
+        if s.disk is not None and s.disk.ready:
+            rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
+        elif s.slots is not None and s.slots.borrowed == 0:
+            rec.row = s.slots.row.slot
+            rec.working = s.slots.working.slot
+            rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
+        return rec
 
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back: the history always, a valid
         blob on disk, device slots when the executor that holds their contents is the
         same one."""
         for rec in records:
+            self.pending.discard(rec.sid)
             if rec.closed:
                 continue
             session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
