@@ -10,7 +10,8 @@ from services.session_store.consumer import OwnershipConsumer
 from shared import streams
 from shared.messages.cache import CACHE_KIND, CacheEvents, CacheSnapshot, Stored, chain
 from shared.messages.envelope import encode
-from shared.messages.ownership import Events, Transfers
+from shared.messages.ownership import RECORDS, Events, Transfers
+from shared.records_proof import entry_id
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
 
@@ -204,3 +205,46 @@ def test_cache_entries_are_acknowledged_and_skipped(redis_client):
     assert not redis_client.exists(streams.SINGLE.snapshot_wanted)
     assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
     assert redis_client.xpending(stream, streams.STORE_GROUP)["pending"] == 0
+
+
+def test_records_lost_in_a_gap_are_made_whole_by_the_full_set_after_a_snapshot(redis_client):
+    """A gap stops `records_through` (the proof a restarted scheduler waits for) and the
+    records in it are lost; the snapshot the store asks for brings every open session's
+    record (a full set), and a record the full set does not name (closed in the gap) goes."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e3")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    keys = streams.SINGLE
+    a = d.engine.sessions.open("sa")
+    d.engine.sessions.open("sb")
+    publish(redis_client, shipper.snapshot())
+    publish(redis_client, shipper.sessions(d.engine.sessions.take_records(), None))
+    drain(consumer)
+    assert redis_client.smembers(keys.sessions) == {b"sa", b"sb"}
+    applied = consumer.records_through
+    assert applied == redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
+
+    a.history = np.arange(7)
+    d.engine.sessions.dirty.add("sa")
+    d.engine.sessions.close("sb")
+    shipper.sessions(d.engine.sessions.take_records(), None)  # lost: never on the stream
+    publish(redis_client, shipper.idle({}))  # the next message shows the gap
+    drain(consumer)
+    assert not consumer.records_complete
+    assert consumer.records_through == applied  # no proof past a gap
+    assert redis_client.exists(keys.snapshot_wanted)
+
+    publish(redis_client, shipper.snapshot())
+    publish(redis_client, shipper.sessions(d.engine.sessions.all_records(), None, full=True))
+    drain(consumer)
+    assert consumer.records_complete
+    assert entry_id(consumer.records_through) > entry_id(applied)
+    assert redis_client.smembers(keys.sessions) == {b"sa"}  # sb's close, lost, is made good
+    stored = RECORDS.decode(redis_client.hget(keys.session("sa"), "record"))
+    assert stored.tokens().tolist() == list(range(7))
+    assert not redis_client.exists(keys.session("sb"))
+    restarted = OwnershipConsumer(redis_client, "store-1")  # the proof survives a restart
+    assert (restarted.records_complete, restarted.records_through) == (
+        True,
+        consumer.records_through,
+    )
