@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from shared.streams import REPLICA_ID
 
 FIRST_EPOCH = 1
+# Sent by a router with the opens it places: the replica then knows that a session of its
+# without a placement was closed (or moved and closed) elsewhere (a session opened straight
+# on a scheduler has no placement at all).
+PLACED_HEADER = "X-Custody-Placed"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A restarted scheduler never answers from stale records (docs/faults.md, "Stale state").
+"""A restarted scheduler never answers from stale records (docs/architecture.md, "Scheduler restarted").
 
 With the session store paused (SIGSTOP), the records of the last turn are on the
 ownership stream but not applied. A scheduler SIGKILLed and restarted then cannot prove

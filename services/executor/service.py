@@ -36,6 +36,7 @@ from shared.config import Settings
 from shared.messages.envelope import WireError, encode
 from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
 from shared.redis_client import connect
+from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults
 
 log = logging.getLogger("custody.executor")
 STEPS = Counter(
@@ -52,6 +53,7 @@ DECODE_COMPILED = Gauge(
 MALFORMED = Counter(
     "custody_malformed_messages", "messages refused as not of the wire format", ["stream"]
 )
+FAULTS = background_faults()
 
 
 class ExecutorService:
@@ -92,7 +94,11 @@ class ExecutorService:
         )
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client, self.keys.scheduler_epoch)
-        self._beat = 0.0
+        self._next_beat = 0.0  # monotonic time of the next heartbeat
+        # retried at least once a heartbeat: the alive key must not lapse for a backoff
+        beat = settings.heartbeat_seconds
+        self.serving = Retry("executor_serve", log, FAULTS, ceiling=beat)
+        self.beating = Retry("executor_heartbeat", log, FAULTS, ceiling=beat)
         self._next: list = []  # steps read with the answer to the last, not yet run
         streams.ensure_group(self.client, self.keys.forward, streams.EXECUTOR_GROUP)
 
@@ -108,17 +114,30 @@ class ExecutorService:
             log.warning("could not mark tier moves in flight: %s", err)
 
     def heartbeat(self) -> None:
+        """Once a heartbeat: the alive key, and the fence read again. A Redis fault is
+        counted and logged and the beat tried again after a backoff, never raised: the
+        steps read go on (the key lapses only if the fault outlasts its expiry)."""
         now = time.monotonic()
-        if now - self._beat >= self.settings.heartbeat_seconds:
+        if now < self._next_beat:
+            return
+        try:
             self.client.set(
                 self.keys.executor_alive,
                 self.epoch,
                 px=int(self.settings.executor_timeout_seconds * 1000),
             )
             self.fence.refresh()
-            self._beat = now
+        except DEPENDENCY_FAULTS as err:
+            self._next_beat = now + self.beating.failed(err)
+            return
+        self.beating.ok()
+        self._next_beat = now + self.settings.heartbeat_seconds
 
     def serve_forever(self) -> None:
+        """Serve until killed. Redis away or refusing (any error class, shared/retry.py)
+        is waited out: exiting would lose every session's device state. A fault of the
+        loop itself still ends the process, whose state is then in doubt: the supervisor
+        starts a new life, and the scheduler re-queues (the device-lost path)."""
         log.info(
             "executor %s ready (%d B per KV token, %d B per Mamba slot)",
             self.epoch,
@@ -129,9 +148,10 @@ class ExecutorService:
             try:
                 self.heartbeat()
                 self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
-            except redis.ConnectionError as err:
-                log.warning("redis unavailable (%s); retrying", err)
-                time.sleep(0.5)
+            except DEPENDENCY_FAULTS as err:
+                self.serving.wait_sync(err)
+                continue
+            self.serving.ok()
 
     def serve_once(self, block_ms: int) -> int:
         """Run the steps read (or read them), in stream order, answering each. The answer

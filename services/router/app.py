@@ -33,7 +33,7 @@ from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.limits import SessionLimits
 from services.router.migration import Mover
-from services.router.proxy import KIND, UPSTREAM_TIMES, Proxy, ReplicaDown
+from services.router.proxy import KIND, PLACING, UPSTREAM_TIMES, Proxy, ReplicaDown
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
 
@@ -190,6 +190,7 @@ class Router:
         self, request: web.Request, body: bytes, sid: str, replica: Replica, received: float
     ) -> web.StreamResponse:
         placing = asyncio.ensure_future(self.directory.place(sid, replica.id))
+        request[PLACING] = True
         try:
             response = await self.send(request, body, replica, "affinity", received)
             home, placed = await placing

@@ -53,10 +53,10 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("router listening on http://%s:%d", settings.host, settings.port)
-    feeding = asyncio.create_task(PrefixFeed(client, table, index).run())
-    watching = asyncio.create_task(mover.watch())
+    feeding = asyncio.create_task(PrefixFeed(client, table, index).run(metrics.faults))
+    watching = asyncio.create_task(mover.watch(metrics.faults))
     try:
-        await table.run()
+        await table.run(metrics.faults)
     finally:
         feeding.cancel()
         watching.cancel()

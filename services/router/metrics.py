@@ -1,6 +1,7 @@
 """The router's own metrics: routing decisions by kind, the load it sees per replica,
 upstream failures, the time it adds to a request (`overhead`), the prompt tokens it sent
-where they were cached, and the size of its index of each replica's prefix cache."""
+where they were cached, the size of its index of each replica's prefix cache, and the
+faults its background loops survived (shared/retry.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import ReplicaTable
+from shared.retry import background_faults
 
 OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
@@ -55,6 +57,7 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.faults = background_faults(self.registry)  # its background loops'
         self.registry.register(_Replicas(table))
 
     def watch(self, index: PrefixIndex) -> None:

@@ -25,14 +25,16 @@ import logging
 import time
 
 import aiohttp
-from redis.exceptions import RedisError
+from prometheus_client import Counter
 
 from services.router.directory import Directory
 from services.router.replicas import Replica, ReplicaTable
 from shared import streams
 from shared.placement import Move, Placement
+from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
+RELEASE_ATTEMPTS = 6  # over about 12 s
 REHOMING_SECONDS = 300  # the re-homing lock's expiry, should its router die holding it
 
 
@@ -71,8 +73,15 @@ class Mover:
             return 503, str(err)
 
     async def release(self, replica: Replica, sid: str) -> None:
-        """Close `replica`'s copy of `sid`, which the directory places elsewhere."""
-        await self._post(replica, "/admin/migrate_done", sid)
+        """Close `replica`'s copy of `sid`, which the directory places elsewhere; a
+        replica that cannot answer now (Redis away, restarting) is asked again, a few
+        times, so a failed open leaves no copy behind."""
+        for attempt in range(RELEASE_ATTEMPTS):
+            status, answer = await self._post(replica, "/admin/migrate_done", sid)
+            if status < 500:
+                return
+            await asyncio.sleep(0.2 * 2**attempt)
+        log.warning("session %s: copy on %s not released: %s", sid, replica.id, answer)
 
     async def move(self, sid: str, source: str, target: Replica) -> str:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
@@ -175,19 +184,21 @@ class Mover:
             outcomes[await self.move(sid, replica, target)] += 1
         return {"replica": replica, **outcomes}
 
-    async def watch(self) -> None:
+    async def watch(self, faults: Counter | None = None) -> None:
         """Take over abandoned moves and re-home the sessions of replicas found dead,
-        forever."""
+        forever; a fault (one bad entry must not end the loop for every other) is
+        counted in `faults`, logged and retried after a backoff (shared/retry.py)."""
+        retry = Retry("move_takeover", log, faults)
         while True:
             await asyncio.sleep(self.table.period)
             try:
                 await self.recover()
                 for replica in self._dead():
                     await self._rehome(replica)
-            except (ConnectionError, OSError, RedisError) as err:
-                log.warning("re-homing check failed (%s); retrying", err)
-            except Exception:  # one bad entry must not end the loop for every other
-                log.exception("re-homing check failed; retrying")
+            except Exception as err:
+                await retry.wait(err)
+                continue
+            retry.ok()
 
     def _dead(self) -> list[str]:
         now = time.monotonic()

@@ -17,15 +17,16 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 
 from services.router.prefix_index import PrefixIndex, ReplicaIndex
 from services.router.replicas import ReplicaTable
 from shared import streams
 from shared.messages.cache import CACHE_KIND
+from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
 READ_COUNT = 256
-RETRY_SECONDS = 0.5  # after Redis was away, or a fault in a loop
 
 
 class PrefixFeed:
@@ -41,33 +42,34 @@ class PrefixFeed:
         self.block_ms, self.retry_seconds = block_ms, retry_seconds
         self.loops: dict[str, asyncio.Task] = {}
 
-    async def run(self) -> None:
+    async def run(self, faults: Counter | None = None) -> None:
         """Start a loop for every replica that registers, for as long as the router runs
-        (a replica whose registration lapses keeps its loop: it may come back)."""
+        (a replica whose registration lapses keeps its loop: it may come back); their
+        faults are counted in `faults`."""
         try:
             while True:
                 for rid in self.table.live.keys() - self.loops.keys():
-                    self.loops[rid] = asyncio.create_task(self.follow(rid), name=f"prefix-{rid}")
+                    loop = self.follow(rid, faults)
+                    self.loops[rid] = asyncio.create_task(loop, name=f"prefix-{rid}")
                 await asyncio.sleep(self.table.period)
         finally:
             for loop in self.loops.values():
                 loop.cancel()
 
-    async def follow(self, replica: str) -> None:
-        """Read `replica`'s stream into its index, forever; a fault clears the index and
-        starts over from the stream's end with a new snapshot."""
+    async def follow(self, replica: str, faults: Counter | None = None) -> None:
+        """Read `replica`'s stream into its index, forever; a fault (counted, logged,
+        shared/retry.py) clears the index and, after a backoff, starts over from the
+        stream's end with a new snapshot."""
         keys, index = streams.Keys(replica), self.index.replica(replica)
+        retry = Retry("prefix_feed", log, faults, about=f"replica {replica}")
         while True:
             try:
-                await self._read(keys, index)
-            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
-                log.warning("replica %s: cache events not read (%s); retrying", replica, err)
-            except Exception:
-                log.exception("replica %s: fault while indexing its cache", replica)
-            index.clear()
-            await asyncio.sleep(RETRY_SECONDS)
+                await self._read(keys, index, retry)
+            except Exception as err:
+                index.clear()
+                await retry.wait(err)
 
-    async def _read(self, keys: streams.Keys, index: ReplicaIndex) -> None:
+    async def _read(self, keys: streams.Keys, index: ReplicaIndex, retry: Retry) -> None:
         tail = await self.client.xrevrange(keys.ownership, count=1)
         last = tail[0][0] if tail else b"0-0"
         asked = await self._ask(keys)
@@ -75,6 +77,7 @@ class PrefixFeed:
             reply = await self.client.xread(
                 {keys.ownership: last}, count=READ_COUNT, block=self.block_ms
             )
+            retry.ok()
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id

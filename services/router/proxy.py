@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.router.metrics import RouterMetrics
 from services.router.replicas import Replica
+from shared.placement import PLACED_HEADER
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
@@ -18,6 +19,7 @@ PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 # request answered in one piece: its overhead ends when the router starts its answer
 UPSTREAM_TIMES = web.RequestKey("upstream_times", tuple)
 KIND = web.RequestKey("kind", str)  # the request's kind for the overhead histogram
+PLACING = web.RequestKey("placing", bool)  # an open this router places: the replica is told
 
 
 class ReplicaDown(Exception):
@@ -52,6 +54,8 @@ class Proxy:
         answer dropped, if its status is in `unless`. Raises `ReplicaDown` if the replica
         cannot be connected to."""
         headers = {h: request.headers[h] for h in PASSED_UP if h in request.headers}
+        if request.get(PLACING):
+            headers[PLACED_HEADER] = "1"
         replica.in_flight += 1
         try:
             sent = time.perf_counter()

@@ -13,8 +13,10 @@ import random
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 
 from shared import streams
+from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
 
@@ -106,12 +108,17 @@ class ReplicaTable:
             replica.placed = [p for p in replica.placed if p[0] > replica.written]
         return replica
 
-    async def run(self) -> None:
+    async def run(self, faults: Counter | None = None) -> None:
+        """Read the registrations every `period`, forever; a fault is counted in
+        `faults`, logged and retried (shared/retry.py)."""
+        retry = Retry("router_replicas", log, faults)
         while True:
             try:
                 await self.refresh()
-            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
-                log.warning("replica registrations not read (%s); retrying", err)
+            except Exception as err:
+                await retry.wait(err)
+                continue
+            retry.ok()
             await asyncio.sleep(self.period)
 
     def ready(self) -> list[Replica]:

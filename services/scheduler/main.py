@@ -76,7 +76,9 @@ class Scheduler:
             self.outbox,
         )
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
-        self.registration = Registration(settings, self.keys, self.engine, self.link)
+        self.registration = Registration(settings, self.keys, self.engine, self.link, self.intake)
+        lease = self.registration.lease
+        self.engine.sessions.may_serve = self.outbox.may_record = lease.current
         self.unproven: str | None = None  # the stream entry pending sessions wait for
 
     async def finish_rebuild(self) -> None:
@@ -103,6 +105,7 @@ class Scheduler:
             self.link.epoch = epoch
         self.outbox.queue_snapshot(self.link.epoch)
         self.outbox.queue_cache_snapshot()  # a router drops what it had of an earlier epoch
+        await self.registration.beat(self.redis)  # the lease, before the first request
         await self.loop.flush()
         await self.link.start(self.settings.redis_url, self.redis)
 
@@ -115,7 +118,8 @@ async def serve(settings: Settings) -> None:
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("API listening on http://%s:%d", settings.host, settings.port)
-    beating = asyncio.create_task(scheduler.registration.run(scheduler.redis))
+    faults = scheduler.loop.metrics.faults
+    beating = asyncio.create_task(scheduler.registration.run(scheduler.redis, faults))
     rebuilding = asyncio.create_task(scheduler.finish_rebuild())
     try:
         await scheduler.loop.run()

@@ -28,6 +28,7 @@ steps it has read are acknowledged in the same transaction as the checkpoint.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import msgpack
@@ -50,6 +51,9 @@ from shared.messages.ownership import (
     Snapshot,
     encode_record,
 )
+from shared.placement import Placement
+
+log = logging.getLogger("custody.session_store")
 
 
 class OwnershipConsumer:
@@ -68,6 +72,7 @@ class OwnershipConsumer:
         self.seq = 0
         self.duplicates = 0
         self.refused = 0  # messages refused as malformed
+        self.fenced = 0  # session records refused: written under an epoch left behind
         self.last_refused: str | None = None  # why the latest was
         self._writes: list[SessionRecord] = []  # to persist with the next checkpoint
         self._full: set[str] | None = None  # a full set applied: every sid it named
@@ -119,7 +124,7 @@ class OwnershipConsumer:
                 pipe.delete(keys.session(sid))
                 pipe.srem(keys.sessions, sid)
             self._full = None
-        for rec in self._writes:
+        for rec in self._fence(self._writes):
             if rec.closed:
                 pipe.delete(keys.session(rec.sid))
                 pipe.srem(keys.sessions, rec.sid)
@@ -142,7 +147,8 @@ class OwnershipConsumer:
             if isinstance(msg, Snapshot):
                 self.ledger.reset(msg)
                 self.epoch, self.seq = msg.epoch, msg.seq
-                self.client.delete(self.keys.snapshot_wanted)
+                if self.records_complete:  # else asked again until a full set comes
+                    self.client.delete(self.keys.snapshot_wanted)
                 self.checker.reset(msg.epoch)
                 return self._steps_due()
             if msg.epoch != self.epoch or msg.seq <= self.seq:
@@ -167,6 +173,7 @@ class OwnershipConsumer:
             self._writes.clear()  # the full set supersedes what this batch had taken
             self._full = {r.sid for r in msg.records}
             self.records_complete = True
+            self.client.delete(self.keys.snapshot_wanted)
         self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]
         return self.ledger.report(check_records(self.ledger, msg.records))
 
@@ -179,6 +186,37 @@ class OwnershipConsumer:
         stops = self.checker.stops(epoch, batch.first, led.next_event + batch.num_events)
         found += led.apply(batch, stops, lambda seq: self.checker.at(epoch, seq, led))
         return found + self._steps_due()
+
+    def _fence(self, records: list[SessionRecord]) -> list[SessionRecord]:
+        """The records still this replica's to write: one written under a placement
+        epoch the directory has since left (the session moved while the replica was
+        paused or cut off) is refused, counted and logged; a close always goes through
+        (it only removes this replica's own record)."""
+        placed = [r for r in records if not r.closed and r.epoch is not None]
+        if not placed:
+            return records
+        pipe = self.client.pipeline(transaction=False)
+        for rec in placed:
+            pipe.get(streams.placement_key(rec.sid))
+        refused = set()
+        for rec, raw in zip(placed, pipe.execute(), strict=True):
+            try:
+                now = Placement.decode(raw)
+            except ValueError:
+                continue  # unreadable: the directory cannot say; the record stands
+            if now is None:
+                continue  # closed since (its close comes next), or its open placing it
+            if now.epoch > rec.epoch or not now.names(self.keys.replica):
+                refused.add(id(rec))
+                self.fenced += 1
+                log.warning(
+                    "replica %s: record of session %s (epoch %d) refused: placed %s",
+                    self.keys.replica,
+                    rec.sid,
+                    rec.epoch,
+                    None if now is None else now.encode(),
+                )
+        return [r for r in records if id(r) not in refused]
 
     def _steps_due(self) -> list[Violation]:
         """Check the queued steps planned where the ledger stands now."""

@@ -5,14 +5,16 @@ The store holds several replicas' ledgers, so it cannot label its exposition wit
 replica as the scheduler and the executor do (shared/metrics_labels.py): each sample names
 its own replica, `replica` last among its labels as there. The values are read from the
 ledgers at scrape time, so a replica discovered later appears at its first scrape and no
-gauge can drift from its ledger.
+gauge can drift from its ledger. The faults the store's background loops survived
+(`custody_background_faults_total`, shared/retry.py) are labelled the same way: by loop,
+and by the replica the loop serves (discovery: the store's own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.session_store.ledger_replay import KINDS
@@ -24,7 +26,7 @@ class LedgerMetrics(Collector):
     def __init__(self, replicas: ReplicaConsumers) -> None:
         self.replicas = replicas
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         violations = GaugeMetricFamily(
             "custody_ledger_violations", "ownership violations found", labels=["kind", LABEL]
         )
@@ -41,6 +43,11 @@ class LedgerMetrics(Collector):
             "ownership stream entries refused as malformed (acknowledged, snapshot asked)",
             labels=[LABEL],
         )
+        fenced = GaugeMetricFamily(
+            "custody_session_records_fenced",
+            "session records refused: written under a placement epoch the directory left",
+            labels=[LABEL],
+        )
         steps = GaugeMetricFamily(
             "custody_ledger_steps_checked",
             "forward steps whose writes were checked against the ledger, or could not be",
@@ -55,6 +62,8 @@ class LedgerMetrics(Collector):
                 leaked.add_metric([pool, replica], len(held.get(pool, [])))
             applied.add_metric([replica], led.events_applied)
             refused.add_metric([replica], consumer.refused)
+            fenced.add_metric([replica], consumer.fenced)
             steps.add_metric(["checked", replica], consumer.checker.checked)
             steps.add_metric(["unchecked", replica], consumer.checker.unchecked)
-        yield from (violations, leaked, applied, refused, steps)
+        yield from (violations, leaked, applied, refused, fenced, steps)
+        yield from self.replicas.loop_faults.collect()

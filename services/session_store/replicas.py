@@ -10,7 +10,9 @@ about once a second, so a replica started after the store gets its consumer then
 Each consumer runs in its own loop, its blocking reads in a thread: one replica's busy
 stream delays no other replica's ledger, and a fault while applying one replica's
 entries (counted in `faults` by replica, logged) stops nothing, not even that replica's
-loop, which retries.
+loop, which retries. Redis away or refusing (any error class) is waited out by every
+loop; each loop's faults are counted in `loop_faults` (shared/retry.py), by loop and
+replica, which the store's /metrics serves.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import redis
 
 from services.session_store.consumer import OwnershipConsumer
 from shared import streams
+from shared.metrics_labels import LABEL
+from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults
 
 log = logging.getLogger("custody.session_store")
 
@@ -30,7 +34,6 @@ log = logging.getLogger("custody.session_store")
 # every replica, as each replica's streams have their own consumer group.
 CONSUMER_NAME = "session-store-1"
 DISCOVER_SECONDS = 1.0
-RETRY_SECONDS = 0.5
 
 
 class ReplicaConsumers:
@@ -40,7 +43,8 @@ class ReplicaConsumers:
         self.client, self.own = client, own
         # The store's own replica is there from the start: its /ledger answers at once.
         self.consumers: dict[str, OwnershipConsumer] = {own: self._consumer(own)}
-        self.faults: Counter[str] = Counter()  # exceptions survived, by replica
+        self.faults: Counter[str] = Counter()  # faults not Redis's survived, by replica
+        self.loop_faults = background_faults(None, ("loop", LABEL))  # yielded by metrics.py
         self._loops: dict[str, asyncio.Task] = {}
 
     def _consumer(self, replica: str) -> OwnershipConsumer:
@@ -54,12 +58,14 @@ class ReplicaConsumers:
 
     async def discover(self) -> None:
         """Build a consumer for each newly registered replica (reading its checkpoint) and
-        start its loop. One that fails to build is counted and tried again next time."""
+        start its loop. One that fails to build is counted and tried again next time;
+        Redis away or refusing is raised, once the loops of those built are started."""
+        unavailable: Exception | None = None
         for replica in sorted(await asyncio.to_thread(self.registered) - self.consumers.keys()):
             try:
                 self.consumers[replica] = await asyncio.to_thread(self._consumer, replica)
-            except redis.ConnectionError as err:
-                log.warning("redis unavailable (%s); retrying", err)
+            except DEPENDENCY_FAULTS as err:
+                unavailable = err
                 break  # the loops of those built are started all the same
             except Exception:
                 log.exception("replica %s: cannot start consuming its streams", replica)
@@ -67,16 +73,21 @@ class ReplicaConsumers:
         for replica in self.consumers.keys() - self._loops.keys():
             loop = self._consume(replica)
             self._loops[replica] = asyncio.create_task(loop, name=f"ledger-{replica}")
+        if unavailable is not None:
+            raise unavailable
 
     async def run_forever(self) -> None:
-        """Discover replicas about once a second, forever; Redis away is retried. The
-        replicas' loops end with it."""
+        """Discover replicas about once a second, forever; a fault is counted, logged
+        and retried after a backoff. The replicas' loops end with it."""
+        retry = Retry("store_discover", log, self.loop_faults, labels=(self.own,))
         try:
             while True:
                 try:
                     await self.discover()
-                except redis.ConnectionError as err:
-                    log.warning("redis unavailable (%s); retrying", err)
+                except Exception as err:
+                    await retry.wait(err)
+                    continue
+                retry.ok()
                 await asyncio.sleep(DISCOVER_SECONDS)
         finally:
             for task in self._loops.values():
@@ -88,17 +99,20 @@ class ReplicaConsumers:
         consumer = self.consumers[replica]
         led = consumer.ledger
         reported = led.found.total()  # those loaded were logged before
+        retry = Retry(
+            "store_consume", log, self.loop_faults, labels=(replica,), about=f"replica {replica}"
+        )
         while True:
             try:
                 await asyncio.to_thread(consumer.poll, 500)
                 await asyncio.to_thread(consumer.claim_stale, 10_000)
-            except redis.ConnectionError as err:
-                log.warning("replica %s: redis unavailable (%s); retrying", replica, err)
-                await asyncio.sleep(RETRY_SECONDS)
-            except Exception:  # a bad entry must not stop the ledger: say so, go on
-                log.exception("replica %s: fault while applying its ownership stream", replica)
+            except DEPENDENCY_FAULTS as err:
+                await retry.wait(err)
+            except Exception as err:  # a bad entry must not stop the ledger: say so, go on
                 self.faults[replica] += 1
-                await asyncio.sleep(RETRY_SECONDS)
+                await retry.wait(err)
+            else:
+                retry.ok()
             new = led.found.total() - reported
             for v in led.violations[-new:] if new else []:
                 log.error(

@@ -56,6 +56,7 @@ class StoreService:
             "owners_known": len(led.owners.names),
             "consumer_faults": self.replicas.faults[replica],
             "refused": {"total": consumer.refused, "last": consumer.last_refused},
+            "fenced_records": consumer.fenced,
             "steps": {
                 "checked": consumer.checker.checked,
                 "unchecked": consumer.checker.unchecked,

@@ -169,11 +169,15 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
     disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
     chat: list[ChatEntry] | None = None  # its conversation; None: raw tokens or empty
+    # the placement epoch it was written under; None: a session no router placed. The
+    # store refuses the record once the directory has moved on (a replica woken late)
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)
         if self.closed:
             rest = (self.timeout, self.tenant, self.history, self.disk, self.chat, *slots)
+            rest += (self.epoch,)
             if self.cached_len or any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")
             return

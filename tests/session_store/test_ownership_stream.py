@@ -11,6 +11,7 @@ from shared import streams
 from shared.messages.cache import CACHE_KIND, CacheEvents, CacheSnapshot, Stored, chain
 from shared.messages.envelope import encode
 from shared.messages.ownership import RECORDS, Events, Transfers
+from shared.placement import Placement
 from shared.records_proof import entry_id
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
@@ -118,8 +119,12 @@ def test_a_duplicated_message_is_applied_once_and_a_gap_asks_for_a_snapshot(redi
     assert redis_client.exists(streams.SINGLE.snapshot_wanted)
     publish(redis_client, shipper.snapshot())
     drain(consumer)
-    assert not redis_client.exists(streams.SINGLE.snapshot_wanted)
     assert consumer.ledger.tables[1] == d.pools.mamba.owner_view.tolist()
+    # asked again until the records the gap may have lost come whole: a full set
+    assert redis_client.exists(streams.SINGLE.snapshot_wanted)
+    publish(redis_client, shipper.sessions([], None, full=True))
+    drain(consumer)
+    assert not redis_client.exists(streams.SINGLE.snapshot_wanted)
 
 
 def test_a_restarted_store_resumes_from_its_checkpoint_exactly_once(redis_client):
@@ -248,3 +253,42 @@ def test_records_lost_in_a_gap_are_made_whole_by_the_full_set_after_a_snapshot(r
         True,
         consumer.records_through,
     )
+
+
+def test_a_record_written_under_an_epoch_the_directory_left_is_refused(redis_client):
+    """A replica woken from a pause after its session moved (placement at a newer epoch,
+    or on another replica) cannot overwrite the record: the store refuses it, counts it,
+    and keeps the one it had; a record at the current epoch, or never placed, is kept."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e5")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    keys = streams.SINGLE
+    publish(redis_client, shipper.snapshot())
+    sessions = d.engine.sessions
+    for sid in ("here", "moved", "away", "direct"):
+        sessions.open(sid).routed = sid != "direct"
+    redis_client.set(streams.placement_key("here"), Placement(keys.replica, 1).encode())
+    redis_client.set(streams.placement_key("moved"), Placement(keys.replica, 1).encode())
+    redis_client.set(streams.placement_key("away"), Placement(keys.replica, 1).encode())
+    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    drain(consumer)
+    assert redis_client.smembers(keys.sessions) == {b"here", b"moved", b"away", b"direct"}
+
+    redis_client.set(streams.placement_key("moved"), Placement(keys.replica, 3).encode())
+    redis_client.set(streams.placement_key("away"), Placement("7", 2).encode())
+    for sid in ("here", "moved", "away", "direct"):
+        sessions.sessions[sid].history = np.arange(5)
+        sessions.dirty.add(sid)
+    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    drain(consumer)
+    assert consumer.fenced == 2
+
+    def stored(sid: str) -> int:
+        return len(RECORDS.decode(redis_client.hget(keys.session(sid), "record")).tokens())
+
+    assert {sid: stored(sid) for sid in ("here", "moved", "away", "direct")} == {
+        "here": 5,
+        "moved": 0,
+        "away": 0,
+        "direct": 5,
+    }

@@ -38,6 +38,7 @@ from services.scheduler.http.tenancy import Refused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.runtime.front_door import FrontDoor, Progress
+from shared.placement import PLACED_HEADER
 
 DEFAULT_MAX_NEW_TOKENS = 16
 
@@ -86,6 +87,7 @@ async def model_info(request: web.Request) -> web.Response:
 async def open_session(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].open_session)
     session = open_session_within_limits(request, body.session_id, body.timeout)
+    session.routed = request.headers.get(PLACED_HEADER) == "1"
     await request.app[FRONT_DOOR].durable()
     return web.json_response(session.sid)
 

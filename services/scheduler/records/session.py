@@ -30,7 +30,9 @@ class SessionError(InvalidRequest):
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "not_found", "closed", "busy", "conflict", "invalid", "limit"
+        # "not_found", "closed", "busy", "conflict", "invalid", "limit", "moving",
+        # "rebuilding", "fenced"
+        self.kind = kind
 
 
 def check_session_params(params: dict) -> None:
@@ -79,6 +81,7 @@ class Session:
     chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
     moving: bool = False  # leaving for another replica: no turn starts (sessions/migration.py)
     epoch: int = FIRST_EPOCH  # its placement's epoch here (shared/placement.py)
+    routed: bool = False  # placed in the directory (by a router): no placement means gone
 
     @property
     def state_tier(self) -> str | None:

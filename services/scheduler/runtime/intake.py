@@ -1,7 +1,10 @@
 """Requests on their way in and their clients waiting for the way out: submit, wait for
 tokens and the end, and the latencies each client sees. A finished request is announced
-only once its records are on the ownership stream (`hold`, then `announce` after the
-outbox flushed), so a scheduler restarted after the reply still knows that history."""
+only once its records are on the ownership stream (`hold`; `recorded` once the outbox
+has taken the records; `announce` after it flushed them), so a scheduler restarted after
+the reply still knows that history. A replica whose lease lapsed takes no records
+(replica_lease.py): its finished turns wait, and those of a session that moved meanwhile
+are refused (`refuse_turns`), never acknowledged."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
+from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.metrics import SchedulerMetrics
 
 
@@ -21,7 +25,9 @@ class Intake:
         self.wake = wake  # set whenever the step loop has something new to do
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
-        self.unannounced: list[Request] = []  # ended, records not yet on the stream
+        self.unannounced: list[Request] = []  # ended, records not yet taken
+        self.recorded_ends: list[Request] = []  # ended, records taken, not yet flushed
+        self.refused: dict[str, str] = {}  # rid -> why its end must not be acknowledged
 
     async def run(
         self,
@@ -37,13 +43,21 @@ class Intake:
         self.timing[submitted.rid] = [time.monotonic(), None]
         self.wake.set()
         try:
-            while not submitted.done or submitted in self.unannounced:
+            while (
+                not submitted.done
+                or submitted in self.unannounced
+                or submitted in self.recorded_ends
+            ):
                 await event.wait()
                 event.clear()
                 if progress is not None:
                     await progress(submitted)
+            why = self.refused.get(submitted.rid)
+            if why is not None:
+                raise SessionError(why, "moving")
             return submitted
         finally:
+            self.refused.pop(submitted.rid, None)
             self.waiters.pop(submitted.rid, None)
             self.timing.pop(submitted.rid, None)
             if not submitted.done:
@@ -63,11 +77,27 @@ class Intake:
         """`requests` ended in a step; their clients hear it at the next `announce`."""
         self.unannounced += requests
 
+    def recorded(self) -> None:
+        """The outbox took the records of every request held so far."""
+        self.recorded_ends += self.unannounced
+        self.unannounced = []
+
     def announce(self) -> None:
-        """The outbox flushed: the held requests' records are on the stream."""
-        held, self.unannounced = self.unannounced, []
+        """The outbox flushed: the recorded requests' records are on the stream."""
+        held, self.recorded_ends = self.recorded_ends, []
         self.tokens_arrived([req.rid for req in held])
         self.ended(held)
+
+    def refuse_turns(self, session: Session, why: str) -> None:
+        """`session` left this replica while its lease lapsed: its turn in flight and
+        its finished turns not yet acknowledged end with `why`, unacknowledged."""
+        turns = [r for r in self.unannounced if r.session is session]
+        if session.turn is not None:
+            turns.append(session.turn)
+        for req in turns:
+            self.refused[req.rid] = why
+        self.unannounced = [r for r in self.unannounced if r.session is not session]
+        self.ended(turns)
 
     def tokens_arrived(self, rids: list[str]) -> None:
         now = time.monotonic()

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import streams
+from shared.retry import DEPENDENCY_FAULTS, background_faults
 
 if TYPE_CHECKING:
     from services.scheduler.engine.core import EngineCore
@@ -186,6 +187,7 @@ class SchedulerMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.faults = background_faults(self.registry)  # the registration and step loops'
 
     def watch(self, live: LiveState) -> None:
         self.live = live
@@ -201,7 +203,7 @@ class SchedulerMetrics:
         for stream, name in (("ownership", self.keys.ownership), ("forward", self.keys.forward)):
             try:
                 groups = await client.xinfo_groups(name)
-            except (aioredis.RedisError, ConnectionError, OSError):  # no stream yet; or away
+            except DEPENDENCY_FAULTS:  # no stream yet; or Redis away
                 continue
             self.live.stream_lag[stream] = sum(
                 int(g.get("lag") or 0) + int(g["pending"]) for g in groups

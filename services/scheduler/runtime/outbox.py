@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
@@ -48,53 +49,67 @@ class OwnershipOutbox:
         self._flushed = asyncio.Event()  # set (and replaced) at every flush
         self._was_idle = True
         self._next_snapshot_check = 0.0
+        # whether this replica's lease lets it write session records (replica_lease.py)
+        self.may_record: Callable[[], bool] = lambda: True
 
-    def queue_ownership(self, executor_epoch: str | None) -> None:
-        """The ledger's new transfers and the changed session records."""
+    def queue_ownership(self, executor_epoch: str | None) -> bool:
+        """The ledger's new transfers and the changed session records; False when the
+        records were left (the lease lapsed: a session may have moved, and its record
+        here must not reach the stream, nor its turn be acknowledged, before the
+        directory is checked). Checked right before the flush that writes them, so a
+        record on the stream was written while the lease held."""
         shipped = self.shipper.batch()
         if shipped is not None:
             self.messages.append(shipped[0])
+        cache = self.cache.batch()
+        if cache is not None:
+            self.cache_messages.append(cache)
+        if not self.may_record():
+            return False
         records = self.engine.sessions.take_records()
         self.taken += 1
         if records:
             self.messages.append(self.shipper.sessions(records, executor_epoch))
-        cache = self.cache.batch()
-        if cache is not None:
-            self.cache_messages.append(cache)
+        return True
 
     def queue_snapshot(self, executor_epoch: str | None) -> None:
         """The ledger's snapshot, then every open session's record (a full set): what a
         gap made the store lose is whole again. Not while sessions wait to be taken back
-        after a restart (their records are the store's to keep until then)."""
+        after a restart (their records are the store's to keep until then), nor while
+        the lease has lapsed (queue_ownership); the store asks again."""
         self.messages.append(self.shipper.snapshot())
         sessions = self.engine.sessions
-        if not sessions.pending:
+        if not sessions.pending and self.may_record():
             records = sessions.all_records()
             self.messages.append(self.shipper.sessions(records, executor_epoch, full=True))
 
     def queue_cache_snapshot(self) -> None:
         self.cache_messages.append(self.cache.snapshot())
 
-    async def queue_all(self, redis: aioredis.Redis, executor_epoch: str | None) -> None:
+    async def queue_all(self, redis: aioredis.Redis, executor_epoch: str | None) -> bool:
         """Drain the ledger and, on becoming idle, take its counts, with no await in
         between: an API handler running during an await could move slots, and the idle
-        counts would then be ahead of the events shipped before them. Once a heartbeat,
-        a snapshot if the store asked for one, a cache snapshot if a router did."""
-        self.queue_ownership(executor_epoch)
-        idle = self.engine.idle
-        if idle and not self._was_idle:
-            self.messages.append(self.shipper.idle(self.engine.audit().counts))
-        self._was_idle = idle
+        counts would then be ahead of the events shipped before them; nor any await
+        between taking the records and their flush, which follows (the lease is checked
+        at the take). Once a heartbeat, first, a snapshot if the store asked for one, a
+        cache snapshot if a router did. Returns whether the records were taken."""
+        store_wants = routers_want = False
         if time.monotonic() >= self._next_snapshot_check:
             self._next_snapshot_check = time.monotonic() + self.snapshot_check_seconds
             pipe = redis.pipeline(transaction=False)  # one slot: the keys share a hash tag
             pipe.exists(self.keys.snapshot_wanted)
             pipe.delete(self.keys.cache_snapshot_wanted)
             store_wants, routers_want = await pipe.execute()
-            if store_wants:
-                self.queue_snapshot(executor_epoch)
-            if routers_want:
-                self.queue_cache_snapshot()
+        taken = self.queue_ownership(executor_epoch)
+        idle = self.engine.idle
+        if idle and not self._was_idle:
+            self.messages.append(self.shipper.idle(self.engine.audit().counts))
+        self._was_idle = idle
+        if store_wants:
+            self.queue_snapshot(executor_epoch)
+        if routers_want:
+            self.queue_cache_snapshot()
+        return taken
 
     async def flush(self, redis: aioredis.Redis, step: bytes | None = None) -> None:
         """Every message not yet on the stream, in order, then `step` on the forward

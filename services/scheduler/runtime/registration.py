@@ -1,7 +1,8 @@
 """The replica's registration: where its API listens and how loaded it is, under an
 expiring key the router reads (shared/streams.py `Keys.alive`). A replica whose key has
 expired gets no new work from the router; one whose scheduler is up but has no executor
-says so, and the router sends it nothing either."""
+says so, and the router sends it nothing either. Each registration written renews the
+replica's lease on its sessions (replica_lease.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import socket
 import time
 from collections import Counter
 
+import prometheus_client
 import redis.asyncio as aioredis
 
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.runtime.directory_check import release_moved
 from services.scheduler.runtime.executor_link import ExecutorLink
+from services.scheduler.runtime.intake import Intake
+from services.scheduler.runtime.replica_lease import ReplicaLease
 from shared import streams
 from shared.config import Settings
+from shared.retry import Retry
 
 log = logging.getLogger("custody.scheduler")
 
@@ -33,12 +39,18 @@ def advertised_url(settings: Settings) -> str:
 
 class Registration:
     def __init__(
-        self, settings: Settings, keys: streams.Keys, engine: EngineCore, link: ExecutorLink
+        self,
+        settings: Settings,
+        keys: streams.Keys,
+        engine: EngineCore,
+        link: ExecutorLink,
+        intake: Intake,
     ) -> None:
-        self.keys, self.engine, self.link = keys, engine, link
+        self.keys, self.engine, self.link, self.intake = keys, engine, link, intake
         self.url = advertised_url(settings)
         self.period = settings.heartbeat_seconds
         self.ttl_ms = int(3 * settings.heartbeat_seconds * 1000)
+        self.lease = ReplicaLease(settings.replica_dead_seconds, settings.heartbeat_seconds)
 
     def entry(self) -> str:
         engine = self.engine
@@ -57,12 +69,34 @@ class Registration:
             }
         )
 
-    async def run(self, client: aioredis.Redis) -> None:
-        """Beat once a heartbeat, forever; Redis away is logged and retried."""
+    async def run(self, client: aioredis.Redis, faults: prometheus_client.Counter) -> None:
+        """Beat once a heartbeat, forever. A fault (Redis away or refusing writes, or one
+        of its own) is counted in `faults`, logged and retried (shared/retry.py): were
+        this loop to end, the replica would serve on while the router sends it nothing."""
+        retry = Retry("registration", log, faults, ceiling=self.period)
         while True:
             try:
-                await client.sadd(streams.REPLICAS, self.keys.replica)
-                await client.set(self.keys.alive, self.entry(), px=self.ttl_ms)
-            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
-                log.warning("registration not written (%s); retrying", err)
+                await self.beat(client)
+            except Exception as err:
+                await retry.wait(err)
+                continue
+            retry.ok()
             await asyncio.sleep(self.period)
+
+    async def beat(self, client: aioredis.Redis) -> None:
+        """Write the registration; renew the lease, unless it had lapsed: then, fenced,
+        check every held session against the directory first (directory_check.py), once
+        no router is re-homing this replica's sessions any more."""
+        sent = self.lease.clock()
+        if self.lease.lapsed_at(sent) and not self.lease.fenced:
+            self.lease.fenced = True
+            log.warning("lease lapsed: sessions refused until checked against the directory")
+        await client.sadd(streams.REPLICAS, self.keys.replica)
+        await client.set(self.keys.alive, self.entry(), px=self.ttl_ms)
+        if self.lease.fenced:
+            if await client.exists(self.keys.rehoming):
+                return  # a router is moving them now: check once it is done
+            await release_moved(client, self.engine, self.intake, self.keys.replica)
+            log.info("sessions checked against the directory: serving again")
+        self.lease.renew(sent)
+        self.intake.wake.set()  # records held while fenced may go now

@@ -127,6 +127,7 @@ def _place(sessions: SessionManager, placements: dict[str, Placement]) -> None:
         if sid in sessions.sessions:
             session = sessions.sessions[sid]
             session.epoch, session.moving = placed.epoch, placed.moving_to is not None
+            session.routed = True
 
 
 async def _placement(client: aioredis.Redis, sid: str) -> Placement | None:

@@ -29,6 +29,7 @@ from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
 from shared.config import Settings
 from shared.messages.envelope import encode
+from shared.retry import DEPENDENCY_FAULTS, Retry
 
 log = logging.getLogger("custody.scheduler")
 
@@ -49,20 +50,25 @@ class StepLoop:
         self.misroute = MisrouteWrite.from_env(self.engine.pools.mamba)
 
     async def run(self) -> None:
+        """Step forever. Redis away or refusing (any error class, shared/retry.py) is
+        waited out; a fault of the loop itself takes the device-lost path. Both are
+        counted, logged and retried with backoff."""
+        retry = Retry("step_loop", log, self.metrics.faults)
         while True:
             try:
                 await self.step()
-            except (ConnectionError, aioredis.ConnectionError, OSError) as err:
-                log.warning("redis unavailable (%s); retrying", err)
+            except DEPENDENCY_FAULTS as err:
                 if self.engine.in_flight:
                     # whether the executor ran the step is unknown: its state is not trusted
                     self.executor_lost(None, suspect=False)
-                await asyncio.sleep(0.5)
-            except Exception:  # a fault no single request can be blamed for: never exit
-                log.exception("fault in the scheduler loop; device state treated as lost")
+                await retry.wait(err)
+                continue
+            except Exception as err:  # a fault no single request can be blamed for
                 self.faults += 1
                 self.executor_lost(self.link.epoch, suspect=False)
-                await asyncio.sleep(0.1)
+                await retry.wait(err)
+                continue
+            retry.ok()
 
     async def step(self) -> None:
         """Plan and publish a step if the pipeline has room; then, unless there is room
@@ -102,7 +108,8 @@ class StepLoop:
             log.error("step %s could not be encoded: %s", plan.step_id, err)
             self.intake.ended(self.engine.step_unsent(plan, str(err)))
             return None
-        self.outbox.queue_ownership(self.link.epoch)
+        if self.outbox.queue_ownership(self.link.epoch):
+            self.intake.recorded()
         await self.flush(step=message)
         return plan
 
@@ -145,7 +152,8 @@ class StepLoop:
         log.warning("device state lost; running work re-queued, sessions will re-prefill")
 
     async def ship_events(self) -> None:
-        await self.outbox.queue_all(self.redis, self.link.epoch)
+        if await self.outbox.queue_all(self.redis, self.link.epoch):
+            self.intake.recorded()
         await self.flush()
 
     async def flush(self, step: bytes | None = None) -> None:

@@ -64,6 +64,9 @@ class SessionManager(DurableRecords, Reencoding):
         # recorded sessions a restarted scheduler has not taken back yet: their records
         # are not proven current (runtime/session_rebuild.py), so they answer 503
         self.pending: set[str] = set()
+        # whether this replica may serve its sessions now: its registration is provably
+        # current (runtime/replica_lease.py); the composition root sets it
+        self.may_serve: Callable[[], bool] = lambda: True
         self.states_dropped = 0
         self.reencoded = 0  # chat replies re-encoded (chat_log.py)
         self.deadlines = Deadlines()
@@ -124,6 +127,7 @@ class SessionManager(DurableRecords, Reencoding):
     ) -> Request:
         """A turn extends the history with `new_tokens`; checked before anything moves."""
         session = self.get(sid)
+        self._serving(sid)
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {sid} already has a turn in flight", "busy")
@@ -146,6 +150,7 @@ class SessionManager(DurableRecords, Reencoding):
         """Close now, or when the turn in flight ends; later turns are refused. Refused
         while the session moves: the replica it goes to would keep it open."""
         session = self.get(sid)
+        self._serving(sid)
         if session.moving:
             raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
         session.closing = True
@@ -155,8 +160,10 @@ class SessionManager(DurableRecords, Reencoding):
 
     def depart(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here without remembering it
-        closed, for it may come back."""
+        closed, for it may come back. A turn in flight must have ended first."""
         session = self.get(sid)
+        if session.turn is not None:
+            raise SessionError(f"session {sid} has a turn in flight", "busy")
         session.closing = True
         self._close_now(session)
         del self._closed[sid]
@@ -306,6 +313,15 @@ class SessionManager(DurableRecords, Reencoding):
         return bool(self.moves.discards or self.tiers.placing or self.moves.batch)
 
     # ---- internals ----
+    def _serving(self, sid: str) -> None:
+        """A turn or a close needs this replica's right to its sessions: without it, the
+        session may have been moved to another replica that serves it now."""
+        if not self.may_serve():
+            raise SessionError(
+                f"session {sid}: this replica cannot prove its registration current; retry",
+                "fenced",
+            )
+
     def _not_pending(self, sid: str) -> None:
         if sid in self.pending:
             raise SessionError(

@@ -60,7 +60,7 @@ def arrive(sessions: SessionManager, record: SessionRecord, source: str, epoch: 
     if here is not None:
         sessions.depart(record.sid)
     session = sessions.open(record.sid, record.timeout, record.tenant)
-    session.epoch = epoch
+    session.epoch, session.routed = epoch, True
     session.history = record.tokens().astype(np.int64)
     session.chat = None if record.chat is None else tuple(record.chat)
     if record.disk is not None and sessions.pools.disk.free_count:

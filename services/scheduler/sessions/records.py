@@ -63,6 +63,7 @@ class DurableRecords:
             history=pack(s.history, TOKEN),
             cached_len=s.cached_len,
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
+            epoch=s.epoch if s.routed else None,
         )
         if s.disk is not None and s.disk.ready:
             rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens

@@ -1,0 +1,126 @@
+"""One live copy of every session, even when a replica is paused (SIGSTOP: equally a GC
+pause, a stall, a partition from Redis) for longer than `replica_dead_seconds`, so a
+router re-homes its sessions (docs/scaleout.md, "The lease").
+
+Woken, the replica's lease has lapsed (services/scheduler/runtime/replica_lease.py): it
+refuses its sessions until it has checked each against the placement directory, and then
+releases what moved (answered elsewhere now) and what was closed elsewhere meanwhile. A
+turn it was running when paused is neither acknowledged nor recorded: the session's next
+turn, on the replica it moved to, runs on the history without it. Without the lease, the
+old copy answered 200 beside the new one (two live copies), kept serving after a close
+through the router, and counted twice against the key's limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+
+import redis
+
+from custody.up import Stack
+from shared import streams
+from shared.placement import Placement
+from tests.services_harness import call, stack_settings, start_stack
+from tests.test_migration import ledgers_clean
+from tests.test_replicas import OUTPUT, one_shots, turn
+
+DEAD_SECONDS = 3.0
+
+
+def placement(client: redis.Redis, sid: str) -> Placement | None:
+    return Placement.decode(client.get(streams.placement_key(sid)))
+
+
+def status_of(port: int, sid: str, ids: list[int], max_new: int = OUTPUT) -> tuple[int, dict]:
+    body = {
+        "input_ids": ids,
+        "session_params": {"id": sid},
+        "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0},
+    }
+    try:
+        return 200, call(port, "/generate", body, timeout=60)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def registered_sessions(client: redis.Redis, replica: str) -> int:
+    raw = client.get(streams.Keys(replica).alive)
+    return -1 if raw is None else json.loads(raw)["sessions"]
+
+
+def test_a_paused_replica_serves_nothing_that_moved_and_keeps_no_closed_copy(
+    redis_url: str, redis_client: redis.Redis
+):
+    stack: Stack = start_stack(
+        stack_settings(redis_url, replicas=2, replica_dead_seconds=DEAD_SECONDS)
+    )
+    scheduler = stack.children["scheduler-0"]
+    try:
+        port = stack.settings.port
+        direct = stack.layout["scheduler-0"][1].port
+        sids = [call(port, "/open_session", {}) for _ in range(8)]
+        ours = [s for s in sids if placement(redis_client, s).replica == "0"][:3]
+        assert len(ours) == 3, "the router placed too few sessions on replica 0"
+        moved, closed, busy = ours
+        history = {sid: [] for sid in ours}
+        for sid in ours:
+            first = [3, 4, 5, 6, 7, 8]
+            history[sid] += first + turn(port, sid, first)["output_ids"]
+
+        # a long turn of `busy` runs when the pause comes: it must never be acknowledged
+        cut: dict = {}
+        long_turn = threading.Thread(
+            target=lambda: cut.update(answer=status_of(direct, busy, [9, 9, 9], 400))
+        )
+        long_turn.start()
+        time.sleep(0.5)
+        os.kill(scheduler.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while any(placement(redis_client, s).replica != "1" for s in ours):
+            assert time.monotonic() < deadline, [placement(redis_client, s) for s in ours]
+            time.sleep(0.2)
+        second = [11, 12, 13, 14]
+        answer = turn(port, moved, second)  # served by replica 1 now
+        assert answer["meta_info"]["prompt_tokens"] == len(history[moved]) + len(second)
+        history[moved] += second + answer["output_ids"]
+        assert call(port, "/close_session", {"session_id": closed}) is True
+
+        os.kill(scheduler.pid, signal.SIGCONT)
+        long_turn.join(60)
+        status, body = cut["answer"]
+        assert status == 503, (status, body)  # the turn is not acknowledged
+        for sid in ours:  # the old copy never answers again
+            status, body = status_of(direct, sid, [1, 2])
+            assert status in (503, 404), (sid, status, body)
+        deadline = time.monotonic() + 20
+        while any(status_of(direct, sid, [1, 2])[0] != 404 for sid in ours):
+            assert time.monotonic() < deadline, "replica 0 kept a copy"
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while registered_sessions(redis_client, "0") != len(
+            [
+                s
+                for s in sids
+                if placement(redis_client, s) and placement(redis_client, s).replica == "0"
+            ]
+        ):
+            assert time.monotonic() < deadline, "a released copy is still counted"
+            time.sleep(0.2)
+
+        third = [21, 22, 23]
+        answer = turn(port, busy, third)  # the cut turn is not in its history
+        assert answer["meta_info"]["prompt_tokens"] == len(history[busy]) + len(third), answer
+        assert answer["output_ids"] == one_shots([history[busy] + third])[0]
+        for sid in sids:
+            if sid != closed:
+                call(port, "/close_session", {"session_id": sid})
+        ledgers_clean(stack)
+        assert scheduler.poll() is None and stack.restarts["scheduler-0"] == 0
+    finally:
+        if scheduler.poll() is None:
+            os.kill(scheduler.pid, signal.SIGCONT)
+        stack.stop()
