@@ -122,9 +122,11 @@ def test_every_fault_is_counted_by_loop_and_the_series_is_there_before_any() -> 
     serve.failed(OSError())
     assert (count("beat"), count("serve")) == (2.0, 1.0)
     assert b'custody_background_faults_total{loop="beat"} 2.0' in generate_latest(registry)
-    store = background_faults(CollectorRegistry(), ("loop", "replica"))
+    by_replica = CollectorRegistry()  # the store's: by loop and replica
+    store = background_faults(by_replica, ("loop", "replica"))
     Retry("store_consume", LOG, store, labels=("1",)).failed(OSError())
-    assert store.labels("store_consume", "1")._value.get() == 1.0
+    sample = {"loop": "store_consume", "replica": "1"}
+    assert by_replica.get_sample_value("custody_background_faults_total", sample) == 1.0
 
 
 def test_a_loop_survives_its_own_faults_and_still_ends_when_cancelled() -> None:
