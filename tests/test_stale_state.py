@@ -1,4 +1,5 @@
-"""A restarted scheduler never answers from stale records (docs/architecture.md, "Scheduler restarted").
+"""A restarted scheduler never answers from stale records (docs/architecture.md,
+"Scheduler restarted").
 
 With the session store paused (SIGSTOP), the records of the last turn are on the
 ownership stream but not applied. A scheduler SIGKILLed and restarted then cannot prove

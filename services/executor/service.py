@@ -100,6 +100,8 @@ class ExecutorService:
         self.serving = Retry("executor_serve", log, FAULTS, ceiling=beat)
         self.beating = Retry("executor_heartbeat", log, FAULTS, ceiling=beat)
         self._next: list = []  # steps read with the answer to the last, not yet run
+        self._answer: tuple[bytes, bytes | None] | None = None  # run, not known written
+        self._recovering = False  # after a Redis fault: read the pending steps first
         streams.ensure_group(self.client, self.keys.forward, streams.EXECUTOR_GROUP)
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
@@ -149,39 +151,69 @@ class ExecutorService:
                 self.heartbeat()
                 self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
             except DEPENDENCY_FAULTS as err:
-                self.serving.wait_sync(err)
+                self.dependency_fault(err)
                 continue
             self.serving.ok()
+
+    def dependency_fault(self, err: Exception) -> None:
+        """Redis failed a round trip of `serve_once`: what it read may be lost, so the
+        next one reads the pending steps first; then wait (counted, logged, backoff)."""
+        self._next, self._recovering = [], True
+        self.serving.wait_sync(err)
 
     def serve_once(self, block_ms: int) -> int:
         """Run the steps read (or read them), in stream order, answering each. The answer
         to the last one goes in one round trip with the read of the next steps: with the
         scheduler pipelining, the next step is usually on the stream already, so the
-        forward starts one round trip sooner."""
-        entries, self._next = self._next or _entries(self._xread(self.client, block_ms)), []
+        forward starts one round trip sooner.
+
+        After a Redis fault (`_recovering`), the answer that round trip may have lost is
+        written again (the scheduler passes over a duplicate), then the steps read but
+        not run are read again from this consumer's pending entries: without that, a
+        write refused mid-step (OOM, READONLY) would leave the scheduler waiting for good
+        on a step that was delivered and never run."""
+        if self._answer is not None:
+            self._send_answer(self.client.pipeline(transaction=False), *self._answer).execute()
+            self._answer = None
+        if self._recovering:
+            entries = _entries(self._xread(self.client, None, pending=True))
+            self._recovering = False
+        else:
+            entries = self._next or _entries(self._xread(self.client, block_ms))
+        self._next = []
         for i, (entry_id, fields) in enumerate(entries):
             self.heartbeat()
             result = self.run_step(fields.get(b"m", b"")) if fields else None
-            pipe = self.client.pipeline(transaction=False)
-            if result is not None:
-                pipe.xadd(
-                    self.keys.results,
-                    {"m": result},
-                    maxlen=self.settings.stream_maxlen,
-                    approximate=True,
-                )
-            pipe.xack(self.keys.forward, streams.EXECUTOR_GROUP, entry_id)
+            self._answer = (entry_id, result)
+            pipe = self._send_answer(self.client.pipeline(transaction=False), entry_id, result)
             if i == len(entries) - 1:
                 self._xread(pipe, block_ms)
                 self._next = _entries(pipe.execute()[-1])
             else:
                 pipe.execute()
+            self._answer = None
         return len(entries)
 
-    def _xread(self, client: redis.Redis | Pipeline, block_ms: int) -> object:
-        """Read up to 8 new steps (on a pipeline: queue the read)."""
+    def _send_answer(self, pipe: Pipeline, entry_id: bytes, result: bytes | None) -> Pipeline:
+        """Queue a step's result (if anyone waits for one) and its acknowledgement."""
+        if result is not None:
+            pipe.xadd(
+                self.keys.results,
+                {"m": result},
+                maxlen=self.settings.stream_maxlen,
+                approximate=True,
+            )
+        pipe.xack(self.keys.forward, streams.EXECUTOR_GROUP, entry_id)
+        return pipe
+
+    def _xread(
+        self, client: redis.Redis | Pipeline, block_ms: int | None, pending: bool = False
+    ) -> object:
+        """Read up to 8 new steps, or those read before and not acknowledged (`pending`);
+        on a pipeline, queue the read."""
+        start = "0" if pending else ">"
         return client.xreadgroup(
-            streams.EXECUTOR_GROUP, self.name, {self.keys.forward: ">"}, count=8, block=block_ms
+            streams.EXECUTOR_GROUP, self.name, {self.keys.forward: start}, count=8, block=block_ms
         )
 
     def run_step(self, raw: bytes) -> bytes | None:

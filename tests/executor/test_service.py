@@ -146,3 +146,40 @@ def test_the_fence_reads_the_key_again_only_for_another_epoch(redis_client):
     redis_client.set(streams.SINGLE.scheduler_epoch, "C")
     assert fence.admits("B")  # cached: no read while steps come from the live epoch
     assert fence.admits("C") and not fence.admits("B")
+
+
+def test_a_result_refused_by_redis_is_written_again_and_the_steps_read_with_it_run(
+    service, redis_client, monkeypatch
+):
+    """OOM refuses the result of the first of two steps read together: the round trip
+    fails, the second step is read but never run. After the fault both are answered
+    (the first written again, the second read back from this consumer's pending
+    entries), and nothing stays pending: the scheduler is never left waiting for good."""
+    for step_id in (1, 2):
+        redis_client.xadd(
+            streams.SINGLE.forward, {"m": step(service, "s", step_id, [wire_row(PROMPT)])}
+        )
+    run_step = service.run_step
+    saved = redis_client.config_get("maxmemory*")
+
+    def run_then_refuse_writes(raw: bytes) -> bytes | None:
+        answer = run_step(raw)
+        redis_client.config_set("maxmemory-policy", "noeviction")
+        redis_client.config_set("maxmemory", 1)
+        return answer
+
+    monkeypatch.setattr(service, "run_step", run_then_refuse_writes)
+    try:
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            service.serve_once(block_ms=100)
+    finally:
+        redis_client.config_set("maxmemory", saved["maxmemory"])
+        redis_client.config_set("maxmemory-policy", saved["maxmemory-policy"])
+    monkeypatch.undo()
+    assert redis_client.xlen(streams.SINGLE.results) == 0
+    service.dependency_fault(redis.exceptions.ResponseError("OOM"))
+    assert service.serve_once(block_ms=100) == 1  # the second, read back
+    published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
+    assert [(m.step, m.error) for m in published] == [(1, None), (2, None)]
+    pending = redis_client.xpending(streams.SINGLE.forward, streams.EXECUTOR_GROUP)
+    assert pending["pending"] == 0
