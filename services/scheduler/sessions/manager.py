@@ -105,7 +105,10 @@ class SessionManager(DurableRecords, Reencoding):
         return session
 
     def get(self, sid: str) -> Session:
+        """`sid`, to be served: refused while this replica cannot prove its right to its
+        sessions (`may_serve`) or has not taken it back yet (`pending`)."""
         self._not_pending(sid)
+        self._serving(sid)
         session = self.sessions.get(sid)
         if session is None:
             if sid in self._closed:
@@ -127,7 +130,6 @@ class SessionManager(DurableRecords, Reencoding):
     ) -> Request:
         """A turn extends the history with `new_tokens`; checked before anything moves."""
         session = self.get(sid)
-        self._serving(sid)
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {sid} already has a turn in flight", "busy")
@@ -150,7 +152,6 @@ class SessionManager(DurableRecords, Reencoding):
         """Close now, or when the turn in flight ends; later turns are refused. Refused
         while the session moves: the replica it goes to would keep it open."""
         session = self.get(sid)
-        self._serving(sid)
         if session.moving:
             raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
         session.closing = True
@@ -160,8 +161,11 @@ class SessionManager(DurableRecords, Reencoding):
 
     def depart(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here without remembering it
-        closed, for it may come back. A turn in flight must have ended first."""
-        session = self.get(sid)
+        closed, for it may come back. A turn in flight must have ended first. Not gated
+        by `may_serve`: a fenced replica releases what moved before it serves again."""
+        session = self.sessions.get(sid)
+        if session is None or session.closing:
+            raise SessionError(f"session {sid} not found", "not_found")
         if session.turn is not None:
             raise SessionError(f"session {sid} has a turn in flight", "busy")
         session.closing = True
@@ -314,7 +318,7 @@ class SessionManager(DurableRecords, Reencoding):
 
     # ---- internals ----
     def _serving(self, sid: str) -> None:
-        """A turn or a close needs this replica's right to its sessions: without it, the
+        """Serving a session needs this replica's right to its sessions: without it, the
         session may have been moved to another replica that serves it now."""
         if not self.may_serve():
             raise SessionError(

@@ -1,0 +1,103 @@
+"""A TCP proxy in front of Redis, for the fault campaign: one replica's scheduler and
+executor reach Redis only through it, so the campaign can partition that replica, slow
+it down or cut its connections while every other process keeps its own path to Redis.
+
+Modes, switched at run time:
+- `pass`: bytes flow both ways;
+- `partition`: nothing flows and new connections are accepted but get nothing, as on a
+  network that drops packets (a client waits on its own timeouts) until `heal`;
+- `latency`: each chunk waits `delay` seconds before it goes on;
+- `cut()`: every open connection is reset at once (new ones pass).
+
+No registry here ships a proxy server, so this is one: a thread per direction per
+connection, which is plenty for two processes' connections."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+CHUNK = 65536
+POLL = 0.05  # how often a held pump looks at the mode again
+
+
+class RedisProxy:
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.host, self.target_port = host, target_port
+        self.server = socket.create_server((host, 0))
+        self.port = self.server.getsockname()[1]
+        self.mode = "pass"
+        self.delay = 0.0
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def partition(self) -> None:
+        self.mode = "partition"
+
+    def slow(self, delay: float) -> None:
+        self.mode, self.delay = "latency", delay
+
+    def heal(self) -> None:
+        self.mode, self.delay = "pass", 0.0
+
+    def cut(self) -> None:
+        """Reset every connection open now (RST, not FIN: as a middlebox dropping it)."""
+        with self._lock:
+            victims = list(self._open)
+        for sock in victims:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.server.close()
+        self.cut()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((self.host, self.target_port), timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open |= {client, upstream}
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                while self.mode == "partition":
+                    time.sleep(POLL)
+                data = src.recv(CHUNK)
+                if not data:
+                    break
+                while self.mode == "partition":  # read before the partition: held too
+                    time.sleep(POLL)
+                if self.mode == "latency":
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass  # a reset (cut) or the other side gone: this connection is over
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.close()
+            with self._lock:
+                self._open -= {src, dst}
