@@ -76,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="small state tiers; kill services (the executor during tier moves), restart Redis",
     )
+    soak.add_argument(
+        "--faults",
+        choices=["distributed"],
+        help="distributed: pauses, partitions, Redis refusing writes, a lagging store, "
+        "router kills mid-move and drains over --replicas, with a history checker",
+    )
+    soak.add_argument("--replicas", type=int, default=2, help="with --faults (default 2)")
+    soak.add_argument(
+        "--replica-dead-seconds",
+        type=float,
+        default=3.0,
+        help="with --faults: when a silent replica is dead (default 3)",
+    )
     soak.add_argument("--json", action="store_true")
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)
@@ -118,6 +131,12 @@ def _soak(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.duration <= 0:
         parser.error("--duration must be > 0")
+    if args.faults is not None:
+        if args.chaos:
+            parser.error("--faults and --chaos are separate soaks")
+        if args.replicas < 2 or args.replica_dead_seconds <= 0:
+            parser.error("--faults needs --replicas >= 2 and --replica-dead-seconds > 0")
+        return soak.run_campaign(args.duration, args.replicas, args.replica_dead_seconds, args.json)
     return soak.run(args.duration, args.chaos, args.json)
 
 

@@ -62,9 +62,10 @@ from __future__ import annotations
 
 import json
 
+from custody.soak.campaign import Campaign
 from custody.soak.runner import Soak
 
-__all__ = ["Soak", "run"]
+__all__ = ["Campaign", "Soak", "run", "run_campaign"]
 
 
 def run(duration: float, chaos: bool, as_json: bool) -> int:
@@ -75,3 +76,30 @@ def run(duration: float, chaos: bool, as_json: bool) -> int:
         for key, value in result.items():
             print(f"{key}: {value}")
     return 1 if result["failed"] else 0
+
+
+def run_campaign(duration: float, replicas: int, dead_seconds: float, as_json: bool) -> int:
+    """The distributed fault campaign (campaign.py): one line per fault, then the
+    summary; non-zero if an invariant broke or a kind of fault was never injected."""
+    campaign = Campaign(duration, replicas, dead_seconds)
+    result = campaign.run()
+    for row in campaign.rows:
+        held = " ".join(
+            f"{key}={'ok' if row[key] == 0 else row[key]}"
+            for key in ("stale_turns", "twin_copies", "wrong_outputs")
+        )
+        print(f"{row['at']:7.1f}s  {row['kind']:26} {row['seconds']:5.1f}s  {held}  {row['hit']}")
+    print(f"{campaign.turns_acked} turns acknowledged; found: {campaign.examples or 'nothing'}")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    return 0 if campaign_held(result) else 1
+
+
+def campaign_held(result: dict) -> bool:
+    """Every invariant held and every kind of fault was injected."""
+    return (
+        all(result["faults"].values())
+        and result["stale_turns"] == result["twin_copies"] == result["wrong_outputs"] == 0
+        and not any(result["leaked_slots"].values())
+        and result["leaked_placements"] == 0
+    )

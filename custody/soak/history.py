@@ -38,8 +38,8 @@ class Turn:
 
 @dataclass
 class Verdict:
-    stale_turns: int = 0
-    twin_copies: int = 0
+    stale: list[Turn] = field(default_factory=list)  # turns that broke the history
+    twins: list[Turn] = field(default_factory=list)  # probes a second copy answered
     examples: list[str] = field(default_factory=list)
 
     def note(self, what: str) -> None:
@@ -54,17 +54,17 @@ def judge(turns: Sequence[Turn]) -> Verdict:
     for t in turns:
         if t.kind == "probe":
             if t.status == 200:
-                verdict.twin_copies += 1
+                verdict.twins.append(t)
                 verdict.note(f"{t.sid}: replica {t.replica} answered beside its placement")
             continue
         known = history.setdefault(t.sid, 0)
         if t.status == 404 and known:
-            verdict.stale_turns += 1
+            verdict.stale.append(t)
             verdict.note(f"{t.sid}: lost after {known} acknowledged tokens")
         if t.status != 200:
             continue
         if t.prompt_tokens != known + len(t.input_ids):
-            verdict.stale_turns += 1
+            verdict.stale.append(t)
             verdict.note(f"{t.sid}: ran on {t.prompt_tokens} tokens, not {known}+input")
         history[t.sid] = known + len(t.input_ids) + len(t.output_ids)
     return verdict
@@ -85,9 +85,10 @@ def prompts(turns: Sequence[Turn]) -> list[tuple[list[int], list[int]]]:
 
 def wrong_outputs(
     turns: Sequence[Turn], one_shots: Callable[[list[list[int]]], list[list[int]]]
-) -> int:
-    """Acknowledged outputs that differ from the one-shot greedy continuation of their
-    history (`one_shots` computes those for a batch of prompts)."""
+) -> list[Turn]:
+    """Acknowledged turns whose output differs from the one-shot greedy continuation of
+    their history (`one_shots` computes those for a batch of prompts)."""
+    acked = [t for t in turns if t.kind == "turn" and t.status == 200]
     pairs = prompts(turns)
     expected = one_shots([p for p, _ in pairs])
-    return sum(out != want for (_, out), want in zip(pairs, expected, strict=True))
+    return [t for t, (_, out), want in zip(acked, pairs, expected, strict=True) if out != want]

@@ -1,0 +1,235 @@
+"""`custody soak --faults distributed`: replicas behind the router under session load,
+while faults of every kind in fault_kinds.py are injected one after another, and the
+history checker (history.py) watches what the clients were told.
+
+The stack: `--replicas` replicas, each a scheduler and an executor that reach Redis only
+through their own proxy (redis_proxy.py), one session store and the router (which reach
+Redis directly); eager execution, a short heartbeat and `--replica-dead-seconds`. After
+every fault, once the stack is ready again, every held session is probed on the replicas
+its placement does not name (a second live copy answers). At the end every session is
+closed and the cache flushed; then every ledger must hold nothing (`leaked_slots`), and
+no placement, move, placed-set member or blob may be left (`leaked_placements`).
+
+Prints one line per fault (when, which kind, what it hit, how long, and whether each
+invariant held over the turns that overlapped it) and, with --json, a summary with
+exactly the keys of `SUMMARY_KEYS`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from custody.inprocess import InProcess
+from custody.soak.fault_kinds import KINDS, Target
+from custody.soak.history import Turn, judge, wrong_outputs
+from custody.soak.redis_proxy import RedisProxy
+from custody.soak.session_load import OUTPUT, SessionLoad, post
+from custody.up import Backoff, Stack, layout
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared import streams
+from shared.config import Settings
+from shared.redis_server import free_port
+
+SUMMARY_KEYS = (
+    "faults",
+    "stale_turns",
+    "twin_copies",
+    "wrong_outputs",
+    "leaked_slots",
+    "leaked_placements",
+)
+WORKERS = 6
+SETTLE_SECONDS = 1.5  # after a fault, once the stack is ready again, before the next
+POOLS = {
+    "page_size": 4,
+    "kv_pages": 512,
+    "mamba_slots": 48,
+    "max_running_requests": 12,
+    "context_len": 1024,
+    "chunk_size": 32,
+    "max_step_tokens": 128,
+    "track_interval": 8,
+}
+
+
+class Campaign:
+    def __init__(self, duration: float, replicas: int, dead_seconds: float) -> None:
+        self.duration, self.dead_seconds = duration, dead_seconds
+        self.settings = Settings(
+            port=free_port(),
+            store_port=free_port(),
+            executor_metrics_port=free_port(),
+            replicas=replicas,
+            replica_dead_seconds=dead_seconds,
+            heartbeat_seconds=0.2,
+            executor_timeout_seconds=2.0,
+            compile=False,
+            **POOLS,
+        )
+        self.proxies: dict[str, RedisProxy] = {}
+        self.stack = Stack(self.settings, plan=self.plan)
+        self.stack.backoff = {name: Backoff(ceiling=2.0) for name in self.stack.backoff}
+        self.admin = redis.Redis.from_url(self.stack.settings.redis_url)
+        self.load = SessionLoad(self.settings.port, WORKERS, self.settings.context_len)
+        self.rows: list[dict] = []  # one per fault injected
+        self.examples: list[str] = []  # what the checker found, a few
+        self.turns_acked = 0
+        self.started = time.monotonic()
+
+    def plan(self, settings: Settings) -> dict[str, tuple[str, Settings]]:
+        """`custody up`'s children, each replica's scheduler and executor through their
+        replica's proxy."""
+        port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
+        children = {}
+        for name, (module, own) in layout(settings).items():
+            if name.startswith(("scheduler-", "executor-")):
+                proxy = self.proxies.setdefault(own.replica, RedisProxy(port))
+                own = dataclasses.replace(own, redis_url=proxy.url)
+            children[name] = (module, own)
+        return children
+
+    @property
+    def replica_ports(self) -> dict[str, int]:
+        return {s.replica: s.port for n, (_, s) in self.stack.layout.items() if n.startswith("sch")}
+
+    def run(self) -> dict:
+        self.stack.start_all()
+        try:
+            self.stack.wait_healthy()
+            threads = [
+                threading.Thread(target=self.load.worker, args=(k,), daemon=True)
+                for k in range(WORKERS)
+            ]
+            threads.append(threading.Thread(target=self.faults, daemon=True))
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + self.duration
+            while time.monotonic() < deadline or threads[-1].is_alive():
+                self.stack.supervise_once()
+                time.sleep(0.1)
+                if time.monotonic() >= deadline:
+                    self.load.stop.set()
+            for thread in threads:
+                while thread.is_alive():
+                    self.stack.supervise_once()
+                    thread.join(0.1)
+            self.stack.wait_healthy(120)
+            leaked_slots, leaked_placements = self.end()
+        finally:
+            self.stack.stop()
+            for proxy in self.proxies.values():
+                proxy.close()
+        return self.summary(leaked_slots, leaked_placements)
+
+    def faults(self) -> None:
+        """One fault after another, every kind in turn (shuffled each round), until the
+        load stops; none starts in the last 15 s, so the end settles."""
+        rng = random.Random(7)
+        replicas = sorted(self.replica_ports)
+        deadline = self.started + self.duration - 15
+        kinds: list[str] = []
+        while time.monotonic() < deadline:
+            if not kinds:
+                kinds = list(KINDS)
+                rng.shuffle(kinds)
+            kind = kinds.pop()
+            target = Target(
+                self.stack, self.admin, self.proxies, rng.choice(replicas), self.dead_seconds + 1.5
+            )
+            began = time.monotonic()
+            try:
+                hit = KINDS[kind](target)
+            except Exception as err:  # an injection that fails is reported, not fatal
+                hit = f"injection failed: {err!r}"
+            self.settled()
+            self.load.probe(self.admin, self.replica_ports)
+            self.rows.append(
+                {"at": round(began - self.started, 1), "kind": kind, "hit": hit, "began": began}
+                | {"seconds": round(time.monotonic() - began, 1), "ended": time.monotonic()}
+            )
+
+    def settled(self, timeout: float = 60.0) -> None:
+        """Until the router sees every replica ready, then a little longer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if get(self.settings.port, "/health").get("ready") == self.settings.replicas:
+                break
+            time.sleep(0.3)
+        time.sleep(SETTLE_SECONDS)
+
+    def end(self) -> tuple[dict[str, int], int]:
+        """Close every session the load opened, flush the cache, and read what is left."""
+        opened = {t.sid for t in self.load.turns}
+        for sid in opened:
+            self.load.close(sid)
+        post(self.settings.port, "/flush_cache", {})
+        deadline = time.monotonic() + 30
+        while True:
+            views = get(self.settings.store_port, "/ledger/replicas").get("replicas", {})
+            leaked = {r: sum(len(s) for s in v["leaked"].values()) for r, v in views.items()}
+            if not any(leaked.values()) or time.monotonic() > deadline:
+                break
+            self.stack.supervise_once()
+            time.sleep(0.5)
+        placements = len(list(self.admin.scan_iter(match="custody:placement:*")))
+        placements += self.admin.zcard(streams.MOVES)
+        placements += sum(self.admin.scard(streams.Keys(r).placed) for r in self.replica_ports)
+        blobs = [p for p in Path(self.stack.settings.state_dir).rglob("*") if p.is_file()]
+        return leaked, placements + len(blobs)
+
+    def summary(self, leaked_slots: dict[str, int], leaked_placements: int) -> dict:
+        """The JSON summary (`SUMMARY_KEYS`), and each fault's row with the invariants
+        over the turns that overlapped its window."""
+        turns = self.load.turns
+        verdict = judge(turns)
+        wrong = wrong_outputs(turns, one_shots)
+        for row in self.rows:
+
+            def inside(found: list[Turn], row: dict = row) -> int:
+                return sum(t.ended >= row["began"] and t.started <= row["ended"] for t in found)
+
+            row["stale_turns"] = inside(verdict.stale)
+            row["twin_copies"] = inside(verdict.twins)
+            row["wrong_outputs"] = inside(wrong)
+        faults = dict.fromkeys(KINDS, 0)
+        for row in self.rows:
+            faults[row["kind"]] += not row["hit"].startswith("injection failed")
+        self.examples = verdict.examples
+        self.turns_acked = sum(t.kind == "turn" and t.status == 200 for t in turns)
+        return {
+            "faults": faults,
+            "stale_turns": len(verdict.stale),
+            "twin_copies": len(verdict.twins),
+            "wrong_outputs": len(wrong),
+            "leaked_slots": leaked_slots,
+            "leaked_placements": leaked_placements,
+        }
+
+
+def one_shots(prompts_: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of the prompts as plain requests, in one process."""
+    local = InProcess(Settings(**POOLS, compile=False))
+    params = SamplingParams(max_new_tokens=OUTPUT, ignore_eos=True)
+    reqs = [
+        local.engine.submit(Request(f"x{i}", np.asarray(p), params)) for i, p in enumerate(prompts_)
+    ]
+    local.run_until_idle()
+    return [list(r.output) for r in reqs]
+
+
+def get(port: int, path: str) -> dict:
+    """A GET's JSON body; {} when no answer came."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
