@@ -27,6 +27,15 @@ FIRST_EPOCH = 1
 PLACED_HEADER = "X-Custody-Placed"
 
 
+# Remove a placement only if it is still exactly ARGV[1]: a replica closing a session
+# takes its placement away, never one a move or a new open has written since.
+UNPLACE = """if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0"""
+
+
 @dataclass(frozen=True)
 class Placement:
     replica: str

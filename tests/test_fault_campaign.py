@@ -32,14 +32,14 @@ def test_a_clean_history_passes_and_each_kind_of_harm_is_counted():
         turn("a", [4], [5], 4),
     ]
     assert (judge(clean).stale, judge(clean).twins) == ([], [])
-    stale = clean + [turn("a", [6], [7], 4)]  # ran on 3 tokens less than acknowledged
+    stale = [*clean, turn("a", [6], [7], 4)]  # ran on 3 tokens less than acknowledged
     assert judge(stale).stale == [stale[-1]]
-    lost = clean + [turn("a", [6], [], 0, status=404)]  # the acknowledged history is gone
+    lost = [*clean, turn("a", [6], [], 0, status=404)]  # the acknowledged history is gone
     assert judge(lost).stale == [lost[-1]]
     probe = Turn("b", [], 200, 2.0, 3.0, kind="probe", replica="1")
-    assert judge(clean + [probe]).twins == [probe]
+    assert judge([*clean, probe]).twins == [probe]
     refused = Turn("b", [], 404, 2.0, 3.0, kind="probe", replica="1")
-    assert judge(clean + [refused]).twins == []
+    assert judge([*clean, refused]).twins == []
 
 
 def test_wrong_outputs_are_judged_against_the_acknowledged_history():
@@ -96,7 +96,7 @@ def test_every_kind_of_fault_with_every_invariant_holding():
     assert result["twin_copies"] == 0, (campaign.examples, table)
     assert result["wrong_outputs"] == 0, table
     assert not any(result["leaked_slots"].values()), result
-    assert result["leaked_placements"] == 0, result
+    assert result["leaked_placements"] == 0, campaign.left_behind
     assert campaign_held(result)
 
 

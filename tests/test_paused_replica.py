@@ -18,7 +18,9 @@ import signal
 import threading
 import time
 import urllib.error
+from collections.abc import Iterator
 
+import pytest
 import redis
 
 from custody.up import Stack
@@ -52,12 +54,42 @@ def registered_sessions(client: redis.Redis, replica: str) -> int:
     return -1 if raw is None else json.loads(raw)["sessions"]
 
 
-def test_a_paused_replica_serves_nothing_that_moved_and_keeps_no_closed_copy(
-    redis_url: str, redis_client: redis.Redis
+@pytest.fixture(scope="module")
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """The test Redis, flushed once for the module (its stack is shared: never during)."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def two(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
+    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=DEAD_SECONDS))
+    yield stack
+    stack.stop()
+
+
+def test_a_session_closed_by_its_idle_timeout_leaves_no_placement(
+    two: Stack, redis_client: redis.Redis
 ):
-    stack: Stack = start_stack(
-        stack_settings(redis_url, replicas=2, replica_dead_seconds=DEAD_SECONDS)
-    )
+    """No router hears of an idle timeout: the replica takes the placement away itself
+    (compare-and-delete), as it does for every routed session it closes."""
+    sid = call(two.settings.port, "/open_session", {"timeout": 1})
+    home = placement(redis_client, sid).replica
+    assert redis_client.sismember(streams.Keys(home).placed, sid)
+    deadline = time.monotonic() + 10
+    while redis_client.exists(streams.placement_key(sid)):
+        assert time.monotonic() < deadline, "the placement outlived its session"
+        time.sleep(0.2)
+    assert not redis_client.sismember(streams.Keys(home).placed, sid)
+
+
+def test_a_paused_replica_serves_nothing_that_moved_and_keeps_no_closed_copy(
+    two: Stack, redis_client: redis.Redis
+):
+    stack = two
     scheduler = stack.children["scheduler-0"]
     try:
         port = stack.settings.port
@@ -123,4 +155,3 @@ def test_a_paused_replica_serves_nothing_that_moved_and_keeps_no_closed_copy(
     finally:
         if scheduler.poll() is None:
             os.kill(scheduler.pid, signal.SIGCONT)
-        stack.stop()

@@ -83,6 +83,7 @@ class Campaign:
         self.rows: list[dict] = []  # one per fault injected
         self.examples: list[str] = []  # what the checker found, a few
         self.turns_acked = 0
+        self.left_behind: list[str] = []  # what leaked_placements counts, named
         self.started = time.monotonic()
 
     def plan(self, settings: Settings) -> dict[str, tuple[str, Settings]]:
@@ -180,11 +181,16 @@ class Campaign:
                 break
             self.stack.supervise_once()
             time.sleep(0.5)
-        placements = len(list(self.admin.scan_iter(match="custody:placement:*")))
-        placements += self.admin.zcard(streams.MOVES)
-        placements += sum(self.admin.scard(streams.Keys(r).placed) for r in self.replica_ports)
-        blobs = [p for p in Path(self.stack.settings.state_dir).rglob("*") if p.is_file()]
-        return leaked, placements + len(blobs)
+        left = [k.decode() for k in self.admin.scan_iter(match="custody:placement:*")]
+        left += [f"move {m.decode()}" for m in self.admin.zrange(streams.MOVES, 0, -1)]
+        for r in self.replica_ports:
+            left += [
+                f"placed on {r}: {m.decode()}" for m in self.admin.smembers(streams.Keys(r).placed)
+            ]
+        state_dir = Path(self.stack.settings.state_dir)
+        left += [f"blob {p.relative_to(state_dir)}" for p in state_dir.rglob("*") if p.is_file()]
+        self.left_behind = left
+        return leaked, len(left)
 
     def summary(self, leaked_slots: dict[str, int], leaked_placements: int) -> dict:
         """The JSON summary (`SUMMARY_KEYS`), and each fault's row with the invariants

@@ -59,7 +59,7 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
             return stream.response  # its request was aborted; there is no one to answer
         status, message, kind = classify(err)
         request_id = None
-        if status >= 500:
+        if status >= 500 and not isinstance(err, SessionError):  # 503s are refusals
             request_id = secrets.token_hex(8)
             log.exception("%s %s failed (request_id %s)", request.method, request.path, request_id)
         body = error_body(message, kind, request_id)

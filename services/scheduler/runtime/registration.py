@@ -23,6 +23,7 @@ from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.replica_lease import ReplicaLease
 from shared import streams
 from shared.config import Settings
+from shared.placement import UNPLACE, Placement
 from shared.retry import Retry
 
 log = logging.getLogger("custody.scheduler")
@@ -100,3 +101,19 @@ class Registration:
             log.info("sessions checked against the directory: serving again")
         self.lease.renew(sent)
         self.intake.wake.set()  # records held while fenced may go now
+        await self.unplace(client)
+
+    async def unplace(self, client: aioredis.Redis) -> None:
+        """Take away the placement of each routed session closed here, if it still names
+        this replica at the session's epoch (a compare-and-delete): the router that closed
+        it removes it too, but may die first, and an idle timeout tells no router."""
+        sessions = self.engine.sessions
+        if not sessions.unplaced:
+            return
+        script = client.register_script(UNPLACE)
+        while sessions.unplaced:
+            sid, epoch = sessions.unplaced[0]
+            mine = Placement(self.keys.replica, epoch).encode()
+            await script(keys=[streams.placement_key(sid)], args=[mine])
+            await client.srem(self.keys.placed, sid)
+            sessions.unplaced.pop(0)

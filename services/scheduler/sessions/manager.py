@@ -67,6 +67,10 @@ class SessionManager(DurableRecords, Reencoding):
         # whether this replica may serve its sessions now: its registration is provably
         # current (runtime/replica_lease.py); the composition root sets it
         self.may_serve: Callable[[], bool] = lambda: True
+        # routed sessions closed here (by their client, by their idle timeout) whose
+        # placement this replica takes away (runtime/registration.py), should the router
+        # that closed it die before it does, or no router know of the close at all
+        self.unplaced: list[tuple[str, int]] = []
         self.states_dropped = 0
         self.reencoded = 0  # chat replies re-encoded (chat_log.py)
         self.deadlines = Deadlines()
@@ -169,7 +173,7 @@ class SessionManager(DurableRecords, Reencoding):
         if session.turn is not None:
             raise SessionError(f"session {sid} has a turn in flight", "busy")
         session.closing = True
-        self._close_now(session)
+        self._close_now(session, departing=True)
         del self._closed[sid]
 
     def expire(self) -> list[str]:
@@ -360,7 +364,10 @@ class SessionManager(DurableRecords, Reencoding):
         if session.disk is None:
             session.cached_len = 0
 
-    def _close_now(self, session: Session) -> None:
+    def _close_now(self, session: Session, departing: bool = False) -> None:
+        """Closed here; unless `departing` (it lives on elsewhere), its placement goes."""
+        if session.routed and not departing:
+            self.unplaced.append((session.sid, session.epoch))
         self._drop_state(session)
         session.closed = True
         self.dirty.add(session.sid)
