@@ -155,3 +155,46 @@ def test_a_paused_replica_serves_nothing_that_moved_and_keeps_no_closed_copy(
     finally:
         if scheduler.poll() is None:
             os.kill(scheduler.pid, signal.SIGCONT)
+
+
+def test_a_dead_replica_s_sessions_move_only_once_the_store_has_its_last_records(
+    two: Stack, redis_client: redis.Redis
+):
+    """Replica 0 dies (scheduler and executor SIGKILLed, not restarted) while the store
+    is paused, its last turn acknowledged but not applied: the router's move of the
+    session waits for the store's proof (shared/records_proof.py) instead of opening it
+    on replica 1 from the older record; once the store goes on, the next turn runs on the
+    whole acknowledged history."""
+    port = two.settings.port
+    sids = [call(port, "/open_session", {}) for _ in range(6)]
+    sid = next(s for s in sids if placement(redis_client, s).replica == "0")
+    history: list[int] = []
+    for ids in ([5, 6, 7], [8, 9, 10]):
+        history += ids + turn(port, sid, ids)["output_ids"]
+    store = two.children["session-store"]
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        last = [11, 12, 13]
+        history += last + turn(port, sid, last)["output_ids"]  # acknowledged, not applied
+        for name in ("scheduler-0", "executor-0"):
+            two.children[name].kill()
+            two.children[name].wait()
+        time.sleep(DEAD_SECONDS + 6)  # dead, and a move would have been tried meanwhile
+        assert placement(redis_client, sid).replica == "0"  # waited for the proof
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while placement(redis_client, sid).replica != "1":
+        assert time.monotonic() < deadline, placement(redis_client, sid)
+        time.sleep(0.3)
+    after = [21, 22]
+    answer = turn(port, sid, after)
+    assert answer["meta_info"]["prompt_tokens"] == len(history) + len(after), answer
+    assert answer["output_ids"] == one_shots([history + after])[0]
+    for other in sids:
+        call(port, "/close_session", {"session_id": other})
+    deadline = time.monotonic() + 60
+    while two.restarts["scheduler-0"] == 0 or two.restarts["executor-0"] == 0:
+        assert time.monotonic() < deadline
+        two.supervise_once()
+        time.sleep(0.2)

@@ -60,6 +60,8 @@ class RedisProxy:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the accepting thread (close alone won't)
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
         self.cut()
 
