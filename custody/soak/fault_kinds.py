@@ -81,21 +81,22 @@ def pause_redis(t: Target) -> str:
 
 
 def partition(t: Target) -> str:
-    t.proxies[t.replica].partition()
-    try:
-        time.sleep(t.pause_seconds)
-    finally:
-        t.proxies[t.replica].heal()
+    _proxy_window(t, t.proxies[t.replica].partition)
     return f"replica {t.replica}"
 
 
 def latency(t: Target) -> str:
-    t.proxies[t.replica].slow(0.2)
+    _proxy_window(t, lambda: t.proxies[t.replica].slow(0.2))
+    return f"replica {t.replica} +200 ms"
+
+
+def _proxy_window(t: Target, start: Callable[[], None]) -> None:
+    """`start` a fault of the replica's proxy, and heal it after as long as a pause."""
+    start()
     try:
         time.sleep(t.pause_seconds)
     finally:
         t.proxies[t.replica].heal()
-    return f"replica {t.replica} +200 ms"
 
 
 def cut(t: Target) -> str:
