@@ -166,8 +166,13 @@ def test_a_dead_replica_s_sessions_move_only_once_the_store_has_its_last_records
     on replica 1 from the older record; once the store goes on, the next turn runs on the
     whole acknowledged history."""
     port = two.settings.port
-    sids = [call(port, "/open_session", {}) for _ in range(6)]
-    sid = next(s for s in sids if placement(redis_client, s).replica == "0")
+    sids: list[str] = []
+    deadline = time.monotonic() + 30  # replica 0 may still be coming back from the last test
+    while not sids or placement(redis_client, sids[-1]).replica != "0":
+        assert time.monotonic() < deadline, "no session was placed on replica 0"
+        sids.append(call(port, "/open_session", {}))
+        time.sleep(0.1)
+    sid = sids[-1]
     history: list[int] = []
     for ids in ([5, 6, 7], [8, 9, 10]):
         history += ids + turn(port, sid, ids)["output_ids"]

@@ -90,6 +90,8 @@ def run_campaign(duration: float, replicas: int, dead_seconds: float, as_json: b
         )
         print(f"{row['at']:7.1f}s  {row['kind']:26} {row['seconds']:5.1f}s  {held}  {row['hit']}")
     print(f"{campaign.turns_acked} turns acknowledged; found: {campaign.examples or 'nothing'}")
+    if campaign.left_behind:
+        print(f"left behind: {campaign.left_behind}")
     if as_json:
         print(json.dumps(result, indent=2))
     return 0 if campaign_held(result) else 1

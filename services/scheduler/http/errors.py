@@ -30,6 +30,7 @@ SESSION_STATUS = {
     "moving": 503,  # leaving for another replica: the router sends the retry there
     "rebuilding": 503,  # its records are not proven current yet (session_rebuild.py)
     "fenced": 503,  # this replica's lease on its sessions lapsed (replica_lease.py)
+    "outcome_unknown": 504,  # moved while the turn's record was on its way (intake.py)
 }
 RETRY_AFTER_SECONDS = 1  # on every 503: what is refused now is served soon
 

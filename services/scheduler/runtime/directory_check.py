@@ -2,10 +2,10 @@
 against the placement directory before it serves any of them again: a router may have
 found it dead and moved them meanwhile, and a client may have closed one on the replica it
 moved to. Each session the directory no longer gives this replica, at this epoch, is
-released here: its turn in flight (if any) is aborted and its client told the session
-moved (the turn's record never reached the stream: while fenced none is shipped), then
-the copy is closed. So one session never has two live copies, and a copy here never
-counts against a key's limits twice.
+released here: its turn in flight (if any) is aborted, its clients told the session moved
+(or, for a turn whose record was delayed past the lease, that its outcome is unknown:
+Intake.refuse_turns), then the copy is closed. So one session never has two live copies,
+and a copy here never counts against a key's limits twice.
 
 A session without a placement is released only if it was placed by a router
 (`Session.routed`): a session opened straight on this scheduler has none, and is kept."""
@@ -51,7 +51,7 @@ async def release_moved(
             session.routed = True
         if not gone(session, placed, replica):
             continue
-        intake.refuse_turns(session, f"session {sid} moved to another replica; retry")
+        intake.refuse_turns(session)
         if session.turn is not None:
             intake.ended(engine.abort(session.turn.rid, "the session moved to another replica"))
         engine.sessions.depart(sid)

@@ -27,7 +27,8 @@ class Intake:
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
         self.unannounced: list[Request] = []  # ended, records not yet taken
         self.recorded_ends: list[Request] = []  # ended, records taken, not yet flushed
-        self.refused: dict[str, str] = {}  # rid -> why its end must not be acknowledged
+        # rid -> (session error kind, why): its end must not be acknowledged
+        self.refused: dict[str, tuple[str, str]] = {}
 
     async def run(
         self,
@@ -52,9 +53,9 @@ class Intake:
                 event.clear()
                 if progress is not None:
                     await progress(submitted)
-            why = self.refused.get(submitted.rid)
-            if why is not None:
-                raise SessionError(why, "moving")
+            refused = self.refused.get(submitted.rid)
+            if refused is not None:
+                raise SessionError(refused[1], refused[0])
             return submitted
         finally:
             self.refused.pop(submitted.rid, None)
@@ -88,16 +89,28 @@ class Intake:
         self.tokens_arrived([req.rid for req in held])
         self.ended(held)
 
-    def refuse_turns(self, session: Session, why: str) -> None:
-        """`session` left this replica while its lease lapsed: its turn in flight and
-        its finished turns not yet acknowledged end with `why`, unacknowledged."""
-        turns = [r for r in self.unannounced if r.session is session]
+    def refuse_turns(self, session: Session) -> None:
+        """`session` left this replica while its lease lapsed. Its turn in flight and
+        its finished turns whose records were not taken end unapplied (503, `moving`):
+        the replica it went to never saw them. A finished turn whose record was written
+        while the lease lapsed may or may not be in the history the move carried: it
+        ends `outcome_unknown` (the client re-reads the session rather than assume)."""
+        sid = session.sid
+        unapplied = [r for r in self.unannounced if r.session is session]
         if session.turn is not None:
-            turns.append(session.turn)
-        for req in turns:
-            self.refused[req.rid] = why
+            unapplied.append(session.turn)
+        unknown = [r for r in self.recorded_ends if r.session is session]
+        for req in unapplied:
+            self.refused[req.rid] = ("moving", f"session {sid} moved to another replica; retry")
+        for req in unknown:
+            self.refused[req.rid] = (
+                "outcome_unknown",
+                f"session {sid} moved to another replica while this turn's record was on "
+                "its way: the turn may or may not be in its history; read it before going on",
+            )
         self.unannounced = [r for r in self.unannounced if r.session is not session]
-        self.ended(turns)
+        self.recorded_ends = [r for r in self.recorded_ends if r.session is not session]
+        self.ended(unapplied + unknown)
 
     def tokens_arrived(self, rids: list[str]) -> None:
         now = time.monotonic()

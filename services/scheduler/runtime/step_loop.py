@@ -158,6 +158,10 @@ class StepLoop:
 
     async def flush(self, step: bytes | None = None) -> None:
         """The outbox (and `step`) onto the streams, then tell the clients of requests
-        whose records went with it."""
+        whose records went with it, if the lease still holds now that Redis has answered:
+        then the records were applied before any router could begin to move their
+        sessions. A record delayed on its way (a slow network) may have reached Redis
+        after; its answer waits for the directory check (directory_check.py)."""
         await self.outbox.flush(self.redis, step)
-        self.intake.announce()
+        if self.outbox.may_record():
+            self.intake.announce()
