@@ -93,7 +93,9 @@ class Campaign:
         children = {}
         for name, (module, own) in layout(settings).items():
             if name.startswith(("scheduler-", "executor-")):
-                proxy = self.proxies.setdefault(own.replica, RedisProxy(port))
+                if own.replica not in self.proxies:
+                    self.proxies[own.replica] = RedisProxy(port)
+                proxy = self.proxies[own.replica]
                 own = dataclasses.replace(own, redis_url=proxy.url)
             children[name] = (module, own)
         return children
