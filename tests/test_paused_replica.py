@@ -38,6 +38,7 @@ def placement(client: redis.Redis, sid: str) -> Placement | None:
 
 
 def status_of(port: int, sid: str, ids: list[int], max_new: int = OUTPUT) -> tuple[int, dict]:
+    """(status, body); 0 when nothing answered."""
     body = {
         "input_ids": ids,
         "session_params": {"id": sid},
@@ -47,6 +48,8 @@ def status_of(port: int, sid: str, ids: list[int], max_new: int = OUTPUT) -> tup
         return 200, call(port, "/generate", body, timeout=60)
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+    except OSError as err:  # not listening (yet)
+        return 0, {"error": repr(err)}
 
 
 def registered_sessions(client: redis.Redis, replica: str) -> int:
@@ -203,3 +206,12 @@ def test_a_dead_replica_s_sessions_move_only_once_the_store_has_its_last_records
         assert time.monotonic() < deadline
         two.supervise_once()
         time.sleep(0.2)
+    # Back, replica 0 finds the store's record of `sid` (it died before it could record
+    # the move) and no placement (closed on replica 1): closed elsewhere, so not taken
+    # back, never a second copy of a closed session.
+    direct = two.layout["scheduler-0"][1].port
+    deadline = time.monotonic() + 60
+    while (status := status_of(direct, sid, [1, 2])[0]) in (0, 503):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.3)
+    assert status == 404, status

@@ -70,7 +70,10 @@ class RedisProxy:
             try:
                 client, _ = self.server.accept()
             except OSError:
-                return
+                if self._closed:
+                    return
+                time.sleep(POLL)  # out of descriptors, an aborted handshake: not the end
+                continue
             try:
                 upstream = socket.create_connection((self.host, self.target_port), timeout=5)
                 upstream.settimeout(None)

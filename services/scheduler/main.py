@@ -31,6 +31,7 @@ from shared import streams
 from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
 from shared.redis_client import connect_async
+from shared.retry import DEPENDENCY_FAULTS, Retry
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.scheduler")
@@ -39,8 +40,16 @@ log = logging.getLogger("custody.scheduler")
 class Scheduler:
     @classmethod
     async def connect(cls, settings: Settings) -> Scheduler:
-        """A scheduler on the Redis (or Redis Cluster) of `settings`."""
-        return cls(settings, await connect_async(settings.redis_url))
+        """A scheduler on the Redis (or Redis Cluster) of `settings`, once it answers
+        (its faults until then are logged, not counted: there are no metrics yet)."""
+        retry = Retry("scheduler_start", log)
+        while True:
+            try:
+                redis = await connect_async(settings.redis_url)
+            except DEPENDENCY_FAULTS as err:
+                await retry.wait(err)
+                continue
+            return cls(settings, redis)
 
     def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
         self.settings = settings
@@ -95,10 +104,21 @@ class Scheduler:
             self.outbox.queue_snapshot(self.link.epoch)
             self.intake.wake.set()
 
+    async def fence(self) -> None:
+        """From now on the executor refuses steps of any earlier scheduler life. Waits
+        out a Redis that is away or refuses writes (a scheduler that exited instead would
+        only be restarted into the same refusal, again and again)."""
+        retry = Retry("scheduler_start", log, self.loop.metrics.faults)
+        while True:
+            try:
+                await self.redis.set(self.keys.scheduler_epoch, self.outbox.shipper.epoch)
+                return
+            except DEPENDENCY_FAULTS as err:
+                await retry.wait(err)
+
     async def start(self) -> None:
         """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
-        # From now on the executor refuses steps of any earlier scheduler life.
-        await self.redis.set(self.keys.scheduler_epoch, self.outbox.shipper.epoch)
+        await self.fence()
         epoch, self.unproven = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
         await self.redis.delete(self.keys.draining)  # a restarted replica takes work again
         if epoch is not None:

@@ -188,10 +188,12 @@ class OwnershipConsumer:
         return found + self._steps_due()
 
     def _fence(self, records: list[SessionRecord]) -> list[SessionRecord]:
-        """The records still this replica's to write: one written under a placement
+        """The records as this replica may write them: one written under a placement
         epoch the directory has since left (the session moved while the replica was
-        paused or cut off) is refused, counted and logged; a close always goes through
-        (it only removes this replica's own record)."""
+        paused or cut off) is refused, counted and logged, and stands as a close: the
+        copy it describes is no longer the session, and the record it would replace must
+        not go on claiming slots this replica has given to other sessions since (a
+        restarted scheduler would take them back twice). A close always goes through."""
         placed = [r for r in records if not r.closed and r.epoch is not None]
         if not placed:
             return records
@@ -216,7 +218,7 @@ class OwnershipConsumer:
                     rec.epoch,
                     None if now is None else now.encode(),
                 )
-        return [r for r in records if id(r) not in refused]
+        return [SessionRecord(sid=r.sid, closed=True) if id(r) in refused else r for r in records]
 
     def _steps_due(self) -> list[Violation]:
         """Check the queued steps planned where the ledger stands now."""

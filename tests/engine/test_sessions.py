@@ -1,5 +1,6 @@
 """Scenarios S1-S11 of docs/scenarios.md on the scheduling core."""
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -304,3 +305,35 @@ def test_a_lost_device_is_rebuilt_from_history(page_size):
     t3 = d.run_turn(sid, text(3, 4), max_new=4)
     assert t3.cached_tokens > 0
     close_all(d)
+
+
+def test_records_claiming_one_slot_twice_are_taken_back_from_history_only():
+    """A store that kept a record it should have replaced (two records naming one row)
+    must not keep a restarted scheduler from starting (it crash-looped on the ownership
+    error): both sessions come back with their history only, counted, and their next
+    turns re-prefill to the right tokens; a third session keeps its device state."""
+    d = Driver()
+    sids = [d.engine.sessions.open().sid for _ in range(3)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        prompt = text(6, 50 + i)
+        histories[sid] = prompt + d.run_turn(sid, prompt, max_new=4).output
+    records = {r.sid: r for r in d.engine.sessions.all_records()}
+    a, b, kept = sids
+    assert records[a].row is not None and records[b].row != records[a].row
+    records[b] = msgspec.structs.replace(records[b], row=records[a].row)
+    again = Driver()
+    again.model = d.model  # the same executor: device contents survive
+    again.model.sequence_of = again._sequence
+    again.engine.sessions.rebuild(list(records.values()), state_valid=True)
+    sessions = again.engine.sessions
+    assert sessions.conflicting_records == 2
+    assert sessions.sessions[a].slots is None and sessions.sessions[b].slots is None
+    assert sessions.sessions[kept].slots is not None
+    assert not again.engine.check().problems
+    for sid in sids:
+        new = text(3, 90)
+        turn = again.run_turn(sid, new, max_new=4)
+        assert turn.output == reference(histories[sid] + new, 4, VOCAB)
+        assert turn.cached_tokens == (0 if sid != kept else len(histories[sid]) - 1)
+    close_all(again)

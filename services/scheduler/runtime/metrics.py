@@ -57,6 +57,11 @@ class LiveState(Collector):
             engine.guard.failures,
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
+        yield _counter(
+            "custody_session_records_conflicting",
+            "session records taken back from history only: another record claimed their slots",
+            engine.sessions.conflicting_records,
+        )
         redo = "chat replies re-encoded from their text (docs/chat.md)"
         yield _counter("custody_session_reencodes", redo, engine.sessions.reencoded)
         yield _counter(

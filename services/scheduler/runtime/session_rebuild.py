@@ -22,6 +22,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.scheduler.sessions.manager import SessionManager
+from services.scheduler.sessions.records import without_device_state
 from shared import records_proof, streams
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS, SessionRecord
@@ -57,8 +58,10 @@ async def rebuild_sessions(
     records = await _records(client, keys, sids)
     alive = await client.get(keys.executor_alive)
     epoch = alive.decode() if alive else None
-    for group in {r.executor for r in records}:
-        sessions.rebuild([r for r in records if r.executor == group], epoch == group)
+    valid = [
+        r if epoch is not None and r.executor == epoch else without_device_state(r) for r in records
+    ]
+    sessions.rebuild(_still_ours(valid, placements, sessions), state_valid=True)
     sessions.discard_unnamed_blobs()
     _place(sessions, placements)
     if not records:
@@ -78,10 +81,10 @@ async def finish_rebuild(
     pending = sorted(sessions.pending)
     sids, placements = await _ours(client, sessions, keys)
     records = [
-        msgspec.structs.replace(r, disk=None, row=None, working=None, pages=None)
+        msgspec.structs.replace(r, disk=None)
         for r in await _records(client, keys, [s for s in pending if s in sids])
     ]
-    sessions.rebuild(records, state_valid=False)
+    sessions.rebuild(_still_ours(records, placements, sessions), state_valid=False)
     sessions.dirty |= sessions.pending  # placed elsewhere now, or never recorded: closed
     sessions.pending.clear()
     _place(sessions, placements)
@@ -119,6 +122,23 @@ async def _records(client: aioredis.Redis, keys: streams.Keys, sids: list[str]) 
         except WireError as err:
             log.warning("session %s not rebuilt: its stored record is refused (%s)", sid, err)
     return records
+
+
+def _still_ours(
+    records: list[SessionRecord], placements: dict[str, Placement], sessions: SessionManager
+) -> list[SessionRecord]:
+    """The records of sessions still open: one a router placed (it carries an epoch)
+    that the directory now places nowhere was closed elsewhere after it moved while
+    this replica was down; taken back, it would be a second live copy of a closed
+    session. It is recorded closed here instead."""
+    kept = []
+    for rec in records:
+        if rec.epoch is not None and rec.sid not in placements:
+            log.info("session %s was closed elsewhere; not taken back", rec.sid)
+            sessions.dirty.add(rec.sid)
+            continue
+        kept.append(rec)
+    return kept
 
 
 def _place(sessions: SessionManager, placements: dict[str, Placement]) -> None:

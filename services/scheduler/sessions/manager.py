@@ -64,6 +64,7 @@ class SessionManager(DurableRecords, Reencoding):
         # recorded sessions a restarted scheduler has not taken back yet: their records
         # are not proven current (runtime/session_rebuild.py), so they answer 503
         self.pending: set[str] = set()
+        self.conflicting_records = 0
         # whether this replica may serve its sessions now: its registration is provably
         # current (runtime/replica_lease.py); the composition root sets it
         self.may_serve: Callable[[], bool] = lambda: True

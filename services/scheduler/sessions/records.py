@@ -11,9 +11,12 @@ a turn, is recorded closed at once.
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from services.scheduler.allocators import handover
@@ -21,6 +24,8 @@ from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.ownership.lease import new_lease
 from shared.messages.envelope import pack
 from shared.messages.ownership import PAGE, TOKEN, SessionRecord
+
+log = logging.getLogger("custody.scheduler")
 
 if TYPE_CHECKING:
     from services.scheduler.allocators.pools import Pools
@@ -35,6 +40,7 @@ class DurableRecords:
     sessions: dict[str, Session]
     dirty: set[str]  # sessions whose record changed since the last `take_records`
     pending: set[str]  # recorded sessions not yet taken back (records not proven current)
+    conflicting_records: int  # taken back from history only: their slot claims collided
     moves: TierMoves
     open: Callable[..., Session]
 
@@ -76,7 +82,21 @@ class DurableRecords:
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back: the history always, a valid
         blob on disk, device slots when the executor that holds their contents is the
-        same one."""
+        same one. Records that claim one slot twice (`conflicting_claims`) keep their
+        history only: which of them holds the slot's contents cannot be known, and the
+        history is the session either way."""
+        doubtful = conflicting_claims(records, state_valid)
+        if doubtful:
+            log.error(
+                "%d session records claim slots another record claims too; "
+                "they are taken back from their history only: %s",
+                len(doubtful),
+                sorted(doubtful),
+            )
+            self.conflicting_records += len(doubtful)
+            records = [
+                without_device_state(r, disk=True) if r.sid in doubtful else r for r in records
+            ]
         for rec in records:
             self.pending.discard(rec.sid)
             if rec.closed:
@@ -111,3 +131,30 @@ class DurableRecords:
         pending when the last life of the scheduler ended); the first step carries it."""
         free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
         self.moves.discards += free.tolist()
+
+
+def conflicting_claims(records: list[SessionRecord], state_valid: bool) -> set[str]:
+    """The sessions whose records claim a slot (a blob; with `state_valid`, a row, a
+    Mamba slot or a KV page) that another record claims too. The store applies records
+    in order, so this is a fault of its own or a record it kept that it should not
+    have; one such pair must not keep the scheduler from starting."""
+    claimants: defaultdict[tuple[str, int], set[str]] = defaultdict(set)
+    for rec in records:
+        if rec.closed:
+            continue
+        if rec.disk is not None:
+            claimants["disk", rec.disk].add(rec.sid)
+            continue
+        if not state_valid or rec.row is None or rec.working is None:
+            continue
+        claimants["req", rec.row].add(rec.sid)
+        claimants["mamba", rec.working].add(rec.sid)
+        for page in rec.kv_pages().tolist():
+            claimants["kv", page].add(rec.sid)
+    return {sid for sids in claimants.values() if len(sids) > 1 for sid in sids}
+
+
+def without_device_state(rec: SessionRecord, disk: bool = False) -> SessionRecord:
+    """`rec` without its claims on device slots (and, with `disk`, on its blob)."""
+    rec = msgspec.structs.replace(rec, row=None, working=None, pages=None)
+    return msgspec.structs.replace(rec, disk=None) if disk else rec
