@@ -1,26 +1,33 @@
 """The router on a real Redis: a replica keeps one object across registration reads, so
 a request in flight while the table is read ends on the object that counts it (a new
 object per read left +1 of load behind for every such request); an open while Redis is
-away is a clear 503 that leaves no session behind."""
+away is a clear 503 that leaves no session behind; a request a replica dropped after it
+was sent is a 502 whose outcome is unknown, never a 503 to retry."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 
 import redis
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.up import Stack
 from services.router.replicas import ReplicaTable
 from shared import streams
+from shared.config import Settings
+from shared.placement import Placement
 from shared.redis_client import connect_async
-from shared.redis_server import PrivateRedis
+from shared.redis_server import PrivateRedis, free_port
 from tests.services_harness import stack_settings, start_stack
 
 
@@ -112,3 +119,60 @@ def sessions_open(stack: Stack) -> int:
             if family.name == "custody_sessions_open":
                 total += int(sum(s.value for s in family.samples))
     return total
+
+
+def test_a_turn_the_replica_dropped_after_it_was_sent_is_a_502_never_a_retry(
+    redis_url: str, redis_client: redis.Redis
+):
+    """The replica read the turn and hung up before answering (killed mid-turn): the
+    turn may be in the session's history, so the router answers 502 `outcome_unknown`
+    without Retry-After. It answered 503 `replica_unavailable` with Retry-After, and a
+    client that retried on it ran on a history longer than it was told (the fault
+    campaign's `store_lag`: stale turns)."""
+    received: list[str] = []
+
+    async def hang_up(request: web.Request) -> web.Response:
+        await request.read()
+        received.append(request.path)
+        request.transport.close()
+        return web.Response()
+
+    replica_port, router_port = free_port(), free_port()
+    loop = asyncio.new_event_loop()
+    replica = web.AppRunner(web.Application())
+    replica.app.router.add_post("/generate", hang_up)
+
+    async def start() -> None:
+        await replica.setup()
+        await web.TCPSite(replica, "127.0.0.1", replica_port).start()
+
+    loop.run_until_complete(start())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    register(redis_client, "0", url=f"http://127.0.0.1:{replica_port}")
+    redis_client.set(streams.placement_key("s1"), Placement("0").encode())
+    settings = Settings(port=router_port, redis_url=redis_url, replica_dead_seconds=60.0)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "services.router.main"], env={**os.environ, **settings.to_env()}
+    )
+    try:
+        body = json.dumps({"text": "hi", "session_params": {"id": "s1"}}).encode()
+        deadline = time.monotonic() + 30
+        while True:
+            req = urllib.request.Request(f"http://127.0.0.1:{router_port}/generate", data=body)
+            try:
+                urllib.request.urlopen(req, timeout=30)
+            except urllib.error.HTTPError as err:
+                status, headers, kind = err.code, err.headers, json.loads(err.read())
+                break
+            except OSError:  # the router is not listening yet
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert (status, kind["error"]["type"]) == (502, "outcome_unknown"), kind
+        assert "Retry-After" not in headers
+        assert received == ["/generate"]  # sent once, not again elsewhere
+    finally:
+        router.terminate()
+        router.wait(10)
+        loop.call_soon_threadsafe(loop.stop)
+        redis_client.delete(streams.placement_key("s1"), streams.Keys("0").alive)
+        redis_client.srem(streams.REPLICAS, "0")

@@ -90,6 +90,7 @@ def run_campaign(duration: float, replicas: int, dead_seconds: float, as_json: b
         )
         print(f"{row['at']:7.1f}s  {row['kind']:26} {row['seconds']:5.1f}s  {held}  {row['hit']}")
     print(f"{campaign.turns_acked} turns acknowledged; found: {campaign.examples or 'nothing'}")
+    print(f"{campaign.orphans} sessions whose open's answer was lost, closed at the end")
     if campaign.left_behind:
         print(f"left behind: {campaign.left_behind}")
     if as_json:

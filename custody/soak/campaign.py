@@ -84,6 +84,7 @@ class Campaign:
         self.examples: list[str] = []  # what the checker found, a few
         self.turns_acked = 0
         self.left_behind: list[str] = []  # what leaked_placements counts, named
+        self.orphans = 0  # sessions opened for a client that never heard so, closed at the end
         self.started = time.monotonic()
 
     def plan(self, settings: Settings) -> dict[str, tuple[str, Settings]]:
@@ -170,10 +171,19 @@ class Campaign:
         time.sleep(SETTLE_SECONDS)
 
     def end(self) -> tuple[dict[str, int], int]:
-        """Close every session the load opened, flush the cache, and read what is left."""
+        """Close every session the load opened, flush the cache, and read what is left.
+        An open whose answer was lost (a router killed or paused mid-open) leaves a live
+        session no client knows: the directory names it, and it is closed through the
+        router as the client would once it learned the id (`orphans`). A placement whose
+        close then finds no session anywhere is left behind, as is everything else."""
         opened = {t.sid for t in self.load.turns}
         for sid in opened:
             self.load.close(sid)
+        prefix = streams.placement_key("")
+        named = {k.decode().removeprefix(prefix) for k in self.placements()}
+        for sid in named - opened:
+            status, _ = post(self.settings.port, "/close_session", {"session_id": sid})
+            self.orphans += status == 200
         post(self.settings.port, "/flush_cache", {})
         deadline = time.monotonic() + 30
         while True:
@@ -183,7 +193,7 @@ class Campaign:
                 break
             self.stack.supervise_once()
             time.sleep(0.5)
-        left = [k.decode() for k in self.admin.scan_iter(match="custody:placement:*")]
+        left = [k.decode() for k in self.placements()]
         left += [f"move {m.decode()}" for m in self.admin.zrange(streams.MOVES, 0, -1)]
         for r in self.replica_ports:
             left += [
@@ -193,6 +203,9 @@ class Campaign:
         left += [f"blob {p.relative_to(state_dir)}" for p in state_dir.rglob("*") if p.is_file()]
         self.left_behind = left
         return leaked, len(left)
+
+    def placements(self) -> list[bytes]:
+        return list(self.admin.scan_iter(match=streams.placement_key("*")))
 
     def summary(self, leaked_slots: dict[str, int], leaked_placements: int) -> dict:
         """The JSON summary (`SUMMARY_KEYS`), and each fault's row with the invariants

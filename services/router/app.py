@@ -33,7 +33,14 @@ from services.router.choice import Chooser
 from services.router.directory import Directory
 from services.router.limits import SessionLimits
 from services.router.migration import Mover
-from services.router.proxy import KIND, PLACING, UPSTREAM_TIMES, Proxy, ReplicaDown
+from services.router.proxy import (
+    KIND,
+    PLACING,
+    UPSTREAM_TIMES,
+    OutcomeUnknown,
+    Proxy,
+    ReplicaDown,
+)
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
 
@@ -252,6 +259,8 @@ class Router:
             if unless:
                 return None
             return error(503, str(down), "replica_unavailable", retry=True)
+        except OutcomeUnknown as unknown:
+            return error(502, str(unknown), "outcome_unknown")
 
     async def fan_out(self, request: web.Request, body: bytes) -> web.Response:
         """The same request to every ready replica; the first refusal if any refused,

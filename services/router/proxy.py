@@ -26,6 +26,12 @@ class ReplicaDown(Exception):
     """The replica could not be reached; nothing was sent to it."""
 
 
+class OutcomeUnknown(Exception):
+    """The request went to the replica, and the connection broke before its whole answer
+    came back: it may have run (a turn may be in the session's history). Never retried
+    elsewhere, never answered with a retryable status."""
+
+
 class Proxy:
     def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
@@ -63,14 +69,22 @@ class Proxy:
                 upstream = await self.session.request(
                     request.method, replica.url + request.path_qs, data=body, headers=headers
                 )
-            except (aiohttp.ClientConnectionError, OSError) as err:
+                async with upstream:
+                    if upstream.status in unless:
+                        await upstream.read()
+                        return None
+                    return await self._answer(request, upstream, sent - received)
+            except aiohttp.ClientConnectorError as err:
                 self.metrics.upstream_errors.labels(replica.id).inc()
                 raise ReplicaDown(f"replica {replica.id} unreachable: {err}") from err
-            async with upstream:
-                if upstream.status in unless:
-                    await upstream.read()
-                    return None
-                return await self._answer(request, upstream, sent - received)
+            except (aiohttp.ClientError, OSError) as err:
+                if request.transport is None or request.transport.is_closing():
+                    raise  # the client left: its answer has nowhere to go
+                self.metrics.upstream_errors.labels(replica.id).inc()
+                raise OutcomeUnknown(
+                    f"replica {replica.id} dropped the request before answering it whole "
+                    f"({type(err).__name__}); it may have run"
+                ) from err
         finally:
             replica.in_flight -= 1
 
@@ -106,7 +120,14 @@ class Proxy:
         await response.prepare(request)
         overhead = before + time.perf_counter() - first
         self.metrics.overhead.labels(request.get(KIND, "other")).observe(overhead)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, OSError):
+            # the replica went mid-stream: the client's stream ends without its last
+            # event, as the replica's own would have (the status is already sent)
+            if request.transport is not None:
+                request.transport.close()
+            return response
         await response.write_eof()
         return response
