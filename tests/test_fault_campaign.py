@@ -96,14 +96,8 @@ def test_every_kind_of_fault_with_every_invariant_holding():
     assert result["twin_copies"] == 0, (campaign.examples, table)
     assert result["wrong_outputs"] == 0, table
     assert not any(result["leaked_slots"].values()), result
-    # Known open bug (issue 25's note): a closed session's placement is now and then left
-    # behind (1 in CI's 180 s run at 0a3e0b8, 13 in an 1800 s run); the CLI's exit status
-    # still fails on it, and it is named here so a new kind of leftover is not missed.
-    assert all(
-        name.startswith(("custody:placement:", "placed on ")) for name in campaign.left_behind
-    ), campaign.left_behind
-    assert result["leaked_placements"] <= 4, campaign.left_behind
-    assert campaign_held(result) or result["leaked_placements"] > 0
+    assert result["leaked_placements"] == 0, campaign.left_behind
+    assert campaign_held(result)
 
 
 def test_campaign_threads_are_not_left_behind():
