@@ -9,13 +9,19 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import redis
 
+from custody.inprocess import InProcess
 from custody.soak import Campaign, campaign_held
 from custody.soak.fault_kinds import KINDS
 from custody.soak.history import Turn, judge, wrong_outputs
 from custody.soak.redis_proxy import RedisProxy
+from custody.soak.verdict import disowned
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
 
 SECONDS = float(os.environ.get("CUSTODY_FAULT_SECONDS", "180"))
 
@@ -44,14 +50,27 @@ def test_a_clean_history_passes_and_each_kind_of_harm_is_counted():
 
 def test_wrong_outputs_are_judged_against_the_acknowledged_history():
     turns = [turn("a", [1, 2], [3], 2), turn("a", [4], [5], 4)]
-    seen: list[list[int]] = []
+    seen: list[tuple[list[int], list[int]]] = []
 
-    def one_shots(prompts: list[list[int]]) -> list[list[int]]:
-        seen.extend(prompts)
-        return [[3], [6]]
+    def disowned_by_judge(pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
+        seen.extend(pairs)
+        return [False, True]
 
-    assert wrong_outputs(turns, one_shots) == [turns[1]]
-    assert seen == [[1, 2], [1, 2, 3, 4]]
+    assert wrong_outputs(turns, disowned_by_judge) == [turns[1]]
+    assert seen == [([1, 2], [3]), ([1, 2, 3, 4], [5])]
+
+
+def test_the_judge_disowns_a_wrong_token_and_owns_the_model_s_own():
+    """The real judge (teacher-forced, the built-in model): the model's own greedy
+    continuation passes, the same with one token changed fails."""
+    prompt = [5, 9, 14, 3, 7]
+    local = InProcess(Settings(compile=False))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    req = local.engine.submit(Request("x", np.asarray(prompt), params))
+    local.run_until_idle()
+    own = list(req.output)
+    changed = [*own[:2], (own[2] + 1) % 250 + 1, own[3]]
+    assert disowned([(prompt, own), (prompt, changed)]) == [False, True]
 
 
 def test_the_proxy_partitions_slows_and_cuts_a_real_redis_connection(redis_url: str):

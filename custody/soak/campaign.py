@@ -24,17 +24,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import redis
 
-from custody.inprocess import InProcess
 from custody.soak.fault_kinds import KINDS, Target
 from custody.soak.history import Turn, judge, wrong_outputs
 from custody.soak.redis_proxy import RedisProxy
-from custody.soak.session_load import OUTPUT, SessionLoad, post
+from custody.soak.session_load import SessionLoad, post
+from custody.soak.verdict import disowned
 from custody.up import Backoff, Stack, layout
-from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import SamplingParams
 from shared import streams
 from shared.config import Settings
 from shared.redis_server import free_port
@@ -212,7 +209,7 @@ class Campaign:
         over the turns that overlapped its window."""
         turns = self.load.turns
         verdict = judge(turns)
-        wrong = wrong_outputs(turns, one_shots)
+        wrong = wrong_outputs(turns, disowned)
         for row in self.rows:
 
             def inside(found: list[Turn], row: dict = row) -> int:
@@ -234,17 +231,6 @@ class Campaign:
             "leaked_slots": leaked_slots,
             "leaked_placements": leaked_placements,
         }
-
-
-def one_shots(prompts_: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs of the prompts as plain requests, in one process."""
-    local = InProcess(Settings(**POOLS, compile=False))
-    params = SamplingParams(max_new_tokens=OUTPUT, ignore_eos=True)
-    reqs = [
-        local.engine.submit(Request(f"x{i}", np.asarray(p), params)) for i, p in enumerate(prompts_)
-    ]
-    local.run_until_idle()
-    return [list(r.output) for r in reqs]
 
 
 def get(port: int, path: str) -> dict:

@@ -9,12 +9,15 @@ server told it. The invariants:
   (a lost session loses the acknowledged history too);
 - no twin copy: no replica other than the session's placement answered a probe turn
   (`probe`, sent straight to each other replica after each fault);
-- no wrong output: each acknowledged output is the one-shot greedy continuation of its
-  history plus input (`wrong_outputs`, given a function that computes those).
+- no wrong output: each token of each acknowledged output is the fault-free model's
+  greedy choice after its history plus input and the tokens before it, teacher-forced
+  (`wrong_outputs`, given the judge: custody/soak/verdict.py `disowned`). A near-tie
+  within 1e-3 counts as greedy: batching moves logits by about 1e-6, and comparing
+  with a separately batched one-shot counted such a flip as wrong.
 
 What it cannot see: a turn's outcome when the client got no answer (that session is
-abandoned, nothing is claimed about it); a wrong output that equals the one-shot by
-chance; a twin copy that no probe reached (only sessions the load holds are probed, and
+abandoned, nothing is claimed about it); a wrong token that is a near-tie with the greedy
+one; a twin copy that no probe reached (only sessions the load holds are probed, and
 only between faults); state the load never asked for."""
 
 from __future__ import annotations
@@ -84,11 +87,11 @@ def prompts(turns: Sequence[Turn]) -> list[tuple[list[int], list[int]]]:
 
 
 def wrong_outputs(
-    turns: Sequence[Turn], one_shots: Callable[[list[list[int]]], list[list[int]]]
+    turns: Sequence[Turn],
+    disowned: Callable[[list[tuple[list[int], list[int]]]], list[bool]],
 ) -> list[Turn]:
-    """Acknowledged turns whose output differs from the one-shot greedy continuation of
-    their history (`one_shots` computes those for a batch of prompts)."""
+    """Acknowledged turns whose output a fault-free model disowns over their
+    acknowledged history plus input (`disowned` judges a batch of (prompt, output))."""
     acked = [t for t in turns if t.kind == "turn" and t.status == 200]
-    pairs = prompts(turns)
-    expected = one_shots([p for p, _ in pairs])
-    return [t for t, (_, out), want in zip(acked, pairs, expected, strict=True) if out != want]
+    verdicts = disowned(prompts(turns))
+    return [t for t, wrong in zip(acked, verdicts, strict=True) if wrong]

@@ -70,15 +70,21 @@ def diagnosis(port: int, view: dict) -> dict:
 
 
 def replay(finished: list[tuple[list[int], list[int]]], margin: float = 1e-3) -> int:
-    """How many outputs a fault-free model disowns, teacher-forced: one forward over
-    prompt + output, and each produced token must be the greedy choice there (or tie with
-    it within `margin`: chunking the same sequence differently moves logits by about
-    1e-6, which may flip a near-tie and is not a fault)."""
+    """How many outputs a fault-free model disowns (`disowned`)."""
+    return sum(disowned(finished, margin))
+
+
+def disowned(finished: list[tuple[list[int], list[int]]], margin: float = 1e-3) -> list[bool]:
+    """For each (prompt, output), whether a fault-free model disowns the output,
+    teacher-forced: one forward over prompt + output, and each produced token must be the
+    greedy choice there (or tie with it within `margin`: chunking or batching the same
+    sequence differently moves logits by about 1e-6, which may flip a near-tie and is not
+    a fault; a one-shot comparison would count such a flip, and every token after it)."""
     model = load_model(None, torch.device("cpu"))
     pools = DevicePools(
         model.cfg, PoolSizes(kv_pages=2048, page_size=1, mamba_slots=1), torch.device("cpu")
     )
-    wrong = 0
+    verdicts = []
     for prompt, output in finished:
         tokens = torch.tensor(prompt + output[:-1])
         pools.reset()
@@ -88,8 +94,8 @@ def replay(finished: list[tuple[list[int], list[int]]], margin: float = 1e-3) ->
         with torch.inference_mode():
             logits = model.lm_head(model(batch, pools)[len(prompt) - 1 :]).float()
         chosen = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
-        wrong += bool((chosen < logits.max(dim=1).values - margin).any())
-    return wrong
+        verdicts.append(bool((chosen < logits.max(dim=1).values - margin).any()))
+    return verdicts
 
 
 TIER_POOLS = ("host_kv", "host_mamba", "disk")
