@@ -22,7 +22,7 @@ def read_json(body: bytes) -> dict | None:
     """The body as a JSON object, or None (the replica answers it with its own 400)."""
     try:
         value = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: refused there
         return None
     return value if isinstance(value, dict) else None
 

@@ -43,6 +43,8 @@ from services.router.proxy import (
 )
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
+from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
+from shared.streams import SESSION_ID, valid_session_id
 
 log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
@@ -93,7 +95,11 @@ class Router:
             caller = self.tenancy.identify(request)
         except Refused as refused:
             return refused.response()
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the body is larger than {MAX_BODY} bytes"
+            return error(413, message, "request_too_large")
         parsed = read_json(body)
         tenant = caller.tenant or "-"
         if request.path in FANOUT_ROUTES or aborts_all(request.path, parsed):
@@ -179,6 +185,8 @@ class Router:
             body = json.dumps(parsed).encode()
         if not isinstance(sid, str):
             return await self.send(request, body, replica, "load", received)
+        if not valid_session_id(sid):  # refused before it can name a Redis key
+            return error(400, f"session_id must match {SESSION_ID.pattern}", "session_invalid")
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             return refused
@@ -278,10 +286,15 @@ class Router:
 
     def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
         """Kept while the request runs (an abort by a rid not yet kept goes to every
-        replica, so it still finds it)."""
-        for one in rid if isinstance(rid, list) else [rid]:
-            if isinstance(one, str) and one:
-                self.background.run(self.directory.remember_request(tenant, one, replica))
+        replica, so it still finds it), in one Redis round trip. A rid the replica will
+        refuse (a list longer than a batch, an id empty or too long) is not kept: the
+        work a request costs the router is bounded before it is looked at."""
+        rids = rid if isinstance(rid, list) else [rid]
+        if len(rids) > MAX_BATCH or not all(
+            isinstance(one, str) and 0 < len(one) <= MAX_RID for one in rids
+        ):
+            return
+        self.background.run(self.directory.remember_requests(tenant, rids, replica))
 
     def health(self) -> web.Response:
         replicas = {

@@ -22,11 +22,11 @@ from services.router.proxy import Proxy
 from services.router.replicas import ReplicaTable
 from services.scheduler.http.tenancy import Tenancy
 from shared.config import Settings
+from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
-MAX_BODY = 64 << 20  # the replicas enforce their own limit; this only bounds the router
 
 
 async def serve(settings: Settings) -> None:

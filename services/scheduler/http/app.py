@@ -16,8 +16,7 @@ from services.scheduler.http.tenancy import middleware as tenancy_middleware
 from services.scheduler.runtime.front_door import FrontDoor
 from services.scheduler.text.chat_template import ChatTemplate
 from services.scheduler.text.chat_tokens import ChatEncoder
-
-MAX_BODY = 8 * 1024 * 1024
+from shared.http_limits import MAX_BODY
 
 
 def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:

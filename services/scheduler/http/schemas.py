@@ -15,6 +15,7 @@ states exactly what is enforced. The OpenAI bodies are in `schemas_openai.py`.
 # objects, not as strings naming locals it cannot resolve.
 
 import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -25,8 +26,7 @@ from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.records.session import SESSION_ID
-from shared.streams import REPLICA_ID
+from shared.streams import REPLICA_ID, SESSION_ID
 
 MAX_SESSION_TIMEOUT = 7 * 24 * 3600
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -215,6 +215,10 @@ def generate_schema(limits: st.Limits) -> type:
     return GenerateRequest
 
 
+# Python's recursion limit bounds what msgspec decodes; deeper is a 400, never a 500.
+MAX_DEPTH = sys.getrecursionlimit()
+
+
 def decode_body(raw: bytes, schema: type[T]) -> T:
     """`raw` as a `schema`, or InvalidRequest naming what is wrong. msgspec refuses what
     json.loads lets through: NaN and Infinity, and a lone surrogate escape (a str that
@@ -223,6 +227,9 @@ def decode_body(raw: bytes, schema: type[T]) -> T:
         return msgspec.json.decode(raw, type=schema)
     except msgspec.ValidationError as err:
         raise InvalidRequest(f"invalid request: {err}") from None
+    except RecursionError:  # the decoder's own bound on nesting, at every depth of any field
+        message = f"the body nests JSON too deeply (the limit is about {MAX_DEPTH} levels)"
+        raise InvalidRequest(message) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as err:
         hint = ""
         if LONE_SURROGATE.search(raw):

@@ -14,10 +14,10 @@ import msgspec
 from msgspec import Meta, Struct
 
 from services.scheduler.http import schema_types as st
+from shared.http_limits import MAX_BATCH, MAX_RID
 
-MAX_BATCH = 64  # items of one batch; each is a request, counted against the queue limit
 BatchOf = Meta(min_length=1, max_length=MAX_BATCH)
-Rid = Annotated[str, Meta(min_length=1, max_length=256)]
+Rid = Annotated[str, Meta(min_length=1, max_length=MAX_RID)]
 
 
 class _Inputs(Struct):
@@ -30,7 +30,7 @@ def is_batch(raw: bytes) -> bool:
     that is no JSON object is not (the single struct names what is wrong with it)."""
     try:
         probe = msgspec.json.decode(raw, type=_Inputs)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
         return False
     if bytes(probe.text).startswith(b"["):
         return True

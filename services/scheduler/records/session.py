@@ -3,7 +3,6 @@ for a chat session, the conversation its history renders (docs/chat.md)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,9 +19,6 @@ from shared.placement import FIRST_EPOCH
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
-
-
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class SessionError(InvalidRequest):

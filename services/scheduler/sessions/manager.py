@@ -29,7 +29,6 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Request, TurnStart
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
-    SESSION_ID,
     ChatTurn,
     Session,
     SessionError,
@@ -41,6 +40,7 @@ from services.scheduler.sessions.records import DurableRecords
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
+from shared.streams import SESSION_ID, valid_session_id
 
 log = logging.getLogger("custody.sessions")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
@@ -95,7 +95,7 @@ class SessionManager(DurableRecords, Reencoding):
                 "limit",
             )
         sid = secrets.token_hex(16) if sid is None else sid
-        if not isinstance(sid, str) or not SESSION_ID.match(sid):
+        if not valid_session_id(sid):
             raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
         self._not_pending(sid)
         if sid in self.sessions or sid in self._closed:
