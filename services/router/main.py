@@ -24,6 +24,7 @@ from services.scheduler.http.tenancy import Tenancy
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async
+from shared.slow_clients import GuardedRunner
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
@@ -49,7 +50,9 @@ async def serve(settings: Settings) -> None:
     router = Router(table, directory, proxy, tenancy, chooser, mover, limits)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
-    runner = web.AppRunner(app, access_log=None)
+    runner = GuardedRunner(
+        app, settings.read_timeout_seconds, settings.keepalive_seconds, access_log=None
+    )
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
     log.info("router listening on http://%s:%d", settings.host, settings.port)

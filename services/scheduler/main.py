@@ -15,7 +15,6 @@ from redis.exceptions import RedisError
 
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.http.app import build_app
-from services.scheduler.http.slow_clients import GuardedRunner
 from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.runtime.cache_shipper import CacheShipper
 from services.scheduler.runtime.event_shipper import EventShipper
@@ -32,6 +31,7 @@ from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
 from shared.redis_client import connect_async
 from shared.retry import DEPENDENCY_FAULTS, Retry
+from shared.slow_clients import GuardedRunner
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.scheduler")

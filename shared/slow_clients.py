@@ -114,10 +114,18 @@ class GuardedServer(web.Server):
 
 class GuardedRunner(web.AppRunner):
     """An AppRunner whose connections time out slow clients; a client that disconnects
-    cancels its handler (and so aborts its request)."""
+    cancels its handler (and so aborts its request: at the router, the cancelled upstream
+    request closes its connection, which the replica takes as an abort). The scheduler's
+    edge and the router's both run on one."""
 
-    def __init__(self, app: web.Application, read_timeout: float, keepalive_timeout: float) -> None:
-        super().__init__(app, handler_cancellation=True)
+    def __init__(
+        self,
+        app: web.Application,
+        read_timeout: float,
+        keepalive_timeout: float,
+        **runner_options: object,
+    ) -> None:
+        super().__init__(app, handler_cancellation=True, **runner_options)
         self.read_timeout, self.keepalive_timeout = read_timeout, keepalive_timeout
 
     async def _make_server(self) -> web.Server:
