@@ -34,7 +34,14 @@ class Doc:
 
 BOOLEAN = {"type": "boolean"}
 ROUTES = {
-    ("GET", "/health"): Doc("Liveness, and the epoch of the executor in use", reply=replies.Health),
+    ("GET", "/health"): Doc(
+        "Readiness (503 until a request would be served at once), and the executor's epoch",
+        reply=replies.Health,
+    ),
+    ("GET", "/health_generate"): Doc(
+        "One greedy token generated end to end (503 until ready)", reply=replies.Health
+    ),
+    ("GET", "/liveness"): Doc("The process is up", reply=replies.Alive),
     ("GET", "/metrics"): Doc("Prometheus metrics", reply={"type": "string"}, media="text/plain"),
     ("GET", "/get_model_info"): Doc("The model and the pools", reply=replies.ModelInfo),
     ("GET", "/openapi.json"): Doc("This document", reply={"type": "object"}),

@@ -45,9 +45,14 @@ class GenerateReply(Struct):
     index: int | None = None
 
 
-class Health(Struct):
-    status: str
+class Health(Struct, omit_defaults=True):
+    status: str  # "ok"; "starting" (503) while it waits
     executor: str | None  # the executor's epoch; null until one is up
+    waiting_for: list[str] = []  # on a 503: "executor", "lease"
+
+
+class Alive(Struct):
+    status: str
 
 
 class Placed(Struct):

@@ -9,6 +9,7 @@ moves; a client that disconnects aborts its request, with the abort semantics of
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import replace
 from typing import Any
 
@@ -62,7 +63,31 @@ def response_of(
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "executor": request.app[FRONT_DOOR].executor_epoch})
+    """Readiness: 200 only once a request would be served at once; until then 503 with
+    Retry-After and what it waits for (SGLang's /health is 503 while it starts: a probe,
+    a healthcheck or a launcher must not send traffic before)."""
+    door = request.app[FRONT_DOOR]
+    waiting = door.waiting_for()
+    if waiting:
+        body = {"status": "starting", "executor": door.executor_epoch, "waiting_for": waiting}
+        return web.json_response(body, status=503, headers={"Retry-After": "1"})
+    return web.json_response({"status": "ok", "executor": door.executor_epoch})
+
+
+async def liveness(request: web.Request) -> web.Response:
+    """The process is up and its event loop answers (restart it if not): ready or not."""
+    return web.json_response({"status": "alive"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """SGLang's /health_generate: one greedy token generated end to end (scheduler,
+    Redis, executor), as a request would be; 503 if it cannot be now."""
+    door = request.app[FRONT_DOOR]
+    if door.waiting_for():
+        return await health(request)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    await run_generation(request, secrets.token_hex(16), [1], params, None, {})
+    return web.json_response({"status": "ok", "executor": door.executor_epoch})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -203,6 +228,8 @@ def streamer(
 
 ROUTES = (
     ("GET", "/health", health),
+    ("GET", "/health_generate", health_generate),
+    ("GET", "/liveness", liveness),
     ("GET", "/metrics", metrics),
     ("GET", "/get_model_info", model_info),
     ("POST", "/open_session", open_session),

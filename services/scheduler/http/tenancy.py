@@ -26,7 +26,8 @@ from aiohttp import web
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# what probes and Prometheus call, without a key
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
 OPERATOR_PATHS = frozenset(
     {
         "/flush_cache",

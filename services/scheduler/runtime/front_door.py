@@ -68,6 +68,12 @@ class FrontDoor:
     def executor_epoch(self) -> str | None:
         return self._link.epoch
 
+    def waiting_for(self) -> list[str]:
+        """What this replica waits for before it can serve a request at once (none:
+        ready): an executor warmed up and alive, and its lease on its sessions."""
+        waits = [] if self._link.epoch is not None else ["executor"]
+        return waits if self._engine.sessions.may_serve() else [*waits, "lease"]
+
     @property
     def queued(self) -> int:
         """Requests waiting to be admitted."""
