@@ -90,7 +90,14 @@ class Router:
         if request.path == "/metrics":
             return web.Response(body=self.metrics.render(), content_type="text/plain")
         if request.path == "/health":
-            return self.health()
+            return self.health(request)
+        if request.path == "/liveness":
+            return web.json_response({"status": "alive"})
+        if request.path == "/health_generate":  # a probe: no key, any ready replica
+            replica = self.table.least_loaded()
+            if replica is None:
+                return self.health(request)
+            return await self.send(request, b"", replica, "load", received)
         try:
             caller = self.tenancy.identify(request)
         except Refused as refused:
@@ -296,12 +303,24 @@ class Router:
             return
         self.background.run(self.directory.remember_requests(tenant, rids, replica))
 
-    def health(self) -> web.Response:
+    def health(self, request: web.Request) -> web.Response:
+        """Ready (200) with at least one ready replica, else 503 with Retry-After: a
+        router with none would answer every request 503. Replica addresses are shown to
+        an operator only (they are the cluster's inside)."""
+        try:
+            operator = self.tenancy.identify(request).operator
+        except Refused:
+            operator = False
         replicas = {
-            r.id: {"url": r.url, "executor": r.executor, "load": r.load}
+            r.id: {"executor": r.executor, "load": r.load} | ({"url": r.url} if operator else {})
             for r in self.table.live.values()
         }
         ready = len(self.table.ready())
+        body = {"status": "ok" if ready else "starting", "executor": ready > 0, "ready": ready}
+        if not ready:
+            body["waiting_for"] = ["replica"]
         return web.json_response(
-            {"status": "ok", "executor": ready > 0, "ready": ready, "replicas": replicas}
+            body | {"replicas": replicas},
+            status=200 if ready else 503,
+            headers={} if ready else {"Retry-After": "1"},
         )
