@@ -40,6 +40,16 @@ def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -
         return json.loads(resp.read())
 
 
+def health(port: int, timeout: float = 10) -> dict:
+    """/health's body, ready (200) or not (503: what it waits for); {} if no answer."""
+    try:
+        return call(port, "/health", timeout=timeout)
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read()) if err.code == 503 else {}
+    except OSError:
+        return {}
+
+
 def start_stack(settings: Settings) -> Stack:
     """The three services, up and with an executor, or an error."""
     stack = Stack(settings).start_all()

@@ -29,7 +29,7 @@ from services.router.directory import Directory
 from shared import streams
 from shared.placement import Move, Placement
 from shared.redis_client import connect_async
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, health, stack_settings, start_stack
 from tests.test_migration import check_one_shot, ledgers_clean, play, restart
 from tests.test_replicas import home, turn
 
@@ -137,11 +137,8 @@ def restart_scheduler(stack: Stack, replica: str) -> None:
     port = stack.layout[f"scheduler-{replica}"][1].port
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        try:
-            if call(port, "/health", timeout=2).get("executor"):
-                return
-        except OSError:
-            pass
+        if health(port, timeout=2).get("executor"):
+            return
         time.sleep(0.3)
     raise AssertionError(f"scheduler-{replica} did not come back")
 

@@ -17,7 +17,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared import streams
 from shared.config import Settings
-from tests.services_harness import call, ledger_when_idle, stack_settings, start_stack
+from tests.services_harness import call, health, ledger_when_idle, stack_settings, start_stack
 
 SESSIONS, FIRST, SECOND, OUT = 240, 400, 8, 8  # histories of 408 tokens
 
@@ -116,7 +116,7 @@ def kill_during(stack, kind: str, action) -> None:
     port = stack.settings.port
     old = call(port, "/health")["executor"]
     stack.kill("executor")
-    while call(port, "/health")["executor"] in (old, None):  # restarted, and seen anew
+    while health(port).get("executor") in (old, None):  # restarted, and seen anew
         assert time.monotonic() < deadline + 60, "the executor did not come back"
         stack.supervise_once()
         time.sleep(0.1)

@@ -2,7 +2,7 @@
 load. Each is judged by its status only: a 4xx for invalid input, a 200 for valid but
 extreme input (a temperature of 1e-40, the largest 64-bit seed). Their outputs are sampled
 or irrelevant, so they stay out of the greedy replay; after each one the scheduler must
-still answer /health.
+still answer /liveness (alive; ready or not, during chaos).
 
 With API keys on, key B tries to abort key A's running request, by id and with abort_all:
 B may be refused (403, 404) or get a no-op 200, and A's request must end normally.
@@ -71,7 +71,7 @@ class Hostile:
                 kind, body, expected = rng.choice(CASES)
                 reply = call(self.port, "/generate", body, rng.choice(self.keys), timeout=60)
                 self.tally.judge(kind, reply, expected, hostile=True)
-            self.tally.judge("liveness", call(self.port, "/health", timeout=10), OK)
+            self.tally.judge("liveness", call(self.port, "/liveness", timeout=10), OK)
             time.sleep(0.2)
 
     def cross_key_abort(self, n: int) -> None:
