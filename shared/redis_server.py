@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 
 
-def _binary() -> str:
+def server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
@@ -49,7 +49,7 @@ def free_port() -> int:
 def _spawn(port: int, directory: Path, *extra: str) -> subprocess.Popen:
     """A redis-server on loopback `port`, its files in `directory`, once it answers PING
     (killed, with a RuntimeError, when it does not within 10 s)."""
-    args = [_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
+    args = [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
     args += ["--save", "", "--protected-mode", "yes", "--logfile", str(directory / "redis.log")]
     proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10

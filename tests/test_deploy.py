@@ -7,16 +7,20 @@ import importlib.util
 import json
 import re
 import socket
+import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.replica import one_replica, replica_settings
 from custody.up import Stack
 from shared.config import Settings
+from shared.redis_server import free_port, server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/dashboards/custody-pool-health.json"
@@ -48,7 +52,8 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
             assert (ROOT / service["build"] / "Dockerfile").exists()
             module = service["command"][-1]
             assert importlib.util.find_spec(module) is not None, module
-            assert service["environment"]["CUSTODY_REDIS_URL"].startswith("redis://redis:")
+            url = service["environment"]["CUSTODY_REDIS_URL"]
+            assert re.fullmatch(r"redis://\w+:\$\{\w+:\?[^}]+\}@redis:6379/0", url), url
             assert service["environment"]["CUSTODY_HOST"] == "0.0.0.0"
         if name in exposed:
             assert "ports" not in service, name
@@ -64,6 +69,8 @@ def test_compose_services_ports_volumes_and_provisioning_exist():
     assert services["router"]["ports"] == [f"{defaults.port}:{defaults.port}"]
     assert services["session-store"]["environment"]["CUSTODY_STORE_HOST"] == "0.0.0.0"
     assert "--appendonly" in services["redis"]["command"]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
     provider = yaml.safe_load(
         (ROOT / "deploy/grafana/provisioning/dashboards/custody.yml").read_text()
     )
@@ -193,3 +200,59 @@ def test_the_dashboard_uses_only_metrics_the_services_export(stack):
     assert all(
         p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal" for p in pool_panels
     )
+
+
+def substituted(text: str, env: dict[str, str]) -> str:
+    """Compose's `${NAME:?message}`, from `env` (a name it lacks is an error, as there)."""
+    return re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: env[m.group(1)], text)
+
+
+def test_compose_redis_takes_only_its_services_users_and_fsyncs_every_write(tmp_path: Path):
+    """The compose Redis command, run: the default user is off, each custody service
+    connects as its own ACL user with the URL compose gives it, and every write is
+    fsynced (an acknowledged record survives a Redis crash)."""
+    env = {
+        name: f"pw-{name.lower()}"
+        for name in (
+            "CUSTODY_REDIS_STORE_PASSWORD",
+            "CUSTODY_REDIS_REPLICA_PASSWORD",
+            "CUSTODY_REDIS_ROUTER_PASSWORD",
+        )
+    }
+    services = compose()["services"]
+    port = free_port()
+    command = [substituted(arg, env) for arg in services["redis"]["command"]]
+    args = [server_binary(), *command[1:], "--port", str(port), "--dir", str(tmp_path)]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    try:
+        anonymous = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                anonymous.ping()
+                raise AssertionError("the default user was let in")
+            except redis.AuthenticationError:
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "the compose Redis did not start"
+                time.sleep(0.1)
+        for name in ("session-store", "replica", "router"):
+            url = substituted(services[name]["environment"]["CUSTODY_REDIS_URL"], env)
+            client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
+            assert client.set(f"written-by-{name}", 1)
+        wrong = redis.Redis(port=port, username="router", password="not-it")
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_every_custody_service_has_a_readiness_check_and_waits_for_what_it_needs():
+    services = compose()["services"]
+    for name, port in (("session-store", 30001), ("replica", 30000), ("router", 30000)):
+        probe = " ".join(services[name]["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/health" in probe, name
+    assert services["replica"]["depends_on"]["session-store"] == {"condition": "service_healthy"}
+    assert services["router"]["depends_on"]["replica"] == {"condition": "service_healthy"}
