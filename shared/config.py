@@ -53,6 +53,8 @@ class Settings:
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager
     compile: bool = True
+    # SGLang's /generate stream: cumulative chunks (SGLang's default), or only what is new
+    incremental_streaming_output: bool = False
     stream_maxlen: int = 100_000
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead

@@ -5,10 +5,10 @@ key that opened a session may use it)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
 from aiohttp import web
 
 from services.scheduler.engine.validation import output_budget
@@ -130,11 +130,11 @@ class EventStream:
         self._order = asyncio.Lock()  # requests run at once (`run_all`) share one stream
 
     async def send(self, payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
+        data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
         async with self._order:
             if not self.response.prepared:
                 await self.response.prepare(self.request)
-            await self.response.write(f"data: {data}\n\n".encode())
+            await self.response.write(b"data: " + data + b"\n\n")
 
 
 EVENT_STREAM = web.RequestKey("event_stream", EventStream)

@@ -10,7 +10,10 @@ character shows as U+FFFD, as in vLLM; its `bytes` are that text's UTF-8.
 
 from __future__ import annotations
 
+import msgspec
+
 from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from shared.tokenizer import Tokenizer
 
 
@@ -47,6 +50,52 @@ def sglang(tokenizer: Tokenizer, req: Request, end: int | None = None) -> dict:
             [[lp, tok, text(tok)] for tok, lp in _top(req, i)] for i in range(end)
         ]
     return meta
+
+
+# A streamed logprob request's most entries: max_new_tokens x (top_logprobs_num + 1). An
+# SGLang stream's chunks are cumulative, so it sends about half the square of that.
+MAX_STREAMED_LOGPROBS = 4096
+
+
+def check_streamed(req_params: SamplingParams) -> None:
+    """Refuse a streamed logprob request over `MAX_STREAMED_LOGPROBS` (400)."""
+    entries = req_params.max_new_tokens * (req_params.top_logprobs + 1)
+    if req_params.logprobs and entries > MAX_STREAMED_LOGPROBS:
+        raise InvalidRequest(
+            f"a streamed request with logprobs may ask for at most {MAX_STREAMED_LOGPROBS} "
+            f"entries (max_new_tokens x (top_logprobs_num + 1)); this one asks for {entries}: "
+            "ask for fewer tokens or alternatives, or do not stream"
+        )
+
+
+class SglangStream:
+    """SGLang's logprob fields of one stream: each position serialized once, when it
+    first goes out, so a cumulative chunk costs a copy of bytes already made, not the
+    serializing of every entry so far again (300 tokens cost 33.5 MB of new JSON that
+    way, on the loop every client shares)."""
+
+    def __init__(self, tokenizer: Tokenizer, top: bool) -> None:
+        self.text, self.top = TokenTexts(tokenizer), top
+        self.tokens: list[bytes] = []
+        self.tops: list[bytes] = []
+
+    def fields(self, req: Request, start: int, end: int) -> dict[str, msgspec.Raw]:
+        """The fields for output positions [start, end), encoded (a chunk's JSON
+        splices them in as they are)."""
+        for i in range(len(self.tokens), end):
+            tok = req.output[i]
+            self.tokens.append(msgspec.json.encode([req.logprobs[i], tok, self.text(tok)]))
+            if self.top:
+                top = [[lp, t, self.text(t)] for t, lp in _top(req, i)]
+                self.tops.append(msgspec.json.encode(top))
+        out = {"output_token_logprobs": _array(self.tokens[start:end])}
+        if self.top:
+            out["output_top_logprobs"] = _array(self.tops[start:end])
+        return out
+
+
+def _array(encoded: list[bytes]) -> msgspec.Raw:
+    return msgspec.Raw(b"[" + b",".join(encoded) + b"]")
 
 
 def completion(

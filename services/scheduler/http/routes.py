@@ -31,6 +31,7 @@ from services.scheduler.http.common import (
     token_limit,
 )
 from services.scheduler.http.limits import open_session_within_limits
+from services.scheduler.http.logprobs import SglangStream, check_streamed
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.schemas import decode_body
@@ -165,7 +166,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         done = await run_generation(request, rid.server, tokens, params, sid, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
     sse = EventStream(request)
-    progress = streamer(door, sse, rid.shown, logprobs)
+    progress = streamer(door, sse, rid.shown, params)
     await run_generation(request, rid.server, tokens, params, sid, options, progress)
     await sse.send("[DONE]")
     return sse.response
@@ -190,7 +191,7 @@ async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
         return web.json_response(replies)
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(door, sse, claim.shown, logprobs, i))
+        replace(job, progress=streamer(door, sse, claim.shown, job.params, i))
         for i, (job, claim) in enumerate(zip(jobs, claims, strict=True))
     ]
     await run_all(request, jobs)
@@ -213,15 +214,31 @@ def engine_params(request: web.Request, body: Any, sid: str | None, tokens: int)
 
 
 def streamer(
-    door: FrontDoor, sse: EventStream, rid: str, logprobs: bool, index: int | None = None
+    door: FrontDoor,
+    sse: EventStream,
+    rid: str,
+    params: SamplingParams,
+    index: int | None = None,
 ) -> Progress:
-    """A request's stream: SGLang's chunks are cumulative; a batch item's carry `index`."""
+    """A request's stream: SGLang's chunks are cumulative (text, output ids, logprobs so
+    far), or with `--incremental-streaming-output` carry only what is new, as SGLang's
+    do with that flag; a batch item's carry `index`. Refuses (400) a logprob request
+    over the cap before anything streams."""
+    check_streamed(params)
     cursor, tag = StreamCursor(), {} if index is None else {"index": index}
+    incremental = door.settings.incremental_streaming_output
+    entries = SglangStream(door.tokenizer, params.top_logprobs > 0) if params.logprobs else None
 
     async def progress(r: Request) -> None:
         chunk = cursor.next(r)
-        if chunk is not None:
-            await sse.send(response_of(door, r, rid, logprobs, chunk.text) | tag)
+        if chunk is None:
+            return
+        start = chunk.start if incremental else 0
+        reply = response_of(door, r, rid, False, chunk.delta if incremental else chunk.text)
+        reply["output_ids"] = reply["output_ids"][start : chunk.end]
+        if entries is not None:
+            reply["meta_info"] |= entries.fields(r, start, chunk.end)
+        await sse.send(reply | tag)
 
     return progress
 
