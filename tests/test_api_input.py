@@ -290,3 +290,59 @@ def test_openai_nulls_mean_defaults_and_n_must_be_an_integer(stack):
     assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 3
     status, _, body = post(port, "/v1/completions", {"prompt": "hi", "n": True})
     assert status == 400 and b"n" in body
+
+
+def events(port: int, body: dict) -> list[dict]:
+    """The JSON events of a streamed /generate, up to [DONE]."""
+    status, kind, raw = post(port, "/generate", body | {"stream": True})
+    assert (status, kind.split(";")[0]) == (200, "text/event-stream"), raw[:300]
+    lines = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
+    assert lines[-1] == b"[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_any_nesting_depth_is_a_json_400_even_in_an_unknown_field(stack):
+    port = stack.settings.port
+    deep = b'{"input_ids": [1], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "too deeply" in refusal(port, "/generate", deep)
+    assert "too deeply" in refusal(port, "/v1/completions", b'{"a":' * 3000 + b"1" + b"}" * 3000)
+    assert call(port, "/generate", generate([1, 2]))["output_ids"]
+
+
+def test_session_ids_are_matched_whole_and_never_dot_or_dot_dot(stack):
+    port = stack.settings.port
+    for bad in ("abc\n", ".", "..", "a/b", ""):
+        refusal(port, "/open_session", {"session_id": bad})
+    sid = call(port, "/open_session", {"session_id": "..."})  # dots with others: an id
+    assert sid == "..." and call(port, "/close_session", {"session_id": sid}) is True
+
+
+def test_a_logprob_stream_is_cumulative_as_sglang_s_and_capped(stack):
+    """Each chunk carries every logprob so far, equal to the unstreamed reply's at the
+    end; a streamed request over the cap is a 400 naming it, before anything streams."""
+    port = stack.settings.port
+    body = generate([5, 6, 7], max_new_tokens=6, ignore_eos=True) | {
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    chunks = events(port, body)
+    whole = call(port, "/generate", body)
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert len(meta["output_token_logprobs"]) == len(chunk["output_ids"])
+        assert len(meta["output_top_logprobs"]) == len(chunk["output_ids"])
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    last, full = chunks[-1]["meta_info"], whole["meta_info"]
+    assert last["output_token_logprobs"] == full["output_token_logprobs"]
+    assert last["output_top_logprobs"] == full["output_top_logprobs"]
+    over = body | {"sampling_params": {"max_new_tokens": 400}, "top_logprobs_num": 10}
+    message = refusal(port, "/generate", over | {"stream": True})
+    assert "4096" in message and "4400" in message
+    assert call(port, "/generate", generate([1, 2]))["output_ids"]
+
+
+def test_health_is_readiness_liveness_is_separate_and_health_generate_generates(stack):
+    port = stack.settings.port
+    assert call(port, "/health")["status"] == "ok"
+    assert call(port, "/liveness") == {"status": "alive"}
+    assert call(port, "/health_generate")["status"] == "ok"

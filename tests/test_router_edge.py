@@ -1,0 +1,189 @@
+"""The router's edge bounds what one request costs it, as the scheduler's does: it checks
+a request before any bookkeeping (a 300,000-element `rid` list made it write Redis once
+per element, 35 s of blocked loop), reads at most the scheduler's 8 MiB, refuses any
+nesting depth and any bad session id as JSON 4xx, times out slow clients, aborts the
+upstream request of a client that hangs up, shows replica addresses to operators only,
+and passes SGLang's incremental stream through. One stack of two replicas, with API keys
+and `--incremental-streaming-output`, for the module."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from custody.up import Stack
+from shared import streams
+from shared.http_limits import MAX_BODY
+from tests.services_harness import stack_settings, start_stack
+from tests.test_limits import closed_after
+
+USER, OPERATOR = "edge-user", "edge-operator"
+READ_TIMEOUT = 1.0
+
+
+@pytest.fixture(scope="module")
+def edge(redis_url: str) -> Iterator[Stack]:
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = stack_settings(
+        redis_url,
+        replicas=2,
+        api_keys=USER,
+        admin_api_keys=OPERATOR,
+        read_timeout_seconds=READ_TIMEOUT,
+        incremental_streaming_output=True,
+    )
+    running = start_stack(settings)
+    yield running
+    running.stop()
+
+
+def send(
+    port: int, method: str, path: str, body: bytes | dict | None = None, key: str = USER
+) -> tuple[int, dict[str, str], bytes]:
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        conn.request(method, path, data, headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def refused(port: int, path: str, body: bytes | dict, status: int = 400) -> dict:
+    code, headers, raw = send(port, "POST", path, body)
+    assert (code, headers["Content-Type"].split(";")[0]) == (status, "application/json"), raw
+    return json.loads(raw)["error"]
+
+
+def answer(port: int, path: str, body: dict) -> dict:
+    code, _, raw = send(port, "POST", path, body)
+    assert code == 200, raw
+    return json.loads(raw)
+
+
+def turn(ids: list[int], n: int = 3, **extra: object) -> dict:
+    sampling = {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}
+    return {"input_ids": ids, "sampling_params": sampling} | extra
+
+
+def test_a_huge_rid_list_is_refused_without_a_redis_write_per_element(edge: Stack):
+    port, client = edge.settings.port, redis.Redis.from_url(edge.settings.redis_url)
+    rids = [f"r{i}" for i in range(300_000)]
+    error = refused(port, "/generate", {"input_ids": [[1, 2]] * 2, "rid": rids})
+    assert error["type"] == "invalid_request_error"
+    assert not list(client.scan_iter(match=streams.request_key("*")))
+    assert answer(port, "/generate", turn([1, 2]))["output_ids"]
+
+
+def test_a_body_over_8_mib_is_a_json_413_and_any_depth_a_json_400(edge: Stack):
+    port = edge.settings.port
+    big = b'{"input_ids": [1], "pad": "' + b"x" * MAX_BODY + b'"}'
+    assert refused(port, "/generate", big, 413)["type"] == "request_too_large"
+    deep = b'{"input_ids": [1], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "too deeply" in refused(port, "/generate", deep)["message"]
+
+
+def test_a_bad_session_id_is_refused_before_it_names_a_placement(edge: Stack):
+    port, client = edge.settings.port, redis.Redis.from_url(edge.settings.redis_url)
+    for bad in ("abc\n", ".", ".."):
+        assert refused(port, "/open_session", {"session_id": bad})["type"] == "session_invalid"
+        assert not client.exists(streams.placement_key(bad))
+
+
+def test_health_shows_replica_addresses_to_an_operator_only(edge: Stack):
+    port = edge.settings.port
+    code, _, raw = send(port, "GET", "/health", key="")
+    public = json.loads(raw)
+    assert code == 200 and public["ready"] == 2
+    assert all("url" not in r for r in public["replicas"].values()), public
+    code, _, raw = send(port, "GET", "/health", key=OPERATOR)
+    assert all(r["url"].startswith("http://") for r in json.loads(raw)["replicas"].values())
+    assert send(port, "GET", "/liveness", key="")[0] == 200
+    assert send(port, "GET", "/health_generate", key="")[0] == 200
+
+
+def test_a_slow_client_is_cut_off_at_the_router(edge: Stack):
+    port = edge.settings.port
+    head = f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {USER}\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        took = closed_after(s, head * 8, 0.3)
+    assert took >= READ_TIMEOUT, took
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head + b"Content-Type: application/json\r\nContent-Length: 400\r\n\r\n")
+        closed_after(s, b" " * 400, 0.3)
+
+
+def running(edge: Stack) -> int:
+    """Requests running or queued on every replica, from their /metrics."""
+    total = 0
+    for name, (_, settings) in edge.layout.items():
+        if name.startswith("scheduler-"):
+            raw = send(settings.port, "GET", "/metrics")[2]
+            for line in raw.decode().splitlines():
+                if line.startswith(("custody_requests_running", "custody_requests_queued")):
+                    total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_a_client_that_hangs_up_aborts_its_request_upstream(edge: Stack):
+    """Not streamed: the router's handler is cancelled with the client's connection, and
+    its upstream request with it; the replica aborts the generation (it ran to its
+    limit before)."""
+    port = edge.settings.port
+    body = json.dumps(turn([3, 4, 5], n=900)).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {USER}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 30
+    while running(edge) == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    s.close()
+    deadline = time.monotonic() + 30
+    while running(edge):
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.1)
+
+
+def test_an_incremental_stream_carries_only_what_is_new(edge: Stack):
+    """`--incremental-streaming-output`: each chunk's output ids and logprobs are the
+    new ones; joined, they are the unstreamed reply's."""
+    port = edge.settings.port
+    body = turn([9, 8, 7], n=6, return_logprob=True)
+    whole = answer(port, "/generate", body)
+    code, _, raw = send(port, "POST", "/generate", body | {"stream": True})
+    assert code == 200
+    chunks = [json.loads(x.removeprefix(b"data: ")) for x in raw.split(b"\n\n") if x][:-1]
+    assert len(chunks) > 1
+    ids = [t for c in chunks for t in c["output_ids"]]
+    logprobs = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
+    assert ids == whole["output_ids"]
+    assert logprobs == whole["meta_info"]["output_token_logprobs"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
+def test_other_clients_are_served_while_a_huge_body_is_refused(edge: Stack):
+    """The refusals above cost the router bounded work: a client's turn sent while an
+    over-sized body streams in is answered."""
+    port = edge.settings.port
+    served: dict = {}
+    big = b'{"input_ids": [1], "pad": "' + b"x" * (MAX_BODY + 1) + b'"}'
+    sending = threading.Thread(
+        target=lambda: served.update(big=send(port, "POST", "/generate", big))
+    )
+    sending.start()
+    assert answer(port, "/generate", turn([1, 2, 3]))["output_ids"]
+    sending.join(60)
+    assert served["big"][0] == 413
