@@ -140,7 +140,23 @@ def test_session_expiry_looks_only_at_due_deadlines():
     now[0] = 250.0  # s2..s150 are due, and s1 at its new deadline (101.5 + 101)
     gone = sessions.expire()
     assert "s1" in gone and len(gone) == 150
-    assert sessions.deadlines.visits == 2 + 150 + 1  # s1's turn pushed two (start and end)
+    assert sessions.deadlines.visits == 2 + 150  # one entry per session, however used
+    close_all(d)
+
+
+def test_the_expiry_heap_holds_one_entry_per_session_however_many_turns():
+    """A chatty session costs one entry (one per turn grew the heap without bound until
+    the timeout); closed sessions' entries go with a rebuild."""
+    d = Driver()
+    sessions = d.engine.sessions
+    sids = [sessions.open(timeout=3600).sid for _ in range(3)]
+    for k in range(40):
+        d.run_turn(sids[k % 3], text(2, k), max_new=1)
+    assert len(sessions.deadlines) == 3
+    many = [sessions.open(timeout=3600).sid for _ in range(200)]
+    for sid in many:
+        sessions.close(sid)
+    assert len(sessions.deadlines) <= 2 * len(sessions.sessions) + 64
     close_all(d)
 
 

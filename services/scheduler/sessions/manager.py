@@ -180,12 +180,10 @@ class SessionManager(DurableRecords, Reencoding):
     def expire(self) -> list[str]:
         """Close idle sessions past their timeout (expiry.py); returns their ids."""
         gone = []
-        for sid, deadline in self.deadlines.due(self.clock()):
+        for sid, _ in self.deadlines.due(self.clock()):
             session = self.sessions.get(sid)
             if session is None or session.turn is not None or session.closing:
-                continue
-            if session.last_used + session.timeout != deadline:
-                continue  # used since: a later entry holds its deadline
+                continue  # its turn's end (or its close) sets or drops its deadline
             if session.moving:  # in use by its move, which decides where it ends
                 self._touch(session, self.clock())
                 continue
@@ -341,7 +339,7 @@ class SessionManager(DurableRecords, Reencoding):
         """`session` was used at `now`: its expiry deadline moves."""
         session.last_used = now
         if session.timeout is not None:
-            self.deadlines.push(session.sid, now + session.timeout)
+            self.deadlines.set(session.sid, now + session.timeout)
 
     def _end_turn(self, req: Request) -> None:
         session = req.session
@@ -372,6 +370,7 @@ class SessionManager(DurableRecords, Reencoding):
         self._drop_state(session)
         session.closed = True
         self.dirty.add(session.sid)
+        self.deadlines.drop(session.sid)
         del self.sessions[session.sid]
         self._closed[session.sid] = None
         if len(self._closed) > REMEMBER_CLOSED:
