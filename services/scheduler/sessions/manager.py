@@ -175,7 +175,12 @@ class SessionManager(DurableRecords, Reencoding):
             raise SessionError(f"session {sid} has a turn in flight", "busy")
         session.closing = True
         self._close_now(session, departing=True)
-        del self._closed[sid]
+        self.forget_closed(sid)
+
+    def forget_closed(self, sid: str) -> None:
+        """`sid` closed here is no longer remembered as closed (a later session of that
+        id is arriving: one closed here must not block it)."""
+        self._closed.pop(sid, None)
 
     def expire(self) -> list[str]:
         """Close idle sessions past their timeout (expiry.py); returns their ids."""

@@ -59,6 +59,7 @@ def arrive(sessions: SessionManager, record: SessionRecord, source: str, epoch: 
         return here
     if here is not None:
         sessions.depart(record.sid)
+    sessions.forget_closed(record.sid)  # the directory placed it here anew: it may come
     session = sessions.open(record.sid, record.timeout, record.tenant)
     session.epoch, session.routed = epoch, True
     session.history = record.tokens().astype(np.int64)
