@@ -63,6 +63,9 @@ class Settings:
     store_host: str = "127.0.0.1"  # the session store's HTTP: loopback unless asked
     max_sessions: int = 0  # open sessions at once; 0: one per Mamba slot but the reserved one
     max_sessions_per_key: int = 0  # 0: only the global limit applies
+    # a session no client touches (no turn, no open) for this long closes; one the client
+    # opened with its own `timeout` keeps that. 0: never (orphans then stay for good)
+    session_idle_timeout: float = 3600.0
     max_queued_requests: int = 1024  # waiting requests; beyond it a 503 (0: no limit)
     read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
     keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
@@ -94,6 +97,8 @@ class Settings:
         for name in ("max_sessions", "max_sessions_per_key", "max_queued_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.session_idle_timeout < 0:
+            raise ValueError("session_idle_timeout must be >= 0 (0: never)")
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:
             raise ValueError("host_state_bytes and disk_state_bytes must be >= 0")
         check_dtype(self.dtype)

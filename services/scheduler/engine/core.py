@@ -55,7 +55,9 @@ class EngineCore:
         self.config = config
         self.decode = decode  # the tokenizer's, for each request's output text
         self.cache = RadixCache(pools)
-        self.sessions = SessionManager(pools, self.cache, limit=config.max_sessions)
+        self.sessions = SessionManager(
+            pools, self.cache, limit=config.max_sessions, idle_timeout=config.idle_timeout
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -36,5 +36,6 @@ def build_engine(
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,
         max_sessions=settings.session_limit(tiers),
+        idle_timeout=settings.session_idle_timeout or None,
     )
     return EngineCore(pools, config, strict=strict, decode=tokenizer.decode)

@@ -53,6 +53,10 @@ ROUTES = {
         "Move a session's state to a tier (operator)", "place_session", replies.Placed
     ),
     ("POST", "/abort_request"): Doc("Abort a request, or all", "abort_request", BOOLEAN),
+    ("GET", "/admin/idle_sessions"): Doc(
+        "The longest idle sessions, with their idle seconds and timeouts (operator)",
+        reply={"type": "object"},
+    ),
     ("POST", "/admin/migrate_out"): Doc(
         "Stop a session's turns and place its state on disk, to move it (router)",
         "migrate",

@@ -110,6 +110,22 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+IDLE_LISTED = 100  # the most sessions /admin/idle_sessions lists
+
+
+async def idle_sessions(request: web.Request) -> web.Response:
+    """The longest idle sessions (operator): what holds the server's session slots
+    though no client may come back for it."""
+    door = request.app[FRONT_DOOR]
+    return web.json_response(
+        {
+            "open": door.sessions_open,
+            "idle_timeout": door.settings.session_idle_timeout or None,
+            "sessions": door.idle_sessions(IDLE_LISTED),
+        }
+    )
+
+
 async def open_session(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].open_session)
     session = open_session_within_limits(request, body.session_id, body.timeout)
@@ -256,4 +272,5 @@ ROUTES = (
     ("GET", "/flush_cache", flush_cache),
     ("POST", "/flush_cache", flush_cache),
     ("POST", "/generate", generate),
+    ("GET", "/admin/idle_sessions", idle_sessions),
 )

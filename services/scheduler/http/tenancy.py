@@ -25,6 +25,7 @@ from aiohttp import web
 
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
+from shared.http_limits import MAX_RID
 
 # what probes and Prometheus call, without a key
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
@@ -36,9 +37,9 @@ OPERATOR_PATHS = frozenset(
         "/admin/migrate_in",
         "/admin/migrate_done",
         "/admin/migrate_cancel",
+        "/admin/idle_sessions",
     }
 )
-MAX_RID = 256
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ class FrontDoor:
         return waits if self._engine.sessions.may_serve() else [*waits, "lease"]
 
     @property
+    def sessions_open(self) -> int:
+        return len(self._engine.sessions.sessions)
+
+    @property
     def queued(self) -> int:
         """Requests waiting to be admitted."""
         return len(self._engine.waiting)
@@ -89,6 +93,13 @@ class FrontDoor:
 
     def sessions_of(self, tenant: str) -> int:
         return sum(1 for s in self._engine.sessions.sessions.values() if s.tenant == tenant)
+
+    def idle_sessions(self, limit: int) -> list[dict]:
+        """The `limit` longest idle sessions (no turn running): id, idle seconds, timeout."""
+        return [
+            {"session_id": s.sid, "idle_seconds": round(idle, 3), "timeout": s.timeout}
+            for s, idle in self._engine.sessions.idle_sessions()[:limit]
+        ]
 
     async def metrics(self) -> bytes:
         return await self._metrics.render(self._redis)

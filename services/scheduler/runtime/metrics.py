@@ -58,6 +58,11 @@ class LiveState(Collector):
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
         yield _counter(
+            "custody_sessions_expired",
+            "sessions closed by their idle timeout (--session-idle-timeout, or their own)",
+            engine.sessions.expired,
+        )
+        yield _counter(
             "custody_session_records_conflicting",
             "session records taken back from history only: another record claimed their slots",
             engine.sessions.conflicting_records,

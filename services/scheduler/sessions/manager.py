@@ -46,6 +46,9 @@ log = logging.getLogger("custody.sessions")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 
 
+IDLE_SECONDS = 60.0  # a session unused this long counts as idle in a refusal's message
+
+
 class SessionManager(DurableRecords, Reencoding):
     def __init__(
         self,
@@ -53,11 +56,16 @@ class SessionManager(DurableRecords, Reencoding):
         cache: RadixCache,
         clock: Callable[[], float] = time.monotonic,
         limit: int | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
         self.pools = pools
         self.cache = cache
         self.clock = clock
         self.limit = limit  # sessions open at once; None: no limit
+        # the timeout of a session whose client gave none (None: it never times out): no
+        # client may be trusted to close what it opened (agents crash, closes get lost)
+        self.idle_timeout = idle_timeout
+        self.expired = 0  # sessions closed by their idle timeout
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
@@ -89,11 +97,15 @@ class SessionManager(DurableRecords, Reencoding):
         """A new session of `tenant` (a key's hash). Refused ("limit") when `limit` are
         open, unless not `limited`: a rebuild takes back sessions that already exist."""
         if limited and self.limit is not None and len(self.sessions) >= self.limit:
+            idle = self.idle_sessions(IDLE_SECONDS)
+            oldest = f", the longest for {idle[0][1]:.0f} s" if idle else ""
             raise SessionError(
-                f"{len(self.sessions)} sessions are open, as many as this server holds; "
-                "close one or retry later",
+                f"{len(self.sessions)} sessions are open, as many as this server holds, "
+                f"{len(idle)} of them idle for over {IDLE_SECONDS:.0f} s{oldest} (each closes "
+                "after its idle timeout); close one or retry later",
                 "limit",
             )
+        timeout = self.idle_timeout if timeout is None else timeout
         sid = secrets.token_hex(16) if sid is None else sid
         if not valid_session_id(sid):
             raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
@@ -177,6 +189,18 @@ class SessionManager(DurableRecords, Reencoding):
         self._close_now(session, departing=True)
         self.forget_closed(sid)
 
+    def idle_sessions(self, at_least: float = 0.0) -> list[tuple[Session, float]]:
+        """(session, seconds since its last use) of the sessions with no turn running,
+        unused for `at_least` seconds, the longest idle first: what an operator looks at
+        before the limit refuses opens (O(n log n): an operator route, a refusal)."""
+        now = self.clock()
+        idle = [
+            (s, now - s.last_used)
+            for s in self.sessions.values()
+            if s.turn is None and now - s.last_used >= at_least
+        ]
+        return sorted(idle, key=lambda pair: -pair[1])
+
     def forget_closed(self, sid: str) -> None:
         """`sid` closed here is no longer remembered as closed (a later session of that
         id is arriving: one closed here must not block it)."""
@@ -194,6 +218,7 @@ class SessionManager(DurableRecords, Reencoding):
                 continue
             session.closing = True
             self._close_now(session)
+            self.expired += 1
             gone.append(sid)
         return gone
 
