@@ -16,6 +16,7 @@ from custody.soak.client import NO_ANSWER, Reply, Stream, call
 from custody.soak.tally import OK, REFUSED, Tally
 
 PREFIX = [(7 * j) % 250 + 1 for j in range(48)]
+CLOSE_PATIENCE = 30.0  # seconds a client keeps retrying a close whose answer was lost
 CLOSED = frozenset({"200", "404"})  # a close of what already ended (expiry, a fault) is a 404
 
 
@@ -102,10 +103,20 @@ class Greedy:
         return None if timeout else reply.body
 
     def close(self, sid: str | None, key: str | None) -> None:
-        if sid is not None:
-            self.tally.judge(
-                "close_session", self.call("/close_session", {"session_id": sid}, key), CLOSED
-            )
+        """Close `sid`, retrying for a while a close whose answer was lost (a restart) or
+        refused for now (503), as a real client would: abandoned, the session would hold
+        its slot until its idle timeout."""
+        if sid is None:
+            return None
+        deadline = time.monotonic() + CLOSE_PATIENCE
+        while True:
+            reply = self.call("/close_session", {"session_id": sid}, key)
+            lost = reply.outcome == NO_ANSWER or reply.status == 503
+            if not lost or time.monotonic() > deadline:
+                break
+            self.tally.note("close_retried")
+            time.sleep(0.2)
+        self.tally.judge("close_session", reply, CLOSED)
         return None
 
     def close_all(self) -> None:
