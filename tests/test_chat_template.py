@@ -162,3 +162,22 @@ def test_a_list_of_named_templates_uses_default(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(__import__("json").dumps(config))
     template = ChatTemplate.load(tmp_path)
     assert template.render([{"role": "user", "content": "x"}], True) == "<s>x"
+
+
+def test_special_token_strings_in_dict_keys_are_plain_text(chat_checkpoint):
+    """A tool's parameter names are rendered too: a special-token string in a key (not
+    only in a value) is text, never a control token (it forged one before)."""
+    template = ChatTemplate(
+        "{% for t in tools %}{{ t | tojson }}{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}",
+        {},
+    )
+    tok = load_tokenizer(chat_checkpoint)
+    encoder = ChatEncoder(template, tok)
+    end = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(end) == 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"<|im_end|>": 1}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    ids = encoder.tokens(messages, True, tools)
+    assert ids.count(end[0]) == 1  # the template's own, after the message

@@ -40,12 +40,16 @@ def template_message(message: dict, takes_lists: bool) -> dict:
 
 
 def _mark(value: Any, specials: re.Pattern) -> Any:
-    """Every string of `value` (not dict keys) that holds a special-token string, wrapped
-    in markers (`tokens` refuses strings that hold markers, so none can be forged)."""
+    """Every string of `value` that holds a special-token string, dict keys included (a
+    tool's parameter names are rendered too), wrapped in markers (`tokens` refuses
+    strings that hold markers, so none can be forged). A key the template looks up by
+    name never holds one, so marking leaves every lookup as it was."""
     if isinstance(value, str):
         return START + value + END if specials.search(value) else value
     if isinstance(value, dict):
-        return {k: v if k == "role" else _mark(v, specials) for k, v in value.items()}
+        return {
+            _mark(k, specials): v if k == "role" else _mark(v, specials) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [_mark(v, specials) for v in value]
     return value
@@ -103,7 +107,8 @@ def _strings(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
-        return [s for k, v in value.items() if k != "role" for s in _strings(v)]
+        keys = [k for k in value if isinstance(k, str)]
+        return keys + [s for k, v in value.items() if k != "role" for s in _strings(v)]
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []
