@@ -97,6 +97,12 @@ class Settings:
         for name in ("max_sessions", "max_sessions_per_key", "max_queued_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.api_keys.strip() and not self.admin_api_keys.strip():
+            raise ValueError(
+                "api_keys without admin_api_keys: the session store's routes and every "
+                "migration (drains, re-homing) need an operator key, and without one they "
+                "would be refused (or the store left open); set --admin-api-keys too"
+            )
         if self.session_idle_timeout < 0:
             raise ValueError("session_idle_timeout must be >= 0 (0: never)")
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:

@@ -349,7 +349,7 @@ def test_metrics_match_the_ledger(stack):
 
 @pytest.fixture
 def keyed_stack(redis_url, redis_client):
-    running = start_stack(stack_settings(redis_url, api_keys="alpha,beta"))
+    running = start_stack(stack_settings(redis_url, api_keys="alpha,beta", admin_api_keys="op"))
     yield running
     running.stop()
 

@@ -28,6 +28,7 @@ def limited(redis_url: str) -> Iterator[Stack]:
         stack_settings(
             redis_url,
             api_keys="alpha,beta,gamma",
+            admin_api_keys="op",
             max_sessions=3,
             max_sessions_per_key=2,
             max_running_requests=1,

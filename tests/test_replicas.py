@@ -140,7 +140,12 @@ def keyed_open(port: int, key: str) -> int:
 def test_a_key_s_session_limit_and_the_global_one_count_every_replica(redis_url, redis_client):
     """Each replica alone sees fewer than either limit; the router sees them all."""
     settings = stack_settings(
-        redis_url, replicas=2, api_keys="k1,k2", max_sessions_per_key=3, max_sessions=5
+        redis_url,
+        replicas=2,
+        api_keys="k1,k2",
+        admin_api_keys="op",
+        max_sessions_per_key=3,
+        max_sessions=5,
     )
     stack = start_stack(settings)
     try:

@@ -222,3 +222,17 @@ def test_a_redis_password_is_masked_where_printed():
         _, err = up.communicate(timeout=30)
     assert "redis: redis://user:***@127.0.0.1:" in line, line
     assert "s3cret" not in line + err
+
+
+@pytest.mark.parametrize("module", ["services.scheduler.main", "services.router.main"])
+def test_api_keys_without_operator_keys_are_refused_at_start(module: str):
+    """Without an operator key every migration would be refused (401) and the store's
+    histories left open: a service refuses to start, naming the fix."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--api-keys", "alpha"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "--admin-api-keys" in done.stderr, done.stderr[-2000:]
