@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -91,6 +92,8 @@ class Stack:
         if settings.state_dir is None:
             self.state_dir = Path(tempfile.mkdtemp(prefix="custody-state-"))  # mode 0700
             settings = dataclasses.replace(settings, state_dir=self.state_dir)
+        if not settings.cluster_secret:  # its children sign and check registrations
+            settings = dataclasses.replace(settings, cluster_secret=secrets.token_hex(32))
         self.settings = settings
         self.layout = plan(settings)
         self.children: dict[str, subprocess.Popen] = {}

@@ -59,6 +59,9 @@ class Settings:
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
     api_keys: str = ""  # comma-separated; empty: no authentication
+    # signs replica registrations (shared/registration_auth.py); the router sends keys only
+    # to replicas whose registration it verified, and with api_keys it requires one
+    cluster_secret: str = ""
     admin_api_keys: str = ""  # comma-separated operator keys (flush, store routes, abort_all)
     store_host: str = "127.0.0.1"  # the session store's HTTP: loopback unless asked
     max_sessions: int = 0  # open sessions at once; 0: one per Mamba slot but the reserved one

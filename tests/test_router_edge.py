@@ -187,3 +187,37 @@ def test_other_clients_are_served_while_a_huge_body_is_refused(edge: Stack):
     assert answer(port, "/generate", turn([1, 2, 3]))["output_ids"]
     sending.join(60)
     assert served["big"][0] == 413
+
+
+def test_a_registration_not_signed_with_the_cluster_secret_gets_nothing(edge: Stack):
+    """Anything that can write Redis could register its own address, the least loaded,
+    and collect every key the router forwards; unsigned, it is never chosen."""
+    client = redis.Redis.from_url(edge.settings.redis_url)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    entry = {
+        "url": f"http://127.0.0.1:{listener.getsockname()[1]}",
+        "executor": True,
+        "running": 0,
+        "queued": 0,
+        "sessions": 0,
+        "tenants": {},
+        "at": time.time(),
+        "epoch": "forged",
+        "sig": "0" * 64,
+    }
+    try:
+        client.sadd(streams.REPLICAS, "evil")
+        client.set(streams.Keys("evil").alive, json.dumps(entry), ex=30)
+        time.sleep(1.5)  # the router reads registrations every 0.5 s
+        for _ in range(6):
+            assert answer(edge.settings.port, "/generate", turn([1, 2]))["output_ids"]
+            answer(edge.settings.port, "/open_session", {})
+        with pytest.raises(TimeoutError):
+            listener.accept()  # no request (and no key) was sent there
+        code, _, raw = send(edge.settings.port, "GET", "/metrics")
+        assert b"custody_router_unverified_registrations_total" in raw
+    finally:
+        client.delete(streams.Keys("evil").alive)
+        client.srem(streams.REPLICAS, "evil")
+        listener.close()

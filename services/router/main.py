@@ -31,8 +31,16 @@ log = logging.getLogger("custody.router")
 
 
 async def serve(settings: Settings) -> None:
+    if settings.api_keys.strip() and not settings.cluster_secret:
+        raise SystemExit(
+            "--api-keys without --cluster-secret: the router would send API keys to "
+            "whatever address a Redis registration names; set --cluster-secret (the same "
+            "on every replica) too"
+        )
     client = await connect_async(settings.redis_url)
-    table = ReplicaTable(client, period=min(0.5, settings.heartbeat_seconds))
+    table = ReplicaTable(
+        client, period=min(0.5, settings.heartbeat_seconds), secret=settings.cluster_secret
+    )
     await table.refresh()
     metrics, index = RouterMetrics(table), PrefixIndex()
     metrics.watch(index)

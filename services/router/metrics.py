@@ -71,7 +71,7 @@ class _Replicas:
     def __init__(self, table: ReplicaTable) -> None:
         self.table = table
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         load = GaugeMetricFamily(
             "custody_router_replica_load",
             "running + queued requests a replica registered, plus this router's in flight",
@@ -87,6 +87,11 @@ class _Replicas:
             ready.add_metric([replica.id], float(replica.executor))
         yield load
         yield ready
+        yield CounterMetricFamily(
+            "custody_router_unverified_registrations",
+            "registrations read and refused: not signed with the cluster secret",
+            value=self.table.unverified,
+        )
 
 
 class _Index:

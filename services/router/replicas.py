@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from shared import streams
+from shared.registration_auth import verified
 from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
@@ -64,8 +65,11 @@ REGISTERED = (  # what a registration read sets; the rest is this router's own c
 
 
 class ReplicaTable:
-    def __init__(self, client: aioredis.Redis, period: float) -> None:
-        self.client, self.period = client, period
+    def __init__(self, client: aioredis.Redis, period: float, secret: str = "") -> None:
+        """`secret`: the cluster secret registrations must be signed with (none: any)."""
+        self.client, self.period, self.secret = client, period, secret
+        self.unverified = 0  # registrations read and refused: not signed with the secret
+        self._refused: set[str] = set()
         self.live: dict[str, Replica] = {}
         self.known: list[str] = []  # every replica id ever registered
         self._all: dict[str, Replica] = {}  # every replica seen, live or not
@@ -83,6 +87,16 @@ class ReplicaTable:
                 continue
             try:
                 entry = json.loads(raw)
+                if not verified(self.secret, rid, entry):
+                    self.unverified += 1
+                    if rid not in self._refused:  # logged once per replica id
+                        self._refused.add(rid)
+                        log.error(
+                            "replica %s: registration not signed with the cluster secret; "
+                            "skipped (no request, and no key, is sent to it)",
+                            rid,
+                        )
+                    continue
                 fresh = Replica(
                     rid,
                     str(entry["url"]),

@@ -24,6 +24,7 @@ from services.scheduler.runtime.replica_lease import ReplicaLease
 from shared import streams
 from shared.config import Settings
 from shared.placement import UNPLACE, Placement
+from shared.registration_auth import signature
 from shared.retry import Retry
 
 log = logging.getLogger("custody.scheduler")
@@ -49,6 +50,7 @@ class Registration:
     ) -> None:
         self.keys, self.engine, self.link, self.intake = keys, engine, link, intake
         self.url = advertised_url(settings)
+        self.secret = settings.cluster_secret
         self.period = settings.heartbeat_seconds
         self.ttl_ms = int(3 * settings.heartbeat_seconds * 1000)
         self.lease = ReplicaLease(settings.replica_dead_seconds, settings.heartbeat_seconds)
@@ -67,6 +69,10 @@ class Registration:
                     s.tenant for s in engine.sessions.sessions.values() if s.tenant is not None
                 ),
                 "at": time.time(),
+                "epoch": self.link.scheduler_epoch,
+                "sig": signature(
+                    self.secret, self.keys.replica, self.url, self.link.scheduler_epoch
+                ),
             }
         )
 
