@@ -66,6 +66,31 @@ def test_requests_and_opens_in_flight_across_a_read_end_where_they_count(
     asyncio.run(scenario())
 
 
+def test_an_answered_open_counts_until_it_settles_whatever_the_replica_s_clock(
+    redis_url: str, redis_client: redis.Redis
+):
+    """The per-key limits count this router's recent opens beside the registrations
+    read; a replica whose wall clock runs an hour ahead made the router drop them at the
+    next read (it compared the two machines' clocks), so a key passed its limit."""
+
+    async def scenario() -> None:
+        table = ReplicaTable(await connect_async(redis_url), period=0.1, settle=0.5)
+        register(redis_client, "0")
+        await table.refresh()
+        table.live["0"].placed.append((time.monotonic(), "tenant-a"))
+        entry = json.loads(redis_client.get(streams.Keys("0").alive))
+        entry["at"] = time.time() + 3600  # the replica's clock, an hour ahead
+        redis_client.set(streams.Keys("0").alive, json.dumps(entry))
+        await table.refresh()
+        assert table.live["0"].sessions_of("tenant-a") == 1
+        await asyncio.sleep(0.6)
+        await table.refresh()  # the registrations read now have it (none here: 0)
+        assert table.live["0"].sessions_of("tenant-a") == 0
+        await table.client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_an_open_while_redis_is_away_is_a_503_and_leaves_nothing_behind():
     """Redis stopped while an open runs: the placement cannot be written, the replica
     opens the session once Redis is back, and the router answers 503 (the directory is

@@ -197,16 +197,15 @@ class Router:
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             return refused
-        opening = (math.inf, tenant)  # counted while it runs, then (below) until ...
-        replica.placed.append(opening)
-        sent = time.time()
+        opening = (math.inf, tenant)  # counted while it runs, then (below) until every
+        replica.placed.append(opening)  # registration read has it (replicas.py `settle`)
         try:
             response = await self._open(request, body, sid, replica, received)
         finally:
             replica.placed.remove(opening)
-        if response.status == 200:  # ... a registration written after it was sent: the
-            replica.placed.append((sent, tenant))  # replica opened it after that, or not
-        return response  # yet (uncounted then for a heartbeat; never counted twice)
+        if response.status == 200:
+            replica.placed.append((time.monotonic(), tenant))
+        return response
 
     async def _open(
         self, request: web.Request, body: bytes, sid: str, replica: Replica, received: float

@@ -39,7 +39,10 @@ async def serve(settings: Settings) -> None:
         )
     client = await connect_async(settings.redis_url)
     table = ReplicaTable(
-        client, period=min(0.5, settings.heartbeat_seconds), secret=settings.cluster_secret
+        client,
+        period=min(0.5, settings.heartbeat_seconds),
+        secret=settings.cluster_secret,
+        settle=3 * settings.heartbeat_seconds + 0.5,
     )
     await table.refresh()
     metrics, index = RouterMetrics(table), PrefixIndex()

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -30,11 +31,11 @@ class Replica:
     running: int
     queued: int
     registered_sessions: int  # open on it when it wrote its registration
-    written: float  # wall time the replica wrote its registration
     draining: bool = False  # an operator drains it: nothing new is placed on it
     in_flight: int = 0  # requests this router sent it that have not ended
     tenants: dict[str, int] = field(default_factory=dict)  # open sessions by key, registered
-    # this router's opens (time, tenant): time inf while one runs, then when it was sent
+    # this router's opens (when answered, on this router's monotonic clock, tenant): inf
+    # while one runs, then counted until a registration written since must have been read
     placed: list[tuple[float, str | None]] = field(default_factory=list)
 
     @property
@@ -43,8 +44,8 @@ class Replica:
 
     @property
     def sessions(self) -> int:
-        """Open on it: as registered, plus those this router placed after the
-        registration was written (not in its count yet)."""
+        """Open on it: as registered, plus those this router placed too recently for
+        the registration read to count them (counted twice for a moment, never missed)."""
         return self.registered_sessions + len(self.placed)
 
     def sessions_of(self, tenant: str) -> int:
@@ -58,16 +59,19 @@ REGISTERED = (  # what a registration read sets; the rest is this router's own c
     "running",
     "queued",
     "registered_sessions",
-    "written",
     "tenants",
     "draining",
 )
 
 
 class ReplicaTable:
-    def __init__(self, client: aioredis.Redis, period: float, secret: str = "") -> None:
-        """`secret`: the cluster secret registrations must be signed with (none: any)."""
-        self.client, self.period, self.secret = client, period, secret
+    def __init__(
+        self, client: aioredis.Redis, period: float, secret: str = "", settle: float = 1.5
+    ) -> None:
+        """`period`: between reads; `secret`: the cluster secret registrations must be
+        signed with (none: any); `settle`: how long after an open is answered every
+        registration read counts it (a few of the replicas' heartbeats)."""
+        self.client, self.period, self.secret, self.settle = client, period, secret, settle
         self.unverified = 0  # registrations read and refused: not signed with the secret
         self._refused: set[str] = set()
         self.live: dict[str, Replica] = {}
@@ -104,7 +108,6 @@ class ReplicaTable:
                     int(entry["running"]),
                     int(entry["queued"]),
                     int(entry["sessions"]),
-                    float(entry["at"]),
                     tenants={str(k): int(v) for k, v in entry["tenants"].items()},
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -119,7 +122,10 @@ class ReplicaTable:
         if replica is not fresh:
             for name in REGISTERED:
                 setattr(replica, name, getattr(fresh, name))
-            replica.placed = [p for p in replica.placed if p[0] > replica.written]
+            # an open answered `settle` ago is in every registration written since: no
+            # clock of another machine is compared with this one's
+            since = time.monotonic() - self.settle
+            replica.placed = [p for p in replica.placed if p[0] > since]
         return replica
 
     async def run(self, faults: Counter | None = None) -> None:
