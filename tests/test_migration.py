@@ -87,7 +87,13 @@ def test_a_drained_replica_s_sessions_resume_from_their_state_elsewhere(redis_ur
         play(port, sids, history, rng, 2, resumed=False)
         on_zero = [s for s, r in placements(redis_client, sids).items() if r == "0"]
         drained = call(port, "/admin/drain", {"replica": "0"})
-        assert drained == {"replica": "0", "state": len(on_zero), "history": 0, "failed": 0}
+        assert drained == {
+            "replica": "0",
+            "state": len(on_zero),
+            "history": 0,
+            "failed": 0,
+            "gone": 0,
+        }
         assert set(placements(redis_client, sids).values()) == {"1"}
         home = stack.layout["scheduler-1"][1].port
         with pytest.raises(urllib.error.HTTPError) as refused:  # the directory puts it here

@@ -30,7 +30,7 @@ import time
 import redis.asyncio as aioredis
 
 from shared import streams
-from shared.placement import Move, Placement
+from shared.placement import UNPLACE, Move, Placement
 
 log = logging.getLogger("custody.router")
 REQUEST_TTL_SECONDS = 3600
@@ -52,6 +52,7 @@ class Directory:
     def __init__(self, client: aioredis.Redis, lease_seconds: float) -> None:
         self.client, self.lease_seconds = client, lease_seconds
         self._swap = client.register_script(SWAP)
+        self._unplace = client.register_script(UNPLACE)
         self._take_over = client.register_script(TAKE_OVER)
         self._seen: dict[str, Placement] = {}
 
@@ -102,6 +103,12 @@ class Directory:
         self._saw(sid, new if swapped else None)  # not swapped: read it again when needed
         return swapped
 
+    async def swap_out(self, sid: str, old: Placement) -> bool:
+        """Remove `sid`'s placement if it is still `old` (a compare-and-delete)."""
+        removed = bool(await self._unplace(keys=[streams.placement_key(sid)], args=[old.encode()]))
+        self._saw(sid, None)
+        return removed
+
     async def begin(self, move: Move) -> bool:
         """Put the session in transit (listed first, so no transit goes unlisted), if it
         is still where the mover found it."""
@@ -149,9 +156,12 @@ class Directory:
     async def placed_on(self, replica: str) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(streams.Keys(replica).placed))
 
-    async def remember_request(self, tenant: str, rid: str, replica: str) -> None:
-        key = streams.request_key(f"{tenant}:{rid}")
-        await self.client.set(key, replica, ex=REQUEST_TTL_SECONDS)
+    async def remember_requests(self, tenant: str, rids: list[str], replica: str) -> None:
+        """Where `rids` run, in one round trip (a pipeline: one key each)."""
+        pipe = self.client.pipeline(transaction=False)
+        for rid in rids:
+            pipe.set(streams.request_key(f"{tenant}:{rid}"), replica, ex=REQUEST_TTL_SECONDS)
+        await pipe.execute()
 
     async def request(self, tenant: str, rid: str) -> str | None:
         raw = await self.client.get(streams.request_key(f"{tenant}:{rid}"))

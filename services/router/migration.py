@@ -52,7 +52,7 @@ class Mover:
         self.dead_seconds = dead_seconds
         self.moving: dict[str, asyncio.Event] = {}
         self.last_seen: dict[str, float] = {}
-        self.moved = {"state": 0, "history": 0, "failed": 0}
+        self.moved = {"state": 0, "history": 0, "failed": 0, "gone": 0}
 
     async def settled(self, sid: str) -> None:
         """Until a move of `sid` by this router is over."""
@@ -87,8 +87,13 @@ class Mover:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
         `state` (its state came along), `history` (it will re-prefill) or `failed`."""
         placement = await self.directory.session(sid)
-        if placement is None or placement.replica != source or placement.moving_to:
-            return "failed"  # closed, or moved or moving meanwhile
+        if placement is None or not placement.names(source):
+            # closed, or moved elsewhere, while `source` still lists it: a member whose
+            # removal was lost, which a drain or re-homing would retry for good
+            await self.directory.client.srem(streams.Keys(source).placed, sid)
+            return "gone"
+        if placement.replica != source or placement.moving_to:
+            return "failed"  # moving meanwhile
         move = Move(sid, source, target.id, placement.epoch)
         if not await self.directory.begin(move):
             return "failed"
@@ -125,6 +130,8 @@ class Mover:
                 return await self._undo(move)
         body = {"source": move.source, "epoch": move.epoch + 1}
         status, placed = await self._post(target, "/admin/migrate_in", move.sid, body)
+        if status == 404 and leaving is None:
+            return await self._lost(move, placed)
         if status != 200:
             log.warning("session %s not moved to %s: %s", move.sid, target.id, placed)
             return await self._undo(move)
@@ -133,6 +140,18 @@ class Mover:
         await self._settle(move, move.after)
         has_state = isinstance(placed, dict) and placed.get("cached_tokens", 0) > 0
         return "state" if has_state else "history"
+
+    async def _lost(self, move: Move, why: object) -> str:
+        """The dead source's records, proven current, hold no record of the session
+        (closed there, its placement's removal lost): nothing can carry it, so its
+        placement and listing go, instead of a move retried every read for good."""
+        log.error(
+            "session %s of dead replica %s has no record: dropped (%s)", move.sid, move.source, why
+        )
+        if await self.directory.swap_out(move.sid, move.in_transit):
+            await self.directory.client.srem(streams.Keys(move.source).placed, move.sid)
+        await self.directory.done(move)
+        return "gone"
 
     async def _undo(self, move: Move) -> str:
         if await self.directory.abort(move):
@@ -175,7 +194,7 @@ class Mover:
         return await self._empty(replica)
 
     async def _empty(self, replica: str) -> dict:
-        outcomes = {"state": 0, "history": 0, "failed": 0}
+        outcomes = {"state": 0, "history": 0, "failed": 0, "gone": 0}
         for sid in await self.directory.placed_on(replica):
             target = self.table.least_loaded(excluding=replica)
             if target is None:
