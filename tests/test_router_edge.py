@@ -221,3 +221,20 @@ def test_a_registration_not_signed_with_the_cluster_secret_gets_nothing(edge: St
         client.delete(streams.Keys("evil").alive)
         client.srem(streams.REPLICAS, "evil")
         listener.close()
+
+
+def test_re_homing_drops_what_no_placement_names_instead_of_retrying_it(edge: Stack):
+    """A dead replica's list names a session whose placement is gone (closed, its
+    removal lost): re-homing drops the member; it retried the move every read, forever."""
+    client = redis.Redis.from_url(edge.settings.redis_url)
+    ghost = streams.Keys("ghost")
+    client.sadd(streams.REPLICAS, "ghost")
+    client.sadd(ghost.placed, "closed-long-ago")
+    try:
+        deadline = time.monotonic() + 30
+        while client.sismember(ghost.placed, "closed-long-ago"):
+            assert time.monotonic() < deadline, "the member was kept"
+            time.sleep(0.2)
+    finally:
+        client.delete(ghost.placed)
+        client.srem(streams.REPLICAS, "ghost")
