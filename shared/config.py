@@ -28,6 +28,9 @@ class Settings:
     # a replica whose registration is missing this long is dead: the router re-homes its
     # sessions (until then their turns wait)
     replica_dead_seconds: float = 10.0
+    # a replica dead this long, nothing placed on it any more, is forgotten: its id leaves
+    # the replica set and the store stops its consumer (0: never; ids would pile up)
+    replica_forget_seconds: float = 3600.0
     # how the router places a request no session binds: prefix (the longest cached prefix
     # within a bounded load, services/router/choice.py) or random (uniform; a baseline)
     router_policy: str = "prefix"
@@ -106,6 +109,8 @@ class Settings:
                 "migration (drains, re-homing) need an operator key, and without one they "
                 "would be refused (or the store left open); set --admin-api-keys too"
             )
+        if self.replica_forget_seconds < 0:
+            raise ValueError("replica_forget_seconds must be >= 0 (0: never)")
         if self.session_idle_timeout < 0:
             raise ValueError("session_idle_timeout must be >= 0 (0: never)")
         if self.host_state_bytes < 0 or self.disk_state_bytes < 0:

@@ -38,6 +38,8 @@ def edge(redis_url: str) -> Iterator[Stack]:
         admin_api_keys=OPERATOR,
         read_timeout_seconds=READ_TIMEOUT,
         incremental_streaming_output=True,
+        replica_dead_seconds=3.0,
+        replica_forget_seconds=2.0,
     )
     running = start_stack(settings)
     yield running
@@ -238,3 +240,25 @@ def test_re_homing_drops_what_no_placement_names_instead_of_retrying_it(edge: St
     finally:
         client.delete(ghost.placed)
         client.srem(streams.REPLICAS, "ghost")
+
+
+def test_a_replica_dead_long_enough_is_forgotten_by_router_and_store(edge: Stack):
+    """Ids made up per container pile up: one dead for --replica-forget-seconds, with
+    nothing placed on it, leaves the replica set, and the store stops its consumer."""
+    client = redis.Redis.from_url(edge.settings.redis_url)
+    client.sadd(streams.REPLICAS, "gone-container")
+    store = edge.settings.store_port
+
+    def consumed() -> set[str]:
+        raw = send(store, "GET", "/ledger/replicas", key=OPERATOR)[2]
+        return set(json.loads(raw)["replicas"])
+
+    deadline = time.monotonic() + 20
+    while "gone-container" not in consumed():
+        assert time.monotonic() < deadline, "the store never consumed it"
+        time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while client.sismember(streams.REPLICAS, "gone-container") or "gone-container" in consumed():
+        assert time.monotonic() < deadline, "a dead replica's id was kept"
+        time.sleep(0.3)
+    assert {"0", "1"} <= consumed()  # the live ones stay

@@ -56,7 +56,14 @@ async def serve(settings: Settings) -> None:
     tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
     directory = Directory(client, lease_seconds=settings.replica_dead_seconds)
     admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
-    mover = Mover(table, directory, proxy.session, admin_key, settings.replica_dead_seconds)
+    mover = Mover(
+        table,
+        directory,
+        proxy.session,
+        admin_key,
+        settings.replica_dead_seconds,
+        settings.replica_forget_seconds,
+    )
     limits = SessionLimits(table, settings.max_sessions_per_key, settings.max_sessions)
     router = Router(table, directory, proxy, tenancy, chooser, mover, limits)
     app = web.Application(client_max_size=MAX_BODY)

@@ -46,10 +46,13 @@ class Mover:
         session: aiohttp.ClientSession,
         admin_key: str | None,
         dead_seconds: float,
+        forget_seconds: float = 0.0,
     ) -> None:
+        """`forget_seconds`: how long a replica stays dead, nothing placed on it, before
+        its id leaves the replica set (0: never)."""
         self.table, self.directory, self.session = table, directory, session
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.dead_seconds = dead_seconds
+        self.dead_seconds, self.forget_seconds = dead_seconds, forget_seconds
         self.moving: dict[str, asyncio.Event] = {}
         self.last_seen: dict[str, float] = {}
         self.moved = {"state": 0, "history": 0, "failed": 0, "gone": 0}
@@ -214,6 +217,7 @@ class Mover:
                 await self.recover()
                 for replica in self._dead():
                     await self._rehome(replica)
+                    await self._forget(replica)
             except Exception as err:
                 await retry.wait(err)
                 continue
@@ -226,6 +230,22 @@ class Mover:
         for rid in self.table.known:
             self.last_seen.setdefault(rid, now)  # a replica first seen dead gets its grace
         return [r for r, seen in self.last_seen.items() if now - seen > self.dead_seconds]
+
+    async def _forget(self, replica: str) -> None:
+        """A replica dead for `forget_seconds` whose sessions all moved leaves the
+        replica set (every router stops watching it, the store stops its consumer): with
+        ids made up per container, every recreated one would add an id for good."""
+        dead_for = time.monotonic() - self.last_seen[replica]
+        if not self.forget_seconds or dead_for < self.forget_seconds:
+            return
+        client, keys = self.directory.client, streams.Keys(replica)
+        if await client.exists(keys.alive, keys.rehoming) or await self.directory.placed_on(
+            replica
+        ):
+            return
+        await client.srem(streams.REPLICAS, replica)
+        del self.last_seen[replica]
+        log.info("replica %s forgotten: dead for %.0f s, nothing placed on it", replica, dead_for)
 
     async def _rehome(self, replica: str) -> None:
         client, keys = self.directory.client, streams.Keys(replica)

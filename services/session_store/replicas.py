@@ -57,11 +57,19 @@ class ReplicaConsumers:
         return {self.own} | {r for r in ids if streams.REPLICA_ID.fullmatch(r)}
 
     async def discover(self) -> None:
-        """Build a consumer for each newly registered replica (reading its checkpoint) and
-        start its loop. One that fails to build is counted and tried again next time;
-        Redis away or refusing is raised, once the loops of those built are started."""
+        """Stop the consumer of each replica that left the replica set; build one for
+        each newly registered replica (reading its checkpoint) and start its loop. One
+        that fails to build is counted and tried again next time; Redis away or refusing
+        is raised, once the loops of those built are started."""
         unavailable: Exception | None = None
-        for replica in sorted(await asyncio.to_thread(self.registered) - self.consumers.keys()):
+        registered = await asyncio.to_thread(self.registered)
+        for replica in sorted(self.consumers.keys() - registered):  # forgotten (a router)
+            loop = self._loops.pop(replica, None)
+            if loop is not None:
+                loop.cancel()
+            del self.consumers[replica]
+            log.info("replica %s left the replica set: its consumer stops", replica)
+        for replica in sorted(registered - self.consumers.keys()):
             try:
                 self.consumers[replica] = await asyncio.to_thread(self._consumer, replica)
             except DEPENDENCY_FAULTS as err:
