@@ -49,6 +49,15 @@ CASES: list[tuple[str, dict | bytes, frozenset[str]]] = [
     ("unknown_field", generate() | {"no_such_field": 1}, OK),  # ignored, as SGLang does
     ("unknown_sampling_field", generate(no_such_param=1), OK),
     ("known_field_wrong_type", generate(top_k="k"), REFUSED),
+    ("nested_5000_deep", b'{"input_ids": [72], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", REFUSED),
+    ("rid_list_300000", {"input_ids": [HI, HI], "rid": [f"r{i}" for i in range(300_000)]}, REFUSED),
+    (
+        "streamed_logprobs_over_cap",
+        generate(max_new_tokens=400)
+        | {"stream": True, "return_logprob": True, "top_logprobs_num": 20},
+        REFUSED,
+    ),
+    ("session_id_newline", {"input_ids": HI, "session_params": {"id": "s\n"}}, REFUSED),
 ]
 # B's abort of A's work: refused, or accepted as a no-op that touches only B's own requests
 ABORT_ANSWERS = frozenset({"200", "403", "404"})

@@ -124,6 +124,8 @@ class SessionManager(DurableRecords, Reencoding):
     def get(self, sid: str) -> Session:
         """`sid`, to be served: refused while this replica cannot prove its right to its
         sessions (`may_serve`) or has not taken it back yet (`pending`)."""
+        if not valid_session_id(sid):
+            raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
         self._not_pending(sid)
         self._serving(sid)
         session = self.sessions.get(sid)
