@@ -132,11 +132,9 @@ class FrontDoor:
         return self._engine.sessions.open(sid, timeout, tenant)
 
     async def close_session(self, sid: str) -> None:
-        """Closed once its close is on the stream (answered earlier, a restart in between
-        would take it back open)."""
         await self._undo_stale_move(sid)
         self._engine.sessions.close(sid)
-        await self._intake.records_written()
+        self._intake.wake.set()
 
     async def _undo_stale_move(self, sid: str) -> None:
         """A session marked moving whose placement names this replica and no target was

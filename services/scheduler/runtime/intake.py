@@ -27,9 +27,6 @@ class Intake:
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
         self.unannounced: list[Request] = []  # ended, records not yet taken
         self.recorded_ends: list[Request] = []  # ended, records taken, not yet flushed
-        self.takes = 0  # times the outbox took the records
-        self.flushed_takes = 0  # of those, the ones on the stream
-        self._written: list[tuple[int, asyncio.Future]] = []  # (take, waiter)
         # rid -> (session error kind, why): its end must not be acknowledged
         self.refused: dict[str, tuple[str, str]] = {}
 
@@ -85,30 +82,12 @@ class Intake:
         """The outbox took the records of every request held so far."""
         self.recorded_ends += self.unannounced
         self.unannounced = []
-        self.takes += 1
 
     def announce(self) -> None:
         """The outbox flushed: the recorded requests' records are on the stream."""
         held, self.recorded_ends = self.recorded_ends, []
         self.tokens_arrived([req.rid for req in held])
         self.ended(held)
-        self.flushed_takes = self.takes
-        waiting, self._written = self._written, []
-        for take, waiter in waiting:
-            if take <= self.flushed_takes:
-                if not waiter.done():
-                    waiter.set_result(None)
-            else:
-                self._written.append((take, waiter))
-
-    async def records_written(self) -> None:
-        """Until the records as they stand now are on the stream: a close answered
-        before its record was would come back open after a restart (a client told its
-        session closed would find it open, an orphan nobody closes)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._written.append((self.takes + 1, waiter))
-        self.wake.set()
-        await waiter
 
     def refuse_turns(self, session: Session) -> None:
         """`session` left this replica while its lease lapsed. Its turn in flight and
