@@ -10,9 +10,11 @@ import pytest
 
 from services.router.directory import Directory
 from services.scheduler.runtime import session_rebuild
+from services.scheduler.runtime.placed_sweep import PlacedSweep
 from shared import streams
 from shared.placement import Move, Placement
 from shared.redis_client import connect_async
+from tests.engine.driver import Driver
 
 
 def test_a_placement_reads_back_as_written_and_refuses_what_it_is_not():
@@ -113,3 +115,47 @@ def test_an_unreadable_move_or_placement_is_dropped_or_taken_as_none_not_raised(
             await client.aclose()
 
     assert asyncio.run(rebuilt()) is None
+
+
+def test_the_replica_s_placed_list_sheds_what_it_does_not_hold_after_a_grace(
+    redis_url, redis_client
+):
+    """The fault campaign left members whose placement had gone (a close's router killed
+    between its two writes) and placements naming a replica that did not hold the
+    session. The replica's sweep removes each, only after the grace (an open in flight
+    places a moment before it opens), never one in transit or held, and a placement only
+    by compare-and-delete."""
+    keys, now = streams.Keys("7"), [0.0]
+    sessions = Driver().engine.sessions
+    held = sessions.open("held").sid
+    redis_client.sadd(keys.placed, held, "closed", "orphan", "transit", "elsewhere", "rewritten")
+    put = {
+        held: Placement("7"),
+        "orphan": Placement("7", 2),
+        "transit": Placement("7", 2, "8"),
+        "elsewhere": Placement("8", 3),
+        "rewritten": Placement("7"),
+    }
+    for sid, placed in put.items():
+        redis_client.set(streams.placement_key(sid), placed.encode())
+
+    async def walk(sweep: PlacedSweep) -> None:
+        client = await connect_async(redis_url)
+        await sweep.step(client)
+        while sweep.cursor:
+            await sweep.step(client)
+        await client.aclose()
+
+    sweep = PlacedSweep(keys, sessions, clock=lambda: now[0], grace=30.0)
+    asyncio.run(walk(sweep))
+    now[0] = 20.0
+    redis_client.set(streams.placement_key("rewritten"), Placement("7", 2).encode())
+    asyncio.run(walk(sweep))
+    assert len(redis_client.smembers(keys.placed)) == 6  # nothing before the grace
+    now[0] = 31.0
+    asyncio.run(walk(sweep))
+    left = {m.decode() for m in redis_client.smembers(keys.placed)}
+    assert left == {held, "transit", "rewritten"}  # rewritten: its grace began again
+    assert not redis_client.exists(streams.placement_key("orphan"))
+    assert redis_client.get(streams.placement_key("elsewhere")) == b"8 3"  # not ours
+    assert sweep.dropped == 3

@@ -20,6 +20,7 @@ from services.scheduler.engine.core import EngineCore
 from services.scheduler.runtime.directory_check import release_moved
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
+from services.scheduler.runtime.placed_sweep import PlacedSweep
 from services.scheduler.runtime.replica_lease import ReplicaLease
 from shared import streams
 from shared.config import Settings
@@ -54,6 +55,7 @@ class Registration:
         self.period = settings.heartbeat_seconds
         self.ttl_ms = int(3 * settings.heartbeat_seconds * 1000)
         self.lease = ReplicaLease(settings.replica_dead_seconds, settings.heartbeat_seconds)
+        self.sweep = PlacedSweep(keys, engine.sessions)
 
     def entry(self) -> str:
         engine = self.engine
@@ -108,6 +110,7 @@ class Registration:
         self.lease.renew(sent)
         self.intake.wake.set()  # records held while fenced may go now
         await self.unplace(client)
+        await self.sweep.step(client)
 
     async def unplace(self, client: aioredis.Redis) -> None:
         """Take away the placement of each routed session closed here, if it still names
