@@ -195,6 +195,9 @@ def test_openapi_document_covers_every_route(stack):
     routes = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
     assert routes == {
         ("GET", "/health"),
+        ("GET", "/health_generate"),
+        ("GET", "/liveness"),
+        ("GET", "/admin/idle_sessions"),
         ("GET", "/metrics"),
         ("GET", "/get_model_info"),
         ("GET", "/openapi.json"),

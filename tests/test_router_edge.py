@@ -167,7 +167,9 @@ def test_an_incremental_stream_carries_only_what_is_new(edge: Stack):
     whole = answer(port, "/generate", body)
     code, _, raw = send(port, "POST", "/generate", body | {"stream": True})
     assert code == 200
-    chunks = [json.loads(x.removeprefix(b"data: ")) for x in raw.split(b"\n\n") if x][:-1]
+    events = [x.removeprefix(b"data: ") for x in raw.split(b"\n\n") if x]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(x) for x in events[:-1]]
     assert len(chunks) > 1
     ids = [t for c in chunks for t in c["output_ids"]]
     logprobs = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]

@@ -46,9 +46,6 @@ class LiveState(Collector):
                 if kind.name != "FREE":
                     held.add_metric([pool.name, kind.name.lower()], n)
         yield from (capacity, free, held)
-        yield _gauge(
-            "custody_sessions_open", "open streaming sessions", len(engine.sessions.sessions)
-        )
         yield _gauge("custody_requests_running", "requests running", len(engine.running))
         yield _gauge("custody_requests_queued", "requests waiting", len(engine.waiting))
         yield _counter(
@@ -57,18 +54,6 @@ class LiveState(Collector):
             engine.guard.failures,
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
-        yield _counter(
-            "custody_sessions_expired",
-            "sessions closed by their idle timeout (--session-idle-timeout, or their own)",
-            engine.sessions.expired,
-        )
-        yield _counter(
-            "custody_session_records_conflicting",
-            "session records taken back from history only: another record claimed their slots",
-            engine.sessions.conflicting_records,
-        )
-        redo = "chat replies re-encoded from their text (docs/chat.md)"
-        yield _counter("custody_session_reencodes", redo, engine.sessions.reencoded)
         yield _counter(
             "custody_dropped_rows",
             "rows of steps in flight whose request ended or was re-queued first (wasted work)",
@@ -98,8 +83,26 @@ class LiveState(Collector):
             "faults of the scheduler loop itself, survived by the device-lost path",
             self.loop_faults(),
         )
+        yield from self._sessions()
         yield from self._per_stream()
         yield from self._tiers()
+
+    def _sessions(self) -> Iterator:
+        """The sessions: how many are open, and what became of some."""
+        sessions = self.engine.sessions
+        yield _gauge("custody_sessions_open", "open streaming sessions", len(sessions.sessions))
+        yield _counter(
+            "custody_sessions_expired",
+            "sessions closed by their idle timeout (--session-idle-timeout, or their own)",
+            sessions.expired,
+        )
+        yield _counter(
+            "custody_session_records_conflicting",
+            "session records taken back from history only: another record claimed their slots",
+            sessions.conflicting_records,
+        )
+        redo = "chat replies re-encoded from their text (docs/chat.md)"
+        yield _counter("custody_session_reencodes", redo, sessions.reencoded)
 
     def _tiers(self) -> Iterator:
         """Session state below the device: where it is, what moved, what was given up."""
