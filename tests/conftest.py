@@ -26,14 +26,25 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
-@pytest.fixture
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    """A clean database for each test."""
+def clean_database(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A clean database for each test."""
+    yield from clean_database(redis_url)
+
+
+@pytest.fixture(scope="module")
+def module_redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A clean database for a module whose tests share one stack (never flushed
+    between them)."""
+    yield from clean_database(redis_url)
 
 
 @pytest.fixture

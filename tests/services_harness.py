@@ -11,6 +11,7 @@ import urllib.request
 import numpy as np
 
 from custody.inprocess import InProcess
+from custody.soak.campaign import POOLS as CAMPAIGN_POOLS
 from custody.up import Stack
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
@@ -18,17 +19,9 @@ from shared.config import Settings
 from shared.model_config import builtin_config
 from shared.redis_server import free_port
 
-POOLS = {
-    "page_size": 4,
-    "kv_pages": 512,
-    "mamba_slots": 48,
-    "max_running_requests": 12,
-    "context_len": 1024,
-    "chunk_size": 32,
-    "max_step_tokens": 128,
-    "track_interval": 8,
-    "compile": False,  # the suite runs eager; tests/executor/test_compiled_decode.py compiles
-}
+# the campaign's small pools (custody/soak/campaign.py), run eager:
+# tests/executor/test_compiled_decode.py compiles
+POOLS = CAMPAIGN_POOLS | {"compile": False}
 
 
 def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> object:

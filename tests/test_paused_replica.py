@@ -58,13 +58,9 @@ def registered_sessions(client: redis.Redis, replica: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    """The test Redis, flushed once for the module (its stack is shared: never during)."""
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+def redis_client(module_redis_client: redis.Redis) -> redis.Redis:
+    """The module's stack is shared: the database is flushed once, never between tests."""
+    return module_redis_client
 
 
 @pytest.fixture(scope="module")
