@@ -88,7 +88,9 @@ def one_shot(prompt: list[int], n: int) -> list[int]:
 
 
 def ledger_when_idle(stack: Stack) -> dict:
-    deadline = time.monotonic() + 10
+    """The store's ledger once nothing runs or is held by a session, or after 60 s (the
+    store may lag a loaded machine by seconds: it applies every event in order)."""
+    deadline = time.monotonic() + 60
     while True:
         view = call(stack.settings.store_port, "/ledger")
         busy = any(c["request"] or c["track"] or c["session"] for c in view["counts"].values())

@@ -33,7 +33,7 @@ from services.router.replicas import ReplicaTable
 from shared import streams
 from shared.redis_server import free_port
 from shared.retry import Retry, background_faults
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, health, stack_settings, start_stack
 
 LOG = logging.getLogger("custody.test-retry")
 DEPENDENCY = [
@@ -213,7 +213,7 @@ def survives(stack: Stack, client: redis.Redis, window: Callable[[], None]) -> N
     assert {n: c.pid for n, c in stack.children.items()} == pids
     assert set(stack.restarts.values()) == {0}
     port = stack.settings.port
-    until("both replicas ready at the router", lambda: call(port, "/health")["ready"] == 2)
+    until("both replicas ready at the router", lambda: health(port).get("ready") == 2)
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     assert len(call(port, "/generate", body, timeout=60)["output_ids"]) == 3
 
@@ -232,7 +232,8 @@ def test_every_service_serves_its_loops_faults_with_its_labels(two: Stack) -> No
     }
     assert found["router"] == {(loop, None) for loop in ROUTER_LOOPS}
     for i in ("0", "1"):
-        assert found[f"scheduler-{i}"] == {("registration", i), ("step_loop", i)}
+        loops = {"registration", "step_loop", "scheduler_start"}
+        assert found[f"scheduler-{i}"] == {(loop, i) for loop in loops}
         assert found[f"executor-{i}"] == {("executor_serve", i), ("executor_heartbeat", i)}
     discover = ("store_discover", two.settings.replica)
     assert found["session-store"] == {discover, ("store_consume", "0"), ("store_consume", "1")}
