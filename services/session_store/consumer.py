@@ -123,7 +123,6 @@ class OwnershipConsumer:
             for sid in known - self._full:  # closed in a gap: its close was lost
                 pipe.delete(keys.session(sid))
                 pipe.srem(keys.sessions, sid)
-            self._full = None
         for rec in self._fence(self._writes):
             if rec.closed:
                 pipe.delete(keys.session(rec.sid))
@@ -131,7 +130,6 @@ class OwnershipConsumer:
             else:
                 pipe.hset(keys.session(rec.sid), "record", encode_record(rec))
                 pipe.sadd(keys.sessions, rec.sid)
-        self._writes.clear()
         if self.records_complete and self.epoch is not None:
             last = entries[-1][0]
             self.records_through = last.decode() if isinstance(last, bytes) else last
@@ -139,6 +137,11 @@ class OwnershipConsumer:
         pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         self.checker.ack(pipe)
         pipe.execute()
+        # Only now: a write Redis refused (OOM, READONLY) keeps them for the next batch.
+        # Cleared before, they were lost while the next batch's checkpoint claimed them
+        # (a move then carried a history a turn short: the 3-replica campaign).
+        self._writes.clear()
+        self._full = None
         return len(entries)
 
     def _apply(self, raw: bytes) -> list[Violation]:

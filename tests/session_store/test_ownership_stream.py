@@ -3,6 +3,7 @@ ledger: agreement with the scheduler, faults named, exactly-once across restarts
 
 import numpy as np
 import pytest
+import redis
 
 from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.runtime.event_shipper import EventShipper
@@ -296,3 +297,35 @@ def test_a_record_written_under_an_epoch_the_directory_left_is_refused(redis_cli
         "direct": 5,
     }
     assert redis_client.smembers(keys.sessions) == {b"here", b"direct"}
+
+
+def test_records_a_refused_write_dropped_are_written_with_the_next_batch(redis_client):
+    """Redis refuses the store's transaction (OOM) after it applied a batch: its session
+    records must go with the next batch, whose checkpoint claims them (`records_through`).
+    They were cleared before the write, so a move read a record a turn short."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e7")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    keys = streams.SINGLE
+    publish(redis_client, shipper.snapshot())
+    drain(consumer)
+    sessions = d.engine.sessions
+    sessions.open("kept").history = np.arange(9)
+    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    saved = redis_client.config_get("maxmemory*")
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.ResponseError):
+            drain(consumer)
+    finally:
+        redis_client.config_set("maxmemory", saved["maxmemory"])
+        redis_client.config_set("maxmemory-policy", saved["maxmemory-policy"])
+    sessions.open("later")
+    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    drain(consumer)
+    assert {m.decode() for m in redis_client.smembers(keys.sessions)} == {"kept", "later"}
+    kept = RECORDS.decode(redis_client.hget(keys.session("kept"), "record"))
+    assert len(kept.tokens()) == 9
+    last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
+    assert redis_client.hget(keys.checkpoint, "records_through").decode() == last
