@@ -20,16 +20,6 @@ EXECUTOR_GROUP = "executor"
 # unread is ever trimmed (trimming with ~ keeps whole radix-tree nodes, cheaply).
 MAXLEN = 100_000
 REPLICA_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# A session id, as clients may choose it; it becomes part of Redis keys and log lines, so
-# never `.` or `..`. Written for JSON Schema (ECMA), where `$` is the end; Python's `$`
-# also matches before a final newline, so `valid_session_id` matches it with `fullmatch`.
-SESSION_ID = re.compile(r"^(?!\.\.?$)[A-Za-z0-9._:-]{1,128}$")
-
-
-def valid_session_id(sid: object) -> bool:
-    return isinstance(sid, str) and SESSION_ID.fullmatch(sid) is not None
-
-
 REPLICAS = "custody:replicas"  # set of replica ids ever registered (the store reads each)
 MOVES = "custody:moves"  # sessions in transit between replicas (shared/placement.py)
 

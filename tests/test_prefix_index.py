@@ -148,12 +148,12 @@ def test_the_chooser_fills_the_emptier_cache_and_counts_diversions():
     metrics = RouterMetrics(table)
     chooser = Chooser(table, pool, ByteTokenizer(), 1024, metrics)
     other = {"input_ids": [9] * 40}
-    assert chooser.pick("/generate", other) == Choice(table.live["b"], "load", 0)
-    assert chooser.pick("/v1/chat/completions", {}).replica.id == "a"  # no prompt: load
+    assert chooser.pick("/generate", other, None) == Choice(table.live["b"], "load", 0)
+    assert chooser.pick("/v1/chat/completions", {}, None).replica.id == "a"  # no prompt: load
     mine = {"input_ids": [*shared, 5]}
-    assert chooser.pick("/generate", mine) == Choice(table.live["a"], "prefix", 32)
+    assert chooser.pick("/generate", mine, None) == Choice(table.live["a"], "prefix", 32)
     table.live["a"].running = 8  # past the bound (7): the prompt goes elsewhere, counted
-    assert chooser.pick("/generate", mine).replica.id == "b"
+    assert chooser.pick("/generate", mine, None).replica.id == "b"
     diverted = metrics.registry.get_sample_value(
         "custody_router_prefix_diverted_total", {"replica": "a"}
     )
@@ -192,4 +192,4 @@ def test_an_ids_only_deployment_routes_text_by_load(tmp_path):
     table.live = {"a": replica("a", 0)}
     chooser = Chooser(table, PrefixIndex(), tokenizer, 1024, RouterMetrics(table))
     assert chooser.prompt("/generate", {"text": "hi"}) is None
-    assert chooser.pick("/generate", {"text": "hi"}).decision == "load"
+    assert chooser.pick("/generate", {"text": "hi"}, None).decision == "load"

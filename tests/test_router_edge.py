@@ -8,6 +8,7 @@ and `--incremental-streaming-output`, for the module."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import socket
@@ -21,10 +22,12 @@ import redis
 from custody.up import Stack
 from shared import streams
 from shared.http_limits import MAX_BODY
+from shared.session_ids import scoped_session_id
 from tests.services_harness import stack_settings, start_stack
 from tests.test_limits import closed_after
 
 USER, OPERATOR = "edge-user", "edge-operator"
+KEYS = (USER, OPERATOR)  # an operator key is a key of its own too
 READ_TIMEOUT = 1.0
 
 
@@ -99,6 +102,30 @@ def test_a_bad_session_id_is_refused_before_it_names_a_placement(edge: Stack):
     for bad in ("abc\n", ".", ".."):
         assert refused(port, "/open_session", {"session_id": bad})["type"] == "session_invalid"
         assert not client.exists(streams.placement_key(bad))
+
+
+def test_two_keys_open_one_name_through_the_router_as_two_sessions(edge: Stack):
+    """Placements are kept per key (the name scoped as the replica scopes it): each key's
+    turns find its own session, wherever each was placed."""
+    port, client = edge.settings.port, redis.Redis.from_url(edge.settings.redis_url)
+    ids = [scoped_session_id(hashlib.sha256(k.encode()).hexdigest(), "one") for k in KEYS]
+    for key in KEYS:
+        code, _, raw = send(port, "POST", "/open_session", {"session_id": "one"}, key)
+        assert (code, json.loads(raw)) == (200, "one")
+    assert all(client.exists(streams.placement_key(sid)) for sid in ids)
+    for n, key in enumerate(KEYS, 1):
+        for _ in range(n):  # USER takes one turn, OPERATOR two
+            code, _, raw = send(
+                port, "POST", "/generate", turn([5, 6], session_params={"id": "one"}), key
+            )
+            assert code == 200, raw
+        assert json.loads(raw)["meta_info"]["prompt_tokens"] == 2 + (n - 1) * (2 + 3)
+    for key in KEYS:
+        assert send(port, "POST", "/close_session", {"session_id": "one"}, key)[0] == 200
+    deadline = time.monotonic() + 10
+    while any(client.exists(streams.placement_key(sid)) for sid in ids):
+        assert time.monotonic() < deadline, "a closed session's placement stayed"
+        time.sleep(0.1)
 
 
 def test_health_shows_replica_addresses_to_an_operator_only(edge: Stack):

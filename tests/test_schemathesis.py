@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 
@@ -92,6 +93,51 @@ def fuzz(operation, mode: GenerationMode, base: str, sent: Counter) -> None:
     run()
 
 
+# The request limits the document states only in part (a batch's size, the streamed
+# logprob cap, a session name's shape, a salt's length), each sent as its own case: a
+# refusal must be a 4xx the document describes.
+LIMITS = {
+    "/generate": [
+        {"input_ids": [[1]] * 65, "rid": [f"r{i}" for i in range(65)]},
+        {
+            "input_ids": [1],
+            "stream": True,
+            "return_logprob": True,
+            "top_logprobs_num": 20,
+            "sampling_params": {"max_new_tokens": 250},
+        },
+        {"input_ids": [1], "session_params": {"id": "x\n"}},
+        {"input_ids": [1], "session_params": {"id": ".."}},
+        {"input_ids": [1], "rid": "r" * 257},
+        {"input_ids": [1], "cache_salt": ""},
+    ],
+    "/open_session": [{"session_id": "x\n"}, {"session_id": "."}, {"session_id": "a~" + "0" * 32}],
+    "/v1/completions": [
+        {"prompt": "a", "session_id": ".."},
+        {"prompt": "a", "cache_salt": "s" * 257},
+    ],
+}
+DEEP = b'{"text": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # past any decoder's depth
+
+
+def limits_refused(schema, base: str, sent: Counter) -> None:
+    by_path = {op.path: op for op in (r.ok() for r in schema.get_all_operations())}
+    for path, bodies in LIMITS.items():
+        for body in bodies:
+            case = by_path[path].Case(body=body, media_type="application/json")
+            response = case.call(base_url=base, timeout=60)
+            sent[(path, "limits", response.status_code)] += 1
+            assert 400 <= response.status_code < 500, (path, body, response.text[:300])
+            case.validate_response(response, checks=CHECKS)
+    for path in ("/generate", "/v1/completions", "/open_session"):
+        deep = urllib.request.Request(f"{base}{path}", DEEP, {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(deep, timeout=60)
+            raise AssertionError(f"{path} took a body nested 5000 deep")
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 400 and json.loads(refused.read())["error"], path
+
+
 def test_the_api_holds_to_its_own_openapi_document(small_stack):
     port = small_stack.settings.port
     base = f"http://127.0.0.1:{port}"
@@ -108,6 +154,7 @@ def test_the_api_holds_to_its_own_openapi_document(small_stack):
         for mode in modes:
             assert time.monotonic() - started < BUDGET_SECONDS, dict(sent)
             fuzz(operation, mode, base, sent)
+    limits_refused(schema, base, sent)
     print(f"schemathesis: {sum(sent.values())} requests in {time.monotonic() - started:.0f} s")
     assert sum(sent.values()) >= 250
     accepted = {path for (path, mode, status) in sent if mode == "positive" and status == 200}

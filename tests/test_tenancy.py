@@ -23,6 +23,7 @@ from custody.up import Stack
 from shared import streams
 from shared.redact import masked_url
 from shared.redis_server import free_port
+from shared.session_ids import scoped_session_id
 from tests.services_harness import stack_settings, start_stack
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -181,8 +182,10 @@ def test_a_session_keeps_its_owner_across_a_scheduler_restart(keyed):
     status, sid, _ = post(port, "/open_session", {"session_id": "owned"}, "alpha")
     assert status == 200
     assert post(port, "/generate", generation(4, sid=sid), "alpha")[0] == 200
-    rec = stored_record(redis.Redis.from_url(keyed.settings.redis_url), sid, 3 + 4)
-    assert rec["tenant"] == hashlib.sha256(b"alpha").hexdigest()
+    alpha = hashlib.sha256(b"alpha").hexdigest()
+    stored = scoped_session_id(alpha, sid)  # the store knows it by its scoped id
+    rec = stored_record(redis.Redis.from_url(keyed.settings.redis_url), stored, 3 + 4)
+    assert rec["tenant"] == alpha
     assert b"alpha" not in rec["raw"]  # the owner's hash, never its key
     keyed.kill("scheduler")
     deadline = time.monotonic() + 60
@@ -199,6 +202,60 @@ def test_a_session_keeps_its_owner_across_a_scheduler_restart(keyed):
     status, after, _ = post(port, "/generate", generation(3, sid=sid), "alpha")
     assert status == 200 and after["meta_info"]["prompt_tokens"] == 3 + 4 + 3
     assert post(port, "/close_session", {"session_id": sid}, "alpha")[0] == 200
+
+
+def test_each_key_has_its_own_session_names(keyed):
+    """Two keys both open "same"; a key never learns whether another's session exists:
+    its miss is the answer a name nobody opened gets."""
+    port = keyed.settings.port
+    for key in ("alpha", "beta"):
+        assert post(port, "/open_session", {"session_id": "same"}, key)[:2] == (200, "same")
+    assert post(port, "/generate", generation(4, sid="same"), "alpha")[0] == 200
+    status, reply, _ = post(port, "/generate", {**generation(2, sid="same")}, "beta")
+    assert status == 200 and reply["meta_info"]["prompt_tokens"] == 3  # its own, empty one
+    assert post(port, "/open_session", {"session_id": "alphas"}, "alpha")[0] == 200
+    for path, body in (
+        ("/generate", generation(2, sid="alphas")),
+        ("/close_session", {"session_id": "alphas"}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "session_id": "alphas"}),
+    ):
+        held = post(port, path, body, "beta")
+        never = post(port, path, json.loads(json.dumps(body).replace("alphas", "nobody")), "beta")
+        assert held[0] == never[0] == 404, (path, held, never)
+        assert (
+            held[1]["error"]["message"].replace("alphas", "nobody") == never[1]["error"]["message"]
+        )
+    assert post(port, "/open_session", {"session_id": "alphas"}, "beta")[0] == 200
+    status, reply, _ = post(port, "/generate", generation(2, sid="alphas"), "alpha")
+    assert status == 200 and reply["meta_info"]["prompt_tokens"] == 3  # alpha's untouched
+    for key, sid in (("alpha", "same"), ("beta", "same"), ("alpha", "alphas"), ("beta", "alphas")):
+        assert post(port, "/close_session", {"session_id": sid}, key)[0] == 200
+    status, reply, _ = post(port, "/open_session", {"session_id": "a~" + "0" * 32}, "alpha")
+    assert status == 400 and "session_id" in reply["error"]["message"]
+
+
+def cached(port: int, key: str, prompt: list[int], salt: str | None = None) -> int:
+    body: dict = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, reply, _ = post(port, "/generate", body, key)
+    assert status == 200, reply
+    return reply["meta_info"]["cached_tokens"]
+
+
+def test_cached_prefixes_serve_their_own_key_or_a_shared_salt(keyed):
+    """A prompt alpha cached is recomputed for beta (no hit, so no timing or count tells
+    beta what alpha sent), unless both send the same `cache_salt`."""
+    port = keyed.settings.port
+    mine, ours = list(range(150, 214)), list(range(30, 94))
+    assert cached(port, "alpha", mine) == 0
+    assert cached(port, "alpha", mine) > 0
+    assert cached(port, "beta", mine) == 0
+    assert cached(port, "beta", mine) > 0  # its own copy now
+    assert cached(port, "alpha", ours, "team") == 0
+    assert cached(port, "beta", ours, "team") > 0
+    assert cached(port, "beta", ours) == 0  # unsalted: beta's own namespace
+    assert post(port, "/generate", {**generation(2), "cache_salt": ""}, "alpha")[0] == 400
 
 
 def test_a_redis_password_is_masked_where_printed():

@@ -7,6 +7,8 @@ import json
 
 from aiohttp import web
 
+from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
+
 SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
 FANOUT_ROUTES = frozenset({"/flush_cache"})
 
@@ -27,18 +29,23 @@ def read_json(body: bytes) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def session_of(path: str, body: dict | None) -> str | None:
-    """The session a request addresses, if any."""
+def session_of(path: str, body: dict | None, tenant: str | None) -> str | None:
+    """The id of the session a request of `tenant` addresses, if any: scoped to the
+    caller's key as its replica scopes it (shared/session_ids.py), except on the
+    operator's `/place_session`, which names a session by its id. A name the replica
+    would refuse addresses nothing here (the replica answers it with its 400)."""
     if body is None:
         return None
     if path == "/generate":
         params = body.get("session_params")
-        sid = params.get("id") if isinstance(params, dict) else None
+        name = params.get("id") if isinstance(params, dict) else None
     elif path in SESSION_ROUTES or path.startswith("/v1/"):
-        sid = body.get("session_id")
+        name = body.get("session_id")
     else:
         return None
-    return sid if isinstance(sid, str) else None
+    if path == "/place_session":
+        return name if valid_session_id(name) else None
+    return scoped_session_id(tenant, name) if valid_session_name(name) else None
 
 
 def aborts_all(path: str, body: dict | None) -> bool:

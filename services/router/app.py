@@ -44,7 +44,7 @@ from services.router.proxy import (
 from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.http.tenancy import Refused, Tenancy
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
-from shared.streams import SESSION_ID, valid_session_id
+from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
 
 log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
@@ -122,7 +122,7 @@ class Router:
             return await self.open_session(request, caller.tenant, parsed, body, received)
         if request.path == "/admin/drain":
             return await self.drain(caller.operator, parsed)
-        sid = session_of(request.path, parsed)
+        sid = session_of(request.path, parsed, caller.tenant)
         if sid is not None:
             request[KIND] = "turn"
             await self.mover.settled(sid)
@@ -131,7 +131,7 @@ class Router:
                 response = await self.to_session(request, body, sid, received)
             if response is not None:
                 return response
-        choice = self.chooser.pick(request.path, parsed)
+        choice = self.chooser.pick(request.path, parsed, caller.tenant)
         if choice is None:
             return error(503, "no replica is ready", "no_replica", retry=True)
         if request.path == "/generate" and parsed is not None:
@@ -159,7 +159,7 @@ class Router:
         """Sent where the directory places the session; None if it places it nowhere."""
         home = await self.directory.session(sid)
         if home is not None and home.moving_to is not None:
-            message = f"session {sid} is moving to replica {home.moving_to}; retry"
+            message = f"session {session_name(sid)} is moving to replica {home.moving_to}; retry"
             return error(503, message, "moving", retry=True)
         if home is None:
             return None
@@ -186,14 +186,15 @@ class Router:
             if replica is None:
                 return error(503, "no replica is ready", "no_replica", retry=True)
             return await self.send(request, body, replica, "load", received)
-        sid = parsed.get("session_id")
-        if sid is None:
-            sid = parsed["session_id"] = secrets.token_hex(16)
+        name = parsed.get("session_id")
+        if name is None:
+            name = parsed["session_id"] = secrets.token_hex(16)
             body = json.dumps(parsed).encode()
-        if not isinstance(sid, str):
+        if not isinstance(name, str):
             return await self.send(request, body, replica, "load", received)
-        if not valid_session_id(sid):  # refused before it can name a Redis key
+        if not valid_session_name(name):  # refused before it can name a Redis key
             return error(400, f"session_id must match {SESSION_ID.pattern}", "session_invalid")
+        sid = scoped_session_id(tenant, name)
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             return refused

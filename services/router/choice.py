@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaTable
+from shared.messages.cache import cache_namespace
 from shared.tokenizer import Tokenizer, TokenizerMissing
 
 EPSILON = 0.25
@@ -97,8 +98,10 @@ class Chooser:
         self.table, self.index, self.tokenizer = table, index, tokenizer
         self.context_len, self.metrics, self.policy = context_len, metrics, policy
 
-    def pick(self, path: str, body: dict | None) -> Choice | None:
-        """The replica for a request to `path` with JSON `body`; None if none is ready."""
+    def pick(self, path: str, body: dict | None, tenant: str | None) -> Choice | None:
+        """The replica for a request of `tenant` to `path` with JSON `body`; None if none
+        is ready. A prompt matches only the prefixes its replica would let it reuse (its
+        key's, or its `cache_salt`'s: shared/messages/cache.py)."""
         ready = self.table.placeable()
         if not ready:
             return None
@@ -107,7 +110,9 @@ class Chooser:
         tokens = self.prompt(path, body)
         if not tokens:
             return choose(ready, {})
-        matched = self.index.match(tokens, [r.id for r in ready])
+        salt = body.get("cache_salt") if body is not None else None
+        namespace = cache_namespace(tenant, salt if isinstance(salt, str) else None)
+        matched = self.index.match(tokens, [r.id for r in ready], namespace)
         sizes = {r.id: self.index.cached_tokens(r.id) for r in ready}
         choice = choose(ready, matched, sizes)
         if choice.matched:

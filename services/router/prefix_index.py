@@ -25,10 +25,10 @@ import numpy as np
 
 from shared.messages.cache import (
     CACHE_MESSAGES,
-    ROOT_HASH,
     CacheSnapshot,
     Stored,
     block_hashes,
+    namespace_root,
 )
 from shared.messages.envelope import WireError
 
@@ -150,10 +150,13 @@ class PrefixIndex:
         index = self.replicas.get(replica_id)
         return len(index.present) * index.block if index is not None and index.ready else 0
 
-    def match(self, tokens: Sequence[int], among: Iterable[str]) -> dict[str, int]:
-        """Per replica of `among`, how many of `tokens` its cache would serve: the longest
-        prefix, short of the last token (a request computes at least that one), ending
-        where a node serves. Hashes only as far as some replica still has the blocks."""
+    def match(
+        self, tokens: Sequence[int], among: Iterable[str], namespace: str = ""
+    ) -> dict[str, int]:
+        """Per replica of `among`, how many of `tokens` its cache would serve in
+        `namespace`: the longest prefix, short of the last token (a request computes at
+        least that one), ending where a node serves. Hashes only as far as some replica
+        still has the blocks."""
         found: dict[str, int] = {}
         by_block: dict[int, dict[str, ReplicaIndex]] = {}
         for rid in among:
@@ -162,7 +165,7 @@ class PrefixIndex:
                 by_block.setdefault(index.block, {})[rid] = index
         head = np.asarray(tokens[: len(tokens) - 1], dtype=np.int64)
         for block, walking in by_block.items():
-            for n, h in enumerate(block_hashes(head, block, ROOT_HASH), 1):
+            for n, h in enumerate(block_hashes(head, block, namespace_root(namespace)), 1):
                 for rid, index in list(walking.items()):
                     if h not in index.present:
                         del walking[rid]

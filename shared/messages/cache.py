@@ -8,9 +8,10 @@ parent, and the hashes of the token blocks from the parent's end to its own. A `
 op is a node that no longer serves (its state evicted, or the node gone).
 
 Tokens are hashed in blocks of `block` (the page size) tokens, each block's hash chained
-with the one before it (`chain`): a hash stands for the whole prefix up to its block, so
-equal prefixes give equal chains on every replica, and a router matches a request by
-hashing it the same way.
+with the one before it (`chain`), the first with its namespace's root (`namespace_root`):
+a hash stands for the whole prefix up to its block in one namespace, so equal prefixes
+give equal chains on every replica, and a router matches a request by hashing it the
+same way.
 
 - `CacheEvents`: ops since the last message, with their own `seq`, consecutive within the
   scheduler's epoch (a reader that sees a gap asks for a snapshot).
@@ -33,6 +34,25 @@ CACHE_KIND = b"cache"  # the stream field `k` of a cache entry
 HASH_BYTES = 8
 ROOT_HASH = bytes(HASH_BYTES)  # what the first block is chained with
 ROOT_NODE = 0
+
+
+def cache_namespace(tenant: str | None, salt: str | None) -> str:
+    """Whose cached prefixes a request may reuse (vLLM's `cache_salt` rule): those of
+    requests sending the same salt, else those of its own API key (`tenant`, the key's
+    hash); with keys off and no salt, everyone's (""). Cache hits and their latency are
+    thus never a side channel between keys that share nothing."""
+    if salt:
+        return "salt:" + salt
+    return "" if tenant is None else "key:" + tenant
+
+
+def namespace_root(namespace: str) -> bytes:
+    """What the first block of a `namespace` prefix is chained with: equal token blocks
+    of two namespaces hash apart, so a router matches a request only where its replica
+    would."""
+    if not namespace:
+        return ROOT_HASH
+    return blake2b(namespace.encode(), digest_size=HASH_BYTES, person=b"custody-ns").digest()
 
 
 def block_hashes(tokens: Sequence[int] | np.ndarray, block: int, parent: bytes) -> Iterator[bytes]:

@@ -26,7 +26,11 @@ class CacheHarness:
         self.n = 0
 
     def insert(
-        self, tokens: list[int], value: int, borrowed: np.ndarray | None = None
+        self,
+        tokens: list[int],
+        value: int,
+        borrowed: np.ndarray | None = None,
+        namespace: str = "",
     ) -> CacheNode:
         """A request that computed `tokens` (after borrowing `borrowed` pages from the
         tree) caches them with its final state, whose content is `value`."""
@@ -46,7 +50,7 @@ class CacheHarness:
 
         length = len(tokens) - len(tokens) % ps
         node, tree_pages = self.cache.insert(
-            np.array(tokens[:length]), p.rows.row_pages(row, 0, length), owner, donate
+            np.array(tokens[:length]), p.rows.row_pages(row, 0, length), owner, donate, namespace
         )
         p.kv.adopt_prefix(row, tree_pages)
         if p.mamba.owner_of(slot) == owner.id:
@@ -57,8 +61,8 @@ class CacheHarness:
         p.ledger.retire(owner)
         return node
 
-    def match(self, tokens: list[int]):
-        return self.cache.match(np.array(tokens), len(tokens))
+    def match(self, tokens: list[int], namespace: str = ""):
+        return self.cache.match(np.array(tokens), len(tokens), namespace)
 
     def shape(self) -> list[tuple]:
         """(tokens from the root, edge, has state) of every node, sorted."""

@@ -4,8 +4,9 @@ serve a match (hold a state), under which servable ancestor, with which block ha
 The cache calls `stored` where a node gains a state and `removed` where one loses it (or
 goes); a split changes nothing a router sees (the lower half keeps its end and its
 state, the upper half is a tombstone), it only cuts the node's hashes in two. A node's
-tokens are hashed once, when it is inserted, chained from its parent's last hash; a match
-hashes nothing, so the cache's hot path stays as it was.
+tokens are hashed once, when it is inserted, chained from its parent's last hash (at the
+top, from its namespace's root); a match hashes nothing, so the cache's hot path stays
+as it was.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.scheduler.cache.node import CacheNode
-from shared.messages.cache import HASH_BYTES, ROOT_HASH, ROOT_NODE, Removed, Stored, chain
+from shared.messages.cache import (
+    HASH_BYTES,
+    ROOT_NODE,
+    Removed,
+    Stored,
+    chain,
+    namespace_root,
+)
 
 
 class CacheLog:
@@ -26,7 +34,7 @@ class CacheLog:
     def stored(self, node: CacheNode) -> None:
         """`node` now holds a state; a new node is hashed here, its only hashing."""
         if not node.hashes:
-            parent = node.parent.hashes[-HASH_BYTES:] or ROOT_HASH
+            parent = node.parent.hashes[-HASH_BYTES:] or namespace_root(node.namespace)
             node.hashes = chain(node.key, self.block, parent)
         self.ops.append(self.op(node))
 

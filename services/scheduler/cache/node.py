@@ -22,12 +22,13 @@ class CacheNode:
     parent: CacheNode | None
     end: int  # tokens from the root to the end of this node
     mamba: int = 0  # state slot after the last token; 0 for a tombstone
-    children: dict[tuple[int, ...], CacheNode] = field(default_factory=dict)
+    children: dict[tuple, CacheNode] = field(default_factory=dict)  # by (namespace, page)
     kv_lock: int = 0  # borrowers of the KV on the path through this node
     copy_lock: int = 0  # deferred copies from `mamba` not yet run
     kv_time: int = 0
     mamba_time: int = 0
     hashes: bytes = b""  # chained hashes of `key`'s pages, when the cache logs (cache_log.py)
+    namespace: str = ""  # whose requests may match it (shared/messages/cache.py); "": all
 
     @property
     def start(self) -> int:

@@ -8,6 +8,11 @@ moves, nothing is copied). KV eviction takes unlocked leaves, least recently use
 Mamba eviction takes the least recently used unlocked state anywhere, turning an inner
 node into a tombstone. No unlocked leaf is ever a tombstone.
 
+Each node belongs to one namespace (shared/messages/cache.py: a key's, a salt's, or
+everyone's), part of the label its parent files it under: a request matches only nodes of
+its own namespace, so a hit, `cached_tokens` and latency tell it nothing of another
+key's prompts, while eviction stays one LRU over the whole pool.
+
 Both evictions take from indexes in recency order (lru.py), refiled wherever a node
 changes, so that choosing what to evict never walks the tree. Where a node gains or loses
 a state, the cache's log (when on) records it for the routers (cache_log.py).
@@ -62,12 +67,13 @@ class RadixCache:
         return self.log
 
     # ---- lookups ----
-    def match(self, tokens: np.ndarray, limit: int) -> Match:
-        """Longest prefix of `tokens`, at most `limit` long, with KV and a state at its end.
-        Refreshes KV recency along the path and Mamba recency of the state it uses."""
+    def match(self, tokens: np.ndarray, limit: int, namespace: str = "") -> Match:
+        """Longest prefix of `tokens` in `namespace`, at most `limit` long, with KV and a
+        state at its end. Refreshes KV recency along the path and Mamba recency of the
+        state it uses."""
         node, best, pos = self.root, self.root, 0
         while pos < limit:
-            child = node.children.get(self._edge(tokens, pos))
+            child = node.children.get(self._label(namespace, tokens, pos))
             if child is None or child.end > limit:
                 break
             if self._common(child.key, tokens[pos:]) < len(child.key):
@@ -86,19 +92,24 @@ class RadixCache:
 
     # ---- insertion ----
     def insert(
-        self, tokens: np.ndarray, pages: np.ndarray, giver: Owner, donate: Donate | None
+        self,
+        tokens: np.ndarray,
+        pages: np.ndarray,
+        giver: Owner,
+        donate: Donate | None,
+        namespace: str = "",
     ) -> tuple[CacheNode, np.ndarray]:
-        """Cache `tokens` (page-aligned) whose KV is `pages`, with the state at their end
-        given by `donate` when the tree has none there. Positions the tree already holds
-        keep the tree's pages; `giver` keeps its own copies of them, to free (see
-        PagedKV.adopt_prefix). Returns the end node and the tree's pages for `tokens`.
+        """Cache `tokens` (page-aligned) in `namespace`, whose KV is `pages`, with the state
+        at their end given by `donate` when the tree has none there. Positions the tree
+        already holds keep the tree's pages; `giver` keeps its own copies of them, to free
+        (see PagedKV.adopt_prefix). Returns the end node and the tree's pages for `tokens`.
         Without `donate`, nothing past the existing tree is added (no stateless leaf)."""
         ps = self.page_size
         if len(tokens) % ps or len(pages) * ps != len(tokens):
             raise ValueError(f"insert: {len(tokens)} tokens, {len(pages)} pages of {ps}")
         node, pos, now = self.root, 0, next(self._clock)
         while pos < len(tokens):
-            child = node.children.get(self._edge(tokens, pos))
+            child = node.children.get(self._label(namespace, tokens, pos))
             if child is None:
                 break
             child.kv_time = now
@@ -116,12 +127,13 @@ class RadixCache:
                 len(tokens),
                 kv_time=now,
                 mamba_time=now,
+                namespace=namespace,
             )
             leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
             self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
             if self.log is not None:
                 self.log.stored(leaf)
-            node.children[self._edge(leaf.key, 0)] = leaf
+            node.children[self._label_of(leaf)] = leaf
             self._index(node)  # no longer a leaf
             node = leaf
         elif donate is not None and node is not self.root and not node.mamba:
@@ -148,12 +160,13 @@ class RadixCache:
             kv_lock=node.kv_lock,
             kv_time=node.kv_time,
             hashes=node.hashes[: at // ps * HASH_BYTES],
+            namespace=node.namespace,
         )
         self.pools.kv_pages.transfer(upper.pages, node.owner, upper.owner, "split")
         node.key, node.pages, node.parent = node.key[at:], node.pages[at // ps :], upper
         node.hashes = node.hashes[at // ps * HASH_BYTES :]
-        parent.children[self._edge(upper.key, 0)] = upper
-        upper.children[self._edge(node.key, 0)] = node
+        parent.children[self._label_of(upper)] = upper
+        upper.children[self._label_of(node)] = node
         return upper
 
     # ---- locks ----
@@ -235,7 +248,7 @@ class RadixCache:
                 self.log.removed(node)
         self.pools.kv_pages.free(node.pages, node.owner, "evict")
         parent = node.parent
-        del parent.children[self._edge(node.key, 0)]
+        del parent.children[self._label_of(node)]
         node.parent = None  # marks it removed
         self._index(node)
         self._index(parent)  # it may be a leaf now
@@ -299,7 +312,9 @@ class RadixCache:
                 out.append(f"{n}: key of {len(n.key)} tokens with {len(n.pages)} pages")
             if n.end != n.parent.end + len(n.key):
                 out.append(f"{n}: end {n.end} != parent end + edge")
-            if n.parent.children.get(self._edge(n.key, 0)) is not n:
+            if n.parent is not self.root and n.namespace != n.parent.namespace:
+                out.append(f"{n}: namespace {n.namespace!r} under {n.parent.namespace!r}")
+            if n.parent.children.get(self._label_of(n)) is not n:
                 out.append(f"{n}: not reachable from its parent by its first page")
             if n.is_leaf and not n.mamba and not n.kv_lock and not n.copy_lock:
                 out.append(f"{n}: an unlocked tombstone leaf")
@@ -314,8 +329,12 @@ class RadixCache:
     def _new_owner(self) -> Owner:
         return self.ledger.new_owner(OwnerKind.CACHE, f"node{next(self._ids)}")
 
-    def _edge(self, tokens: np.ndarray, pos: int) -> tuple[int, ...]:
-        return tuple(tokens[pos : pos + self.page_size].tolist())
+    def _label(self, namespace: str, tokens: np.ndarray, pos: int) -> tuple:
+        """What a parent files a child under: its namespace and its first page."""
+        return (namespace, *tokens[pos : pos + self.page_size].tolist())
+
+    def _label_of(self, node: CacheNode) -> tuple:
+        return self._label(node.namespace, node.key, 0)
 
     def _common(self, a: np.ndarray, b: np.ndarray) -> int:
         """Length of the common prefix of `a` and `b`, rounded down to whole pages."""

@@ -34,7 +34,7 @@ def admit_waiting(engine: EngineCore, req: Request, plan: StepPlan, state: StepB
         req.slots = engine.sessions.restore(req, plan.ops)
         state.take(n, need)
         return n
-    match = engine.cache.match(req.sequence, req.length - 1)
+    match = engine.cache.match(req.sequence, req.length - 1, req.cache_namespace)
     node = match.node if match.length else None
     if node is not None:
         engine.cache.lock(node)

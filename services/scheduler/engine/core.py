@@ -85,6 +85,7 @@ class EngineCore:
         params: SamplingParams,
         session_params: dict | None = None,
         chat: ChatTurn | None = None,
+        cache_namespace: str = "",
     ) -> Request:
         """Queue the next turn of session `sid` (the prompt becomes history + input; the
         session builds the request); `chat`: a chat turn's conversation."""
@@ -92,7 +93,7 @@ class EngineCore:
         params.validate(self.config.vocab_size)
         self._check_rid(rid)
         turn = self.sessions.begin_turn(
-            sid, tokens, params, rid, self.config.context_len, session_params, chat
+            sid, tokens, params, rid, self.config.context_len, session_params, chat, cache_namespace
         )
         return self._queue(turn)
 
@@ -290,6 +291,7 @@ class EngineCore:
             self.pools.rows.row_pages(row, 0, snap.seq_len),
             req.slots.owner,
             lambda receiver: track.donate_latest(receiver).slot,
+            req.cache_namespace,
         )
         self.pools.kv.adopt_prefix(row, tree_pages)
         req.slots.borrowed = len(tree_pages) * ps

@@ -47,7 +47,7 @@ def check_conversation(session: Session, digests: list[str]) -> int:
     if stored is None:
         if session.history.size:
             raise SessionError(
-                f"session {session.sid} holds tokens that are not a chat conversation "
+                f"session {session.name} holds tokens that are not a chat conversation "
                 "(from /generate); continue it with /generate, or chat in a new session",
                 "conflict",
             )
@@ -55,18 +55,18 @@ def check_conversation(session: Session, digests: list[str]) -> int:
     if len(digests) < len(stored):
         raise SessionError(
             f"{len(digests)} messages are fewer than the {len(stored)} of session "
-            f"{session.sid}'s conversation: send them all, then the new ones",
+            f"{session.name}'s conversation: send them all, then the new ones",
             "conflict",
         )
     for i, entry in enumerate(stored):
         if digests[i] != entry.digest:
             raise SessionError(
-                f"message {i} differs from session {session.sid}'s conversation: send "
+                f"message {i} differs from session {session.name}'s conversation: send "
                 f"its {len(stored)} stored messages unchanged, then the new ones",
                 "conflict",
             )
     if len(digests) == len(stored):
-        raise InvalidRequest(f"no new message after session {session.sid}'s conversation")
+        raise InvalidRequest(f"no new message after session {session.name}'s conversation")
     return len(stored)
 
 
@@ -90,7 +90,7 @@ def plan_turn(
     history = session.history
     if len(full) < len(history) or not np.array_equal(full[: len(history)], history):
         raise SessionError(
-            f"the chat template renders session {session.sid}'s conversation differently "
+            f"the chat template renders session {session.name}'s conversation differently "
             "once these messages follow (it is not prefix-stable here), so the session "
             "cannot continue it; send the conversation without session_id",
             "conflict",

@@ -15,9 +15,9 @@ from services.scheduler.engine.validation import output_budget
 from services.scheduler.http.app_keys import FRONT_DOOR
 from services.scheduler.http.limits import check_queue
 from services.scheduler.http.schemas import decode_body
-from services.scheduler.http.tenancy import check_owner
+from services.scheduler.http.tenancy import cache_namespace_of, session_id
 from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import InvalidRequest, SamplingParams
+from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.session import ChatTurn, Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tokenizer import NoTokenizer, Tokenizer, TokenizerMissing
@@ -62,15 +62,16 @@ async def run_generation(
     progress: Progress | None = None,
     chat: ChatTurn | None = None,
 ) -> Request:
-    """Run a plain request, or the next turn of a session the caller owns (with API keys
-    on, a session is visible only to the key that opened it; `chat`: a chat turn's
-    conversation), to its end; refused with a 503 while the waiting queue is full."""
+    """Run a plain request, or the next turn of the caller's session its client calls
+    `sid` (`chat`: a chat turn's conversation), to its end; refused with a 503 while the
+    waiting queue is full."""
     check_queue(request)
     if sid is not None:
-        own_session(request, sid)
+        sid = own_session(request, sid).sid
     door = request.app[FRONT_DOOR]
     check_text(door.tokenizer, params)
-    return await door.generate(rid, tokens, params, sid, session_params, progress, chat)
+    namespace = cache_namespace_of(request)
+    return await door.generate(rid, tokens, params, sid, session_params, progress, chat, namespace)
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,17 @@ async def run_all(request: web.Request, jobs: list[Job]) -> list[Request]:
     counted against the queue limit before any is submitted (a 503 refuses the lot), and
     if one fails the others are aborted (their waits are cancelled, which aborts)."""
     check_queue(request, len(jobs))
-    door = request.app[FRONT_DOOR]
+    door, namespace = request.app[FRONT_DOOR], cache_namespace_of(request)
     for job in jobs:
         check_text(door.tokenizer, job.params)
     try:
         async with asyncio.TaskGroup() as group:
             runs = [
-                group.create_task(door.generate(j.rid, j.tokens, j.params, progress=j.progress))
+                group.create_task(
+                    door.generate(
+                        j.rid, j.tokens, j.params, progress=j.progress, cache_namespace=namespace
+                    )
+                )
                 for j in jobs
             ]
     except ExceptionGroup as failed:
@@ -109,10 +114,9 @@ def check_text(tokenizer: Tokenizer, params: SamplingParams) -> None:
         raise TokenizerMissing(f"stop strings need text, but {missing} is missing (ids-only)")
 
 
-def own_session(request: web.Request, sid: object) -> Session:
-    if not isinstance(sid, str):
-        raise InvalidRequest("a session id must be a string")
-    return check_owner(request.app[FRONT_DOOR].session(sid), request)
+def own_session(request: web.Request, name: object) -> Session:
+    """The caller's open session its client calls `name`."""
+    return request.app[FRONT_DOOR].session(session_id(request, name))
 
 
 class EventStream:

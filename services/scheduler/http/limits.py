@@ -7,19 +7,22 @@ by itself)."""
 
 from __future__ import annotations
 
+import secrets
+
 from aiohttp import web
 
 from services.scheduler.http.app_keys import FRONT_DOOR
-from services.scheduler.http.tenancy import CALLER, Refused
+from services.scheduler.http.tenancy import CALLER, Refused, session_id
 from services.scheduler.records.session import Session, SessionError
 
 RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
 
 
 def open_session_within_limits(
-    request: web.Request, sid: str | None, timeout: float | None
+    request: web.Request, name: str | None, timeout: float | None
 ) -> Session:
-    """A new session of the caller, within the per-key and the global limits."""
+    """A new session of the caller, named `name` (or a random name), within the per-key
+    and the global limits."""
     tenant, door = request[CALLER].tenant, request.app[FRONT_DOOR]
     per_key = door.settings.max_sessions_per_key
     if tenant is not None and per_key:
@@ -31,8 +34,9 @@ def open_session_within_limits(
                 "(--max-sessions-per-key); close one first",
                 "session_limit",
             )
+    name = secrets.token_hex(16) if name is None else name
     try:
-        return door.open_session(sid, timeout, tenant)
+        return door.open_session(session_id(request, name), timeout, tenant)
     except SessionError as err:
         if err.kind != "limit":
             raise

@@ -31,7 +31,7 @@ from services.scheduler.http.common import (
     token_limit,
 )
 from services.scheduler.http.logprobs import openai as openai_logprobs
-from services.scheduler.http.tenancy import Refused
+from services.scheduler.http.tenancy import CACHE_SALT, Refused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, SamplingParams
 from services.scheduler.runtime.front_door import Progress
@@ -99,6 +99,8 @@ async def respond(
             404, f"model {body.model!r} is not served here; {served!r} is", "model_not_found"
         )
     n, sid = body.n or 1, body.session_id
+    if body.cache_salt is not None:
+        request[CACHE_SALT] = body.cache_salt
     if n > 1 and sid is not None:
         raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
     claims = [request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")]

@@ -36,7 +36,7 @@ from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
-from services.scheduler.http.tenancy import Refused
+from services.scheduler.http.tenancy import CACHE_SALT, Refused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.runtime.front_door import FrontDoor, Progress
@@ -131,13 +131,12 @@ async def open_session(request: web.Request) -> web.Response:
     session = open_session_within_limits(request, body.session_id, body.timeout)
     session.routed = request.headers.get(PLACED_HEADER) == "1"
     await request.app[FRONT_DOOR].durable()
-    return web.json_response(session.sid)
+    return web.json_response(session.name)
 
 
 async def close_session(request: web.Request) -> web.Response:
-    sid = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
-    own_session(request, sid)
-    await request.app[FRONT_DOOR].close_session(sid)
+    name = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
+    await request.app[FRONT_DOOR].close_session(own_session(request, name).sid)
     await request.app[FRONT_DOOR].durable()
     return web.json_response(True)
 
@@ -169,9 +168,11 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     raw, schemas = await request.read(), request.app[SCHEMAS]
+    body = decode_body(raw, schemas.generate_batch if is_batch(raw) else schemas.generate)
+    if body.cache_salt is not None:
+        request[CACHE_SALT] = body.cache_salt
     if is_batch(raw):
-        return await generate_batch(request, decode_body(raw, schemas.generate_batch))
-    body = decode_body(raw, schemas.generate)
+        return await generate_batch(request, body)
     door = request.app[FRONT_DOOR]
     sid = body.session_id()
     tokens = body.input_ids or prompt_tokens(request, body.text, sid)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from services.scheduler.records.sampling import SEED_MAX
+from shared.http_limits import MAX_CACHE_SALT
 from shared.messages.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 256
@@ -29,6 +30,8 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 # msgspec cannot bound an int past int64: the upper bound is documented here and checked
 # by `check_seed`.
 Seed = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": SEED_MAX})]
+# vLLM's extension: requests with one salt share cached prefixes (whatever their key)
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
 @dataclass(frozen=True)

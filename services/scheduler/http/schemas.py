@@ -26,7 +26,8 @@ from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from shared.streams import REPLICA_ID, SESSION_ID
+from shared.session_ids import SESSION_ID
+from shared.streams import REPLICA_ID
 
 MAX_SESSION_TIMEOUT = 7 * 24 * 3600
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -193,6 +194,7 @@ def generate_schema(limits: st.Limits) -> type:
         sampling_params: Sampling | None = None
         session_params: SessionParams | None = None
         rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+        cache_salt: st.CacheSalt | None = None
         stream: bool = False
         return_logprob: bool = False
         top_logprobs_num: st.TopLogprobs = 0  # with return_logprob: output_top_logprobs

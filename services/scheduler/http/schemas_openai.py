@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 from services.scheduler.http.schema_types import (
     MAX_STOP_TOKEN_IDS,
     OPENAI_UNIMPLEMENTED,
+    CacheSalt,
     Limits,
     MinP,
     Penalty,
@@ -57,6 +58,7 @@ class OpenAIRequest(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     session_id: str | None = None
+    cache_salt: CacheSalt | None = None
     # not implemented: refused unless neutral (schema_types.NEUTRAL)
     logit_bias: neutral_only("logit_bias") = None
     response_format: neutral_only("response_format") = None

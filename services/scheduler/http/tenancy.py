@@ -7,7 +7,8 @@ internal id, the rid the engine, the wire and the executor see; the rid a client
 is mapped per tenant, so two keys may both use rid "a" at once and no key can name,
 let alone abort, another's request. An operator key (`--admin-api-keys`, valid as a
 normal key too) may abort every key's requests and is required for the operator routes.
-With no key configured, everyone is one anonymous operator, as before tenancy.
+With no key configured, everyone is one anonymous operator, as before tenancy. Session
+names are per key too (`session_id`).
 
 Keys are compared in constant time, as digests, against every configured key, and are
 never logged.
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.scheduler.records.sampling import InvalidRequest
-from services.scheduler.records.session import Session, SessionError
 from shared.http_limits import MAX_RID
+from shared.messages.cache import cache_namespace
+from shared.session_ids import SESSION_ID, scoped_session_id, valid_session_name
 
 # what probes and Prometheus call, without a key
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
@@ -58,6 +60,7 @@ class Claim:
 
 ANONYMOUS = Caller(None, operator=True)
 CALLER = web.RequestKey("caller", Caller)
+CACHE_SALT = web.RequestKey("cache_salt", str)  # the body's `cache_salt`, when given
 CLAIMS = web.RequestKey("claims", list)
 
 
@@ -139,11 +142,17 @@ class Tenancy:
         return [] if found is None else [found]
 
 
-def check_owner(session: Session, request: web.Request) -> Session:
-    """`session` if the caller opened it; to any other key it does not exist (404)."""
-    if session.tenant != request[CALLER].tenant:
-        raise SessionError(f"session {session.sid} not found", "not_found")
-    return session
+def session_id(request: web.Request, name: object) -> str:
+    """The id of the caller's session `name` (shared/session_ids.py): with keys on, a
+    key sees only its own sessions, so any other key's miss is the same 404."""
+    if not valid_session_name(name):
+        raise InvalidRequest(f"session_id must match {SESSION_ID.pattern}")
+    return scoped_session_id(request[CALLER].tenant, name)
+
+
+def cache_namespace_of(request: web.Request) -> str:
+    """The prefix cache the caller's requests may match and feed (shared/messages/cache.py)."""
+    return cache_namespace(request.get(CALLER, ANONYMOUS).tenant, request.get(CACHE_SALT))
 
 
 def middleware(tenancy: Tenancy):

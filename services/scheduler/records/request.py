@@ -63,6 +63,7 @@ class Request:
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
     chat: ChatTurn | None = None  # a chat turn's conversation (records/session.py)
+    cache_namespace: str = ""  # whose cached prefixes it may match and feed (radix_cache.py)
     logprobs: list[float] = field(default_factory=list)  # the model's, per output token
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)

@@ -16,6 +16,7 @@ from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
 from shared.messages.ownership import ChatEntry
 from shared.placement import FIRST_EPOCH
+from shared.session_ids import session_name
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
@@ -60,7 +61,7 @@ class ChatTurn:
 
 @dataclass(eq=False)
 class Session:
-    sid: str
+    sid: str  # its scoped id (shared/session_ids.py)
     owner: Owner  # session:<sid>
     timeout: float | None  # seconds idle before it is closed; None: never
     last_used: float
@@ -78,6 +79,11 @@ class Session:
     moving: bool = False  # leaving for another replica: no turn starts (sessions/migration.py)
     epoch: int = FIRST_EPOCH  # its placement's epoch here (shared/placement.py)
     routed: bool = False  # placed in the directory (by a router): no placement means gone
+
+    @property
+    def name(self) -> str:
+        """What its client calls it."""
+        return session_name(self.sid)
 
     @property
     def state_tier(self) -> str | None:

@@ -114,18 +114,22 @@ class FrontDoor:
         session_params: dict | None = None,
         progress: Progress | None = None,
         chat: ChatTurn | None = None,
+        cache_namespace: str = "",
     ) -> Request:
         """Run a plain request, or the next turn of session `sid` (`tokens` are then only
-        its new input; `chat`: a chat turn's conversation), to its end; `progress` is
-        called as tokens arrive."""
+        its new input; `chat`: a chat turn's conversation), to its end, matching and
+        feeding the prefix cache of `cache_namespace`; `progress` is called as tokens
+        arrive."""
         engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
         if sid is None:
-            return await self._intake.run(
-                lambda: engine.submit(Request(rid, tokens, params)), progress
-            )
+            plain = Request(rid, tokens, params, cache_namespace=cache_namespace)
+            return await self._intake.run(lambda: engine.submit(plain), progress)
         await self._undo_stale_move(sid)
         return await self._intake.run(
-            lambda: engine.submit_turn(sid, tokens, rid, params, session_params, chat), progress
+            lambda: engine.submit_turn(
+                sid, tokens, rid, params, session_params, chat, cache_namespace
+            ),
+            progress,
         )
 
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:

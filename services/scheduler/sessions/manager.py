@@ -40,7 +40,7 @@ from services.scheduler.sessions.records import DurableRecords
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
-from shared.streams import SESSION_ID, valid_session_id
+from shared.session_ids import session_name, valid_session_id
 
 log = logging.getLogger("custody.sessions")
 REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
@@ -108,10 +108,10 @@ class SessionManager(DurableRecords, Reencoding):
         timeout = self.idle_timeout if timeout is None else timeout
         sid = secrets.token_hex(16) if sid is None else sid
         if not valid_session_id(sid):
-            raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
+            raise SessionError(f"{sid!r} is not a session id", "invalid")
         self._not_pending(sid)
         if sid in self.sessions or sid in self._closed:
-            raise SessionError(f"session {sid} already exists", "invalid")
+            raise SessionError(f"session {session_name(sid)} already exists", "invalid")
         if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
             raise SessionError(f"timeout must lie in (0, 604800] seconds, got {timeout}", "invalid")
         owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
@@ -125,16 +125,16 @@ class SessionManager(DurableRecords, Reencoding):
         """`sid`, to be served: refused while this replica cannot prove its right to its
         sessions (`may_serve`) or has not taken it back yet (`pending`)."""
         if not valid_session_id(sid):
-            raise SessionError(f"session_id must match {SESSION_ID.pattern}", "invalid")
+            raise SessionError(f"{sid!r} is not a session id", "invalid")
         self._not_pending(sid)
         self._serving(sid)
         session = self.sessions.get(sid)
         if session is None:
             if sid in self._closed:
-                raise SessionError(f"session {sid} is closed", "closed")
-            raise SessionError(f"session {sid} not found", "not_found")
+                raise SessionError(f"session {session_name(sid)} is closed", "closed")
+            raise SessionError(f"session {session_name(sid)} not found", "not_found")
         if session.closing or session.closed:
-            raise SessionError(f"session {sid} is closed", "closed")
+            raise SessionError(f"session {session_name(sid)} is closed", "closed")
         return session
 
     def begin_turn(
@@ -146,23 +146,30 @@ class SessionManager(DurableRecords, Reencoding):
         context_len: int,
         session_params: dict | None = None,
         chat: ChatTurn | None = None,
+        cache_namespace: str = "",
     ) -> Request:
         """A turn extends the history with `new_tokens`; checked before anything moves."""
         session = self.get(sid)
         check_session_params(session_params or {})
         if session.turn is not None:
-            raise SessionError(f"session {sid} already has a turn in flight", "busy")
+            raise SessionError(f"session {session_name(sid)} already has a turn in flight", "busy")
         if session.moving:
-            raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
+            raise SessionError(
+                f"session {session_name(sid)} is moving to another replica; retry", "moving"
+            )
         if chat is not None and chat.base != len(session.history):
-            raise SessionError(f"session {sid} changed while this turn was prepared", "busy")
+            raise SessionError(
+                f"session {session_name(sid)} changed while this turn was prepared", "busy"
+            )
         prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
         if len(prompt) >= context_len:
             raise InvalidRequest(
-                f"session {sid}: history ({len(session.history)}) plus input "
+                f"session {session_name(sid)}: history ({len(session.history)}) plus input "
                 f"({len(new_tokens)}) tokens reach the context length {context_len}"
             )
-        req = Request(rid, prompt, params, session=session, chat=chat)
+        req = Request(
+            rid, prompt, params, session=session, chat=chat, cache_namespace=cache_namespace
+        )
         session.turn = req
         self._touch(session, self.clock())
         return req
@@ -172,7 +179,9 @@ class SessionManager(DurableRecords, Reencoding):
         while the session moves: the replica it goes to would keep it open."""
         session = self.get(sid)
         if session.moving:
-            raise SessionError(f"session {sid} is moving to another replica; retry", "moving")
+            raise SessionError(
+                f"session {session_name(sid)} is moving to another replica; retry", "moving"
+            )
         session.closing = True
         self.dirty.add(sid)  # recorded closed now: a restart must not resurrect it
         if session.turn is None:
@@ -184,9 +193,9 @@ class SessionManager(DurableRecords, Reencoding):
         by `may_serve`: a fenced replica releases what moved before it serves again."""
         session = self.sessions.get(sid)
         if session is None or session.closing:
-            raise SessionError(f"session {sid} not found", "not_found")
+            raise SessionError(f"session {session_name(sid)} not found", "not_found")
         if session.turn is not None:
-            raise SessionError(f"session {sid} has a turn in flight", "busy")
+            raise SessionError(f"session {session_name(sid)} has a turn in flight", "busy")
         session.closing = True
         self._close_now(session, departing=True)
         self.forget_closed(sid)
@@ -357,14 +366,16 @@ class SessionManager(DurableRecords, Reencoding):
         session may have been moved to another replica that serves it now."""
         if not self.may_serve():
             raise SessionError(
-                f"session {sid}: this replica cannot prove its registration current; retry",
+                f"session {session_name(sid)}: this replica cannot prove its registration "
+                "current; retry",
                 "fenced",
             )
 
     def _not_pending(self, sid: str) -> None:
         if sid in self.pending:
             raise SessionError(
-                f"session {sid} is being restored after a restart; retry", "rebuilding"
+                f"session {session_name(sid)} is being restored after a restart; retry",
+                "rebuilding",
             )
 
     def _touch(self, session: Session, now: float) -> None:

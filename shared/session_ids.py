@@ -1,0 +1,41 @@
+"""Session ids: the name a client gives a session, and the id custody keeps it under.
+
+With API keys on, each key has its own namespace of session names: two keys may both
+open "x", and no key can learn whether another's "x" exists (every miss is a 404). The
+edges (router and scheduler) turn a client's name into its *scoped* id, the name and a
+tag of the key's tenant hash, and everything behind them (the engine, Redis keys, the
+ownership stream, the session store, operator routes) knows a session by that id only.
+A name never contains the separator, so a scoped id names exactly one (name, key) pair.
+With keys off there is one namespace and a session's id is its name."""
+
+from __future__ import annotations
+
+import re
+
+# A session name, as clients may choose it; part of Redis keys and log lines, so never
+# `.` or `..`. Written for JSON Schema (ECMA), where `$` is the end; Python's `$` also
+# matches before a final newline, so `valid_session_name` matches it with `fullmatch`.
+SESSION_ID = re.compile(r"^(?!\.\.?$)[A-Za-z0-9._:-]{1,128}$")
+SEPARATOR = "~"  # never in a name
+TAG_CHARS = 32  # hex digits of the tenant hash (128 bits) a scoped id carries
+_NAME = r"(?!\.\.?(~|$))[A-Za-z0-9._:-]{1,128}"
+_SCOPED = re.compile(rf"{_NAME}({SEPARATOR}[0-9a-f]{{{TAG_CHARS}}})?")
+
+
+def valid_session_name(name: object) -> bool:
+    return isinstance(name, str) and SESSION_ID.fullmatch(name) is not None
+
+
+def scoped_session_id(tenant: str | None, name: str) -> str:
+    """The id of the session `name` of `tenant` (a key's sha256 hex; None: keys off)."""
+    return name if tenant is None else f"{name}{SEPARATOR}{tenant[:TAG_CHARS]}"
+
+
+def session_name(sid: str) -> str:
+    """What the session's client calls it."""
+    return sid.partition(SEPARATOR)[0]
+
+
+def valid_session_id(sid: object) -> bool:
+    """A scoped id (or, keys off, a name): what the engine and operator routes take."""
+    return isinstance(sid, str) and _SCOPED.fullmatch(sid) is not None
