@@ -287,16 +287,23 @@ def broken_links(path: Path, text: str) -> list[str]:
     broken = []
     for number, line in prose_lines(text):
         for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
-            if re.match(r"[a-z][a-z0-9+.-]*:", target):
-                continue
-            name, _, anchor = target.partition("#")
-            where = (path.parent / name).resolve()
-            if name and not where.exists():
-                broken.append(f"{path.name}:{number} {target}")
-            elif anchor and (not name or where.suffix == ".md"):
-                if anchor not in anchors(where.read_text() if name else text):
-                    broken.append(f"{path.name}:{number} {target} (no such heading)")
+            problem = link_problem(path, text, target)
+            if problem is not None:
+                broken.append(f"{path.name}:{number} {target}{problem}")
     return broken
+
+
+def link_problem(path: Path, text: str, target: str) -> str | None:
+    """None for a good link (or one with a scheme), else what is wrong with it."""
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):
+        return None
+    name, _, anchor = target.partition("#")
+    where = (path.parent / name).resolve()
+    if name and not where.exists():
+        return ""
+    if not anchor or (name and where.suffix != ".md"):
+        return None
+    return None if anchor in anchors(where.read_text() if name else text) else " (no heading)"
 
 
 def test_every_relative_link_of_the_readme_and_docs_resolves():
@@ -317,7 +324,7 @@ def test_the_link_check_flags_a_missing_file_and_a_missing_heading():
     assert broken_links(page, text) == [
         "page.md:4 nowhere.md",
         "page.md:4 ../bench-results/none.png",
-        "page.md:4 api.md#no-such-heading (no such heading)",
+        "page.md:4 api.md#no-such-heading (no heading)",
     ]
 
 
