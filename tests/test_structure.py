@@ -230,7 +230,6 @@ def test_http_handlers_reach_the_scheduler_only_through_its_front_door():
 # The README is the front page: the two commands, what custody is, a first try, the layout,
 # the headline figures, an index of docs/ and what is not built. The manual is in docs/.
 README_MAX_LINES = 200
-MARKDOWN = ("README.md", "docs")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
