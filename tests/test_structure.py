@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -224,3 +225,137 @@ def test_http_handlers_reach_the_scheduler_only_through_its_front_door():
     assert not edge_imports_past_the_front_door(edge)
     # the check sees an import past the front door where there is one
     assert edge_imports_past_the_front_door([ROOT / "services/scheduler/main.py"])
+
+
+# The README is the front page: the two commands, what custody is, a first try, the layout,
+# the headline figures, an index of docs/ and what is not built. The manual is in docs/.
+README_MAX_LINES = 200
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def too_long(text: str, limit: int = README_MAX_LINES) -> int | None:
+    """The line count of `text` when it passes `limit`, else None."""
+    n = len(text.splitlines())
+    return n if n > limit else None
+
+
+def test_the_readme_has_at_most_two_hundred_lines():
+    assert too_long((ROOT / "README.md").read_text()) is None
+
+
+def test_the_line_limit_flags_a_long_text():
+    assert too_long("x\n" * README_MAX_LINES) is None
+    assert too_long("x\n" * (README_MAX_LINES + 1)) == README_MAX_LINES + 1
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings: lower case, punctuation
+    but `-` and `_` dropped, spaces as `-` (a repeated heading gets `-1`, `-2`, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for _, line in prose_lines(text):
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(number, line) for the lines of a Markdown text outside fenced code blocks."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            yield number, line
+
+
+def broken_links(path: Path, text: str) -> list[str]:
+    """`file:line target` for each relative link of `text` (a Markdown file at `path`)
+    whose file does not exist, or whose `#anchor` names no heading of that file. Links
+    with a scheme (http, https, mailto) are not checked."""
+    broken = []
+    for number, line in prose_lines(text):
+        for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            problem = link_problem(path, text, target)
+            if problem is not None:
+                broken.append(f"{path.name}:{number} {target}{problem}")
+    return broken
+
+
+def link_problem(path: Path, text: str, target: str) -> str | None:
+    """None for a good link (or one with a scheme), else what is wrong with it."""
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):
+        return None
+    name, _, anchor = target.partition("#")
+    where = (path.parent / name).resolve()
+    if name and not where.exists():
+        return ""
+    if not anchor or (name and where.suffix != ".md"):
+        return None
+    return None if anchor in anchors(where.read_text() if name else text) else " (no heading)"
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    files = markdown_files()
+    assert len(files) > 10
+    found = [b for path in files for b in broken_links(path, path.read_text())]
+    assert not found, f"broken links: {found}"
+
+
+def test_the_link_check_flags_a_missing_file_and_a_missing_heading():
+    page = ROOT / "docs" / "page.md"
+    text = (
+        "# A page\n## Two words, `code`\n"
+        "[ok](api.md) [ok](#two-words-code) [web](https://example.com/none)\n"
+        "[gone](nowhere.md) ![gone](../bench-results/none.png) [bad](api.md#no-such-heading)\n"
+        "```\n[in code](nowhere.md)\n```\n"
+    )
+    assert broken_links(page, text) == [
+        "page.md:4 nowhere.md",
+        "page.md:4 ../bench-results/none.png",
+        "page.md:4 api.md#no-such-heading (no heading)",
+    ]
+
+
+def up_flags() -> list[str]:
+    """Every flag `custody up --help` prints, `--help` aside."""
+    out = subprocess.run(
+        [sys.executable, "-m", "custody.cli", "up", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.stdout)) - {"--help"})
+
+
+def undocumented(flags: list[str], docs: str) -> list[str]:
+    """The flags whose literal name appears nowhere in `docs` (`--host` is not found in
+    `--host-state-bytes`)."""
+    return [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", docs)]
+
+
+def test_every_flag_of_custody_up_is_documented_in_docs():
+    flags = up_flags()
+    assert "--redis-url" in flags and "--tier-move-delay-seconds" in flags and len(flags) > 40
+    docs = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    assert not undocumented(flags, docs), f"flags not in docs/: {undocumented(flags, docs)}"
+
+
+def test_the_flag_check_flags_an_undocumented_one():
+    docs = "`--host-state-bytes` (1 GiB) and `--port`."
+    assert undocumented(["--port", "--host", "--host-state-bytes", "--no-such"], docs) == [
+        "--host",
+        "--no-such",
+    ]
