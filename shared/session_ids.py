@@ -10,6 +10,7 @@ With keys off there is one namespace and a session's id is its name."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # A session name, as clients may choose it; part of Redis keys and log lines, so never
@@ -24,6 +25,11 @@ _SCOPED = re.compile(rf"{_NAME}({SEPARATOR}[0-9a-f]{{{TAG_CHARS}}})?")
 
 def valid_session_name(name: object) -> bool:
     return isinstance(name, str) and SESSION_ID.fullmatch(name) is not None
+
+
+def tenant_of(key: str) -> str:
+    """The tenant of an API key (its sha256, hex): what owns its sessions, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def scoped_session_id(tenant: str | None, name: str) -> str:

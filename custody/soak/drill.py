@@ -24,6 +24,7 @@ from custody.soak.chaos import Chaos
 from custody.soak.client import NO_ANSWER, Reply, call
 from custody.soak.greedy import CLOSED, Greedy
 from custody.soak.tally import OK, Tally
+from shared.session_ids import scoped_session_id, tenant_of
 
 # kind: (the tiers the session is placed in first, in order; the tier the move goes to)
 SETUP: dict[str, tuple[tuple[str, ...], str]] = {
@@ -114,8 +115,10 @@ class TierDrill:
         return history + tokens + output
 
     def place(self, sid: str, tier: str) -> str | None:
-        """Ask for `sid`'s state in `tier`; where it is once the route answers."""
-        body = {"session_id": sid, "tier": tier}
+        """Ask for `sid`'s state in `tier`; where it is once the route answers. The
+        operator route names the session by its id, the name scoped to its key's tenant."""
+        tenant = None if self.tenant is None else tenant_of(self.tenant)
+        body = {"session_id": scoped_session_id(tenant, sid), "tier": tier}
         reply = call(self.port, "/place_session", body, self.operator, timeout=90)
         self.tally.judge("drill_place_session", reply, OK)
         return reply.body.get("tier") if reply.status == 200 and reply.is_dict else None
