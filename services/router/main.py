@@ -4,7 +4,6 @@ killed and restarted alone, or run twice, and sends every session to the same pl
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -23,6 +22,7 @@ from services.router.replicas import ReplicaTable
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async
+from shared.service_main import start
 from shared.slow_clients import GuardedRunner
 from shared.tenancy import ApiKeys
 from shared.tokenizer import load_tokenizer
@@ -86,11 +86,7 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="custody router service")
-    Settings.add_arguments(parser)
-    settings = Settings.resolve(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
-    asyncio.run(serve(settings))
+    asyncio.run(serve(start("router", argv)))
 
 
 if __name__ == "__main__":
