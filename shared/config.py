@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shared.dtypes import check_dtype, sizing_dtype
 from shared.model_config import ModelConfig
+from shared.redis_server import free_port
 from shared.streams import REPLICA_ID
 from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
@@ -169,6 +170,14 @@ class Settings:
                 default=None,
                 help=f"env CUSTODY_{f.name.upper()}; default {f.default!r}",
             )
+
+    @classmethod
+    def ephemeral(cls, **overrides: object) -> Settings:
+        """Settings whose ports are free now, for a stack that must not meet another on
+        this machine (tests, benchmarks, soaks)."""
+        return cls(
+            port=free_port(), store_port=free_port(), executor_metrics_port=free_port(), **overrides
+        )
 
     @classmethod
     def resolve(

@@ -17,7 +17,6 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 from shared.model_config import builtin_config
-from shared.redis_server import free_port
 
 # the campaign's small pools (custody/soak/campaign.py), run eager:
 # tests/executor/test_compiled_decode.py compiles
@@ -55,11 +54,8 @@ def start_stack(settings: Settings) -> Stack:
 
 
 def stack_settings(redis_url: str, **overrides: object) -> Settings:
-    return Settings(
+    return Settings.ephemeral(
         redis_url=redis_url,
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
         heartbeat_seconds=0.2,
         executor_timeout_seconds=1.5,
         **(POOLS | overrides),

@@ -15,7 +15,6 @@ from custody.up import Stack
 from shared import streams
 from shared.config import Settings
 from shared.messages.forward import decode_step
-from shared.redis_server import free_port
 from tests.services_harness import (
     POOLS,
     call,
@@ -165,11 +164,8 @@ def test_a_killed_session_store_catches_up(stack):
 
 
 def test_a_redis_restart_loses_nothing(tmp_path):
-    settings = Settings(
+    settings = Settings.ephemeral(
         redis_url="",
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
         heartbeat_seconds=0.2,
         executor_timeout_seconds=1.5,
         **POOLS,

@@ -77,7 +77,7 @@ def test_penalties_and_top_logprobs_survive_the_round_trip():
     back = decode_result(encode(result))
     assert [(i.tolist(), lp.tolist()) for i, lp in back.top] == top
     plain = decode_result(encode(StepResult.of("exec", 4, "sched", ["a"], [5], [-0.5])))
-    assert plain.packed_top_counts == b"" and plain.top == [((), ())]
+    assert plain.top_counts.tobytes() == b"" and plain.top == [((), ())]
 
 
 def raw_of(message: msgspec.Struct) -> dict:

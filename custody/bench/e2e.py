@@ -26,7 +26,6 @@ from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.bench.sessions import _post
 from custody.up import Stack
 from shared.config import Settings
-from shared.redis_server import free_port
 
 CLIENTS, TURNS, INPUT, OUTPUT = 16, 4, 32, 32
 
@@ -95,8 +94,7 @@ CONFIGS = {"default": {}, "eager": {"compile": False}, "unpipelined": {"pipeline
 
 
 def _stack(overrides: dict) -> Stack:
-    ports = {"port": free_port(), "store_port": free_port(), "executor_metrics_port": free_port()}
-    return Stack(Settings(**ports, **overrides))
+    return Stack(Settings.ephemeral(**overrides))
 
 
 def _summary(runs: list[dict]) -> dict:

@@ -29,7 +29,6 @@ from custody.bench.multiturn_workload import MODES, Conversation, Turn, Workload
 from custody.bench.multiturn_workload import drive as drive_rounds
 from custody.up import Stack
 from shared.config import Settings
-from shared.redis_server import free_port
 
 Runs = dict[str, dict[str, list[tuple[list[Turn], float]]]]  # rate -> mode -> (turns, seconds)
 
@@ -40,10 +39,7 @@ def settings_for(workload: Workload) -> Settings:
     Mamba slots for the running requests (4 each) and a state per open session."""
     base = Settings()
     pages = -(-workload.longest // base.page_size)
-    return Settings(
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
+    return Settings.ephemeral(
         context_len=max(base.context_len, workload.longest),
         kv_pages=max(base.kv_pages, 2 * workload.num_clients * pages),
         mamba_slots=max(base.mamba_slots, 4 * base.max_running_requests + workload.num_clients + 1),

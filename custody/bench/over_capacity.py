@@ -24,7 +24,6 @@ from custody.bench.harness import progress
 from custody.up import Stack
 from shared.config import Settings
 from shared.model_config import builtin_config
-from shared.redis_server import free_port
 
 HISTORY = 4096  # tokens of each session's first prompt
 FACTOR = 4  # sessions per session the device pools hold
@@ -148,10 +147,7 @@ def run(
 ) -> dict:
     """The scenario on a stack of its own (small device pools, a private state dir);
     figures with their targets, and a markdown table under "table"."""
-    settings = Settings(
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
+    settings = Settings.ephemeral(
         page_size=page_size,
         kv_pages=kv_pages,
         context_len=context_len,

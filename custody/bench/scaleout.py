@@ -265,8 +265,7 @@ def _prefix(settings: Settings, random_url: str, urls: list[str], rounds: int) -
 def run(repeats: int = 7, clients: int = CLIENTS, turns: int = TURNS, rounds: int = ROUNDS) -> dict:
     """The whole benchmark on one 2-replica stack; writes bench-results/scaleout.*."""
     start = time.perf_counter()
-    ports = {"port": free_port(), "store_port": free_port(), "executor_metrics_port": free_port()}
-    stack = Stack(Settings(replicas=2, **ports, **POOLS)).start_all()
+    stack = Stack(Settings.ephemeral(replicas=2, **POOLS)).start_all()
     random_port = free_port()
     baseline = _random_router(stack.settings, random_port)
     try:

@@ -19,7 +19,6 @@ from custody.bench import over_capacity
 from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.up import Stack
 from shared.config import Settings
-from shared.redis_server import free_port
 
 LENGTHS = (256, 1024, 4096, 8192)
 NEW = 8
@@ -38,10 +37,7 @@ def _timed(port: int, path: str, body: dict) -> float:
 
 
 def run(repeats: int = 5) -> dict:
-    settings = Settings(
-        port=free_port(),
-        store_port=free_port(),
-        executor_metrics_port=free_port(),
+    settings = Settings.ephemeral(
         context_len=16384,
         kv_pages=4096,
         max_step_tokens=4096,

@@ -15,7 +15,6 @@ from shared import streams
 from shared.config import Settings
 from shared.messages.cache import CACHE_KIND
 from shared.messages.ownership import MESSAGES, Events
-from shared.redis_server import free_port
 
 KEYS = streams.SINGLE  # the one replica of the stacks these drive
 
@@ -25,9 +24,7 @@ E2E_RUNS = 2
 def scheduler_batches(runs: int = E2E_RUNS) -> dict:
     """Events per `events` message during the e2e workload, and the interval between the
     scheduler's steps (how long an event can wait in service for its batch to ship)."""
-    stack = Stack(
-        Settings(port=free_port(), store_port=free_port(), executor_metrics_port=free_port())
-    )
+    stack = Stack(Settings.ephemeral())
     try:
         stack.start_all().wait_healthy()
         for i in range(runs):

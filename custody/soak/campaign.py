@@ -34,7 +34,6 @@ from custody.soak.verdict import disowned
 from custody.up import Backoff, Stack, layout
 from shared import streams
 from shared.config import Settings
-from shared.redis_server import free_port
 
 SUMMARY_KEYS = (
     "faults",
@@ -61,10 +60,7 @@ POOLS = {
 class Campaign:
     def __init__(self, duration: float, replicas: int, dead_seconds: float) -> None:
         self.duration, self.dead_seconds = duration, dead_seconds
-        self.settings = Settings(
-            port=free_port(),
-            store_port=free_port(),
-            executor_metrics_port=free_port(),
+        self.settings = Settings.ephemeral(
             replicas=replicas,
             replica_dead_seconds=dead_seconds,
             heartbeat_seconds=0.2,

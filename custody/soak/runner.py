@@ -24,7 +24,6 @@ from custody.soak.tiers import MoveCount
 from custody.soak.verdict import diagnosis, failures, held_slots, replay, settle
 from custody.up import Backoff, Stack
 from shared.config import Settings
-from shared.redis_server import free_port
 
 WORKERS = 6
 LANES = 3  # open sessions per greedy worker, with chaos
@@ -47,10 +46,7 @@ TIERED = {
 class Soak:
     def __init__(self, duration: float, chaos: bool, keys: bool = True) -> None:
         """`keys=False` runs without authentication (and so without cross-key aborts)."""
-        self.settings = Settings(
-            port=free_port(),
-            store_port=free_port(),
-            executor_metrics_port=free_port(),
+        self.settings = Settings.ephemeral(
             context_len=1024,
             chunk_size=64,
             max_step_tokens=256,

@@ -12,7 +12,6 @@ A message that is not a step of the wire format is refused the same way, counted
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -37,6 +36,7 @@ from shared.messages.envelope import WireError, encode
 from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
 from shared.redis_client import connect
 from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults
+from shared.service_main import start
 
 log = logging.getLogger("custody.executor")
 STEPS = Counter(
@@ -303,10 +303,7 @@ def _entries(reply: object) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="custody executor service")
-    Settings.add_arguments(parser)
-    settings = Settings.resolve(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s executor %(message)s")
+    settings = start("executor", argv)
     serve_metrics(settings.host, settings.executor_metrics_port, settings.replica)
     ExecutorService(settings).serve_forever()
 

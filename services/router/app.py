@@ -10,10 +10,11 @@ replica that should answer it.
 - `/abort_request` by rid goes where that rid was sent; `abort_all`, an unknown rid and
   `/flush_cache` go to every ready replica (`fanout`).
 
-API keys are checked here as each replica checks them (the same `Tenancy`), and passed
-on, so a replica still knows the caller. A session placed on a replica that is not live
-is answered 503 with Retry-After: its state is there, and the turn waits for it; so is
-a session in transit between replicas (shared/placement.py)."""
+API keys are checked here as each replica checks them (the same `ApiKeys`,
+shared/tenancy.py), and passed on, so a replica still knows the caller. A session placed
+on a replica that is not live is answered 503 with Retry-After: its state is there, and
+the turn waits for it; so is a session in transit between replicas (shared/placement.py).
+"""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ from services.router.proxy import (
     ReplicaDown,
 )
 from services.router.replicas import Replica, ReplicaTable
-from services.scheduler.http.tenancy import Refused, Tenancy
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
+from shared.tenancy import ApiKeys, Refused
 
 log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
@@ -56,7 +57,7 @@ class Router:
         table: ReplicaTable,
         directory: Directory,
         proxy: Proxy,
-        tenancy: Tenancy,
+        tenancy: ApiKeys,
         chooser: Chooser,
         mover: Mover,
         limits: SessionLimits,

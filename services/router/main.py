@@ -4,7 +4,6 @@ killed and restarted alone, or run twice, and sends every session to the same pl
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -20,11 +19,12 @@ from services.router.prefix_feed import PrefixFeed
 from services.router.prefix_index import PrefixIndex
 from services.router.proxy import Proxy
 from services.router.replicas import ReplicaTable
-from services.scheduler.http.tenancy import Tenancy
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async
+from shared.service_main import start
 from shared.slow_clients import GuardedRunner
+from shared.tenancy import ApiKeys
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
@@ -53,7 +53,7 @@ async def serve(settings: Settings) -> None:
     chooser = Chooser(
         table, index, tokenizer, settings.context_len, metrics, settings.router_policy
     )
-    tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
+    tenancy = ApiKeys(settings.api_keys, settings.admin_api_keys)
     directory = Directory(client, lease_seconds=settings.replica_dead_seconds)
     admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
     mover = Mover(
@@ -86,11 +86,7 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="custody router service")
-    Settings.add_arguments(parser)
-    settings = Settings.resolve(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(message)s")
-    asyncio.run(serve(settings))
+    asyncio.run(serve(start("router", argv)))
 
 
 if __name__ == "__main__":

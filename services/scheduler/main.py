@@ -5,13 +5,11 @@ another's."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.http.app import build_app
@@ -31,6 +29,7 @@ from shared.config import Settings
 from shared.model_config import ModelConfig, builtin_config
 from shared.redis_client import connect_async
 from shared.retry import DEPENDENCY_FAULTS, Retry
+from shared.service_main import start
 from shared.slow_clients import GuardedRunner
 from shared.tokenizer import load_tokenizer
 
@@ -93,12 +92,12 @@ class Scheduler:
     async def finish_rebuild(self) -> None:
         """Take back the sessions that waited for the store's proof, then send the store
         the full set of records (the pending ones were its to keep until now)."""
+        retry = Retry("scheduler_start", log, self.loop.metrics.faults)
         while self.unproven is not None:
             try:
                 await finish_rebuild(self.redis, self.engine.sessions, self.keys, self.unproven)
-            except (RedisError, OSError) as err:
-                log.warning("pending sessions not taken back yet (%s); retrying", err)
-                await asyncio.sleep(1.0)
+            except DEPENDENCY_FAULTS as err:
+                await retry.wait(err)
                 continue
             self.unproven = None
             self.outbox.queue_snapshot(self.link.epoch)
@@ -149,11 +148,7 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="custody scheduler service")
-    Settings.add_arguments(parser)
-    settings = Settings.resolve(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(message)s")
-    asyncio.run(serve(settings))
+    asyncio.run(serve(start("scheduler", argv)))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@ operators, `/health`, `/metrics`) on `store_host`, loopback unless asked."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import faulthandler
 import logging
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -24,6 +21,7 @@ from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
 from shared.placement import Placement
 from shared.redis_client import connect
+from shared.service_main import start
 
 log = logging.getLogger("custody.session_store")
 # Each replica's loop holds a thread while its read blocks: room for many replicas' reads
@@ -146,12 +144,7 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="custody session store service")
-    Settings.add_arguments(parser)
-    settings = Settings.resolve(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s session-store %(message)s")
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack
-    asyncio.run(serve(settings))
+    asyncio.run(serve(start("session-store", argv)))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ session store's write checker too) and its `StepResult` (executor -> scheduler, 
 
 One shape per row on both sides: the scheduler plans a `StepRow` and sends it as it is;
 the executor runs the rows it decodes. Integer arrays travel packed (`<i4`, owner ids
-`<i8`, log probabilities `<f4`); each type packs them in its `of` and unpacks them in a
-property. Decoding checks what the types cannot: every packed length, and the arrays
-that must agree (a KV index per position, an owner per op, a token per sampling row).
+`<i8`, log probabilities `<f4`: array fields, envelope.py). Decoding checks what the
+types cannot: every packed length, and the arrays that must agree (a KV index per
+position, an owner per op, a token per sampling row).
 """
 
 from __future__ import annotations
@@ -18,22 +18,31 @@ import msgspec
 import numpy as np
 
 from shared.deferred_ops import DeferredOps
-from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+from shared.messages.envelope import (
+    F4,
+    I4,
+    I8,
+    Arrays,
+    Decoder,
+    Message,
+    WireError,
+    array,
+    empty,
+)
 from shared.messages.sampling import Penalties, Top, pack_top, unpack_top
 from shared.messages.tiers import TierMove
 
-I4, I8, F4 = "<i4", "<i8", "<f4"
 Ints = np.ndarray | Sequence[int]  # or a host torch tensor: anything np.asarray takes
 
 
-class StepRow(msgspec.Struct, kw_only=True):
+class StepRow(Arrays, kw_only=True):
     """One row of a step: the positions it computes for one request, the Mamba slots it
     reads and writes, how it samples, and whom its writes are for."""
 
     rid: str
-    packed_tokens: bytes = msgspec.field(name="tokens")  # fed at positions start..end-1
+    tokens: I4  # fed at positions start..end-1
     start: int
-    packed_kv: bytes = msgspec.field(name="kv")  # the KV token index of positions 0..end-1
+    kv_indices: I4 = msgspec.field(name="kv")  # the KV token index of positions 0..end-1
     mamba_slot: int  # the state is read from here
     mamba_out: int  # and written here after the row's tokens (may be mamba_slot)
     snapshot_slot: int = 0  # 0: no snapshot this step
@@ -75,31 +84,23 @@ class StepRow(msgspec.Struct, kw_only=True):
         any of the other fields."""
         return cls(
             rid=rid,
-            packed_tokens=pack(tokens, I4),
+            tokens=array(tokens, I4),
             start=start,
-            packed_kv=pack(kv_indices, I4),
+            kv_indices=array(kv_indices, I4),
             mamba_slot=mamba_slot,
             mamba_out=mamba_out or mamba_slot,
             **facts,
         )
 
     @property
-    def tokens(self) -> np.ndarray:
-        return unpack(self.packed_tokens, I4)
-
-    @property
-    def kv_indices(self) -> np.ndarray:
-        return unpack(self.packed_kv, I4)
-
-    @property
     def end(self) -> int:
-        return self.start + len(self.packed_tokens) // np.dtype(I4).itemsize
+        return self.start + len(self.tokens)
 
     def fill_future(self, token: int) -> None:
         """The executor's part: tokens[0] becomes what the step before sampled."""
         tokens = self.tokens.copy()
         tokens[:1] = token
-        self.packed_tokens = pack(tokens, I4)
+        self.tokens = tokens
 
 
 class StepHead(Message, tag="step", kw_only=True):
@@ -114,7 +115,7 @@ class StepHead(Message, tag="step", kw_only=True):
         return self.seq
 
 
-class Step(StepHead, tag="step", kw_only=True):
+class Step(StepHead, Arrays, tag="step", kw_only=True):
     """A forward step. `after`: the step it was planned on top of (its rows read the
     state that step writes, and its future tokens are that step's samples), or None when
     it builds on nothing in flight; the executor refuses it unless `after` is the step
@@ -133,19 +134,20 @@ class Step(StepHead, tag="step", kw_only=True):
 
     after: int | None
     rows: list[StepRow]
-    packed_clears: bytes = msgspec.field(name="clears")
-    packed_copies: bytes = msgspec.field(name="copies")
-    packed_clear_owners: bytes = msgspec.field(name="clear_owners")
-    packed_copy_owners: bytes = msgspec.field(name="copy_owners")
+    clears: I4
+    copies: I4  # [n, 2]: source, destination; flat on the wire
+    clear_owners: I8
+    copy_owners: I8
     ledger_seq: int | None = None
     page_size: int = 0
     moves: list[TierMove] = msgspec.field(default_factory=list)
     discards: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        copied = len(unpack(self.packed_copies, I4))
+        copied = self.copies.size
         if copied % 2:
             raise WireError(f"copies: {copied} slots, not (source, destination) pairs")
+        self.copies = self.copies.reshape(-1, 2)
         if len(self.clear_owners) != len(self.clears):
             raise WireError(f"{len(self.clear_owners)} owners for {len(self.clears)} clears")
         if len(self.copy_owners) != copied // 2:
@@ -174,32 +176,15 @@ class Step(StepHead, tag="step", kw_only=True):
             executor_epoch=executor_epoch,
             after=after,
             rows=rows,
-            packed_clears=pack(ops.clears, I4),
-            packed_copies=pack(ops.copies, I4),
-            packed_clear_owners=pack([ops.owners.get(s, 0) for s in ops.clears], I8),
-            packed_copy_owners=pack([ops.owners.get(d, 0) for _, d in ops.copies], I8),
+            clears=array(ops.clears, I4),
+            copies=array(ops.copies, I4),
+            clear_owners=array([ops.owners.get(s, 0) for s in ops.clears], I8),
+            copy_owners=array([ops.owners.get(d, 0) for _, d in ops.copies], I8),
             ledger_seq=ledger_seq,
             page_size=page_size,
             moves=moves or [],
             discards=discards or [],
         )
-
-    @property
-    def clears(self) -> np.ndarray:
-        return unpack(self.packed_clears, I4)
-
-    @property
-    def copies(self) -> np.ndarray:
-        """[n, 2]: source, destination."""
-        return unpack(self.packed_copies, I4).reshape(-1, 2)
-
-    @property
-    def clear_owners(self) -> np.ndarray:
-        return unpack(self.packed_clear_owners, I8)
-
-    @property
-    def copy_owners(self) -> np.ndarray:
-        return unpack(self.packed_copy_owners, I8)
 
     def ops(self) -> DeferredOps:
         """The deferred ops, as the executor runs them."""
@@ -215,7 +200,7 @@ class ResultHead(Message, tag="result", kw_only=True):
     scheduler_epoch: str
 
 
-class StepResult(Message, tag="result", kw_only=True):
+class StepResult(Message, Arrays, tag="result", kw_only=True):
     """The executor's answer to a step: `epoch` is the executor's life, `seq` the step's
     number. Per sampling row (`rids`, in row order) the token sampled, the model's log
     probability of it and the top log probabilities the row asked for (`top`); or
@@ -228,21 +213,21 @@ class StepResult(Message, tag="result", kw_only=True):
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
-    packed_tokens: bytes = msgspec.field(name="tokens")
-    packed_logprobs: bytes = msgspec.field(name="logprobs")
+    tokens: I4
+    logprobs: F4
     error: str | None = None
     ops_ran: bool = False
     failed_moves: list[int] = msgspec.field(default_factory=list)
-    packed_top_counts: bytes = msgspec.field(name="top_counts", default=b"")
-    packed_top_ids: bytes = msgspec.field(name="top_ids", default=b"")
-    packed_top_logprobs: bytes = msgspec.field(name="top_logprobs", default=b"")
+    top_counts: I4 = msgspec.field(default_factory=empty(I4))
+    top_ids: I4 = msgspec.field(default_factory=empty(I4))
+    top_logprobs: F4 = msgspec.field(default_factory=empty(F4))
 
     def __post_init__(self) -> None:
         n, lp = len(self.tokens), len(self.logprobs)
         if self.error is None and not n == lp == len(self.rids):
             raise WireError(f"{n} tokens and {lp} log probabilities for {len(self.rids)} rows")
         if self.error is None:  # the top arrays agree with each other and the rows
-            unpack_top(self.packed_top_counts, self.packed_top_ids, self.packed_top_logprobs, n)
+            unpack_top(self.top_counts, self.top_ids, self.top_logprobs, n)
 
     @classmethod
     def of(
@@ -265,14 +250,14 @@ class StepResult(Message, tag="result", kw_only=True):
             seq=step,
             scheduler_epoch=scheduler_epoch,
             rids=rids,
-            packed_tokens=pack(tokens, I4),
-            packed_logprobs=pack(logprobs, F4),
+            tokens=array(tokens, I4),
+            logprobs=array(logprobs, F4),
             error=error,
             ops_ran=ops_ran,
             failed_moves=failed_moves or [],
-            packed_top_counts=counts,
-            packed_top_ids=top_ids,
-            packed_top_logprobs=top_logprobs,
+            top_counts=counts,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
         )
 
     @property
@@ -283,21 +268,11 @@ class StepResult(Message, tag="result", kw_only=True):
     def top(self) -> list[Top]:
         """Per sampling row, its top ids and their log probabilities (empty where the
         row asked for none)."""
-        return unpack_top(
-            self.packed_top_counts, self.packed_top_ids, self.packed_top_logprobs, len(self.rids)
-        )
+        return unpack_top(self.top_counts, self.top_ids, self.top_logprobs, len(self.rids))
 
     @property
     def executor_epoch(self) -> str:
         return self.epoch
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return unpack(self.packed_tokens, I4)
-
-    @property
-    def logprobs(self) -> np.ndarray:
-        return unpack(self.packed_logprobs, F4)
 
 
 decode_step = Decoder(Step).decode

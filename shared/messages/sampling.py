@@ -17,27 +17,21 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from shared.messages.envelope import WireError, pack, unpack
+from shared.messages.envelope import F4, I4, Arrays, WireError, array, empty
 
-I4, F4 = "<i4", "<f4"
 MAX_TOP_LOGPROBS = 20  # the most top log probabilities a row may ask for (OpenAI's limit)
 Top = tuple[Sequence[int], Sequence[float]]  # one position's top ids and their logprobs
 
 
-class Penalties(msgspec.Struct, kw_only=True):
-    """vLLM's penalties of one sampling row, and the ids they count: `prompt` the
-    distinct prompt ids (empty unless `repetition` != 1), `output` the output so far."""
+class Penalties(Arrays, kw_only=True):
+    """vLLM's penalties of one sampling row, and the ids they count: `prompt_ids` the
+    distinct prompt ids (empty unless `repetition` != 1), `output_ids` the output so far."""
 
     repetition: float = 1.0  # > 1 divides positive logits of seen ids, multiplies negative
     frequency: float = 0.0  # subtracted once per occurrence in the output
     presence: float = 0.0  # subtracted once if present in the output
-    packed_prompt: bytes = msgspec.field(name="prompt", default=b"")
-    packed_output: bytes = msgspec.field(name="output", default=b"")
-
-    def __post_init__(self) -> None:
-        """Cut arrays are refused as the row is decoded."""
-        unpack(self.packed_prompt, I4)
-        unpack(self.packed_output, I4)
+    prompt_ids: I4 = msgspec.field(name="prompt", default_factory=empty(I4))
+    output_ids: I4 = msgspec.field(name="output", default_factory=empty(I4))
 
     @classmethod
     def of(
@@ -55,33 +49,24 @@ class Penalties(msgspec.Struct, kw_only=True):
             repetition=repetition,
             frequency=frequency,
             presence=presence,
-            packed_prompt=pack(seen, I4),
-            packed_output=pack(output, I4),
+            prompt_ids=array(seen, I4),
+            output_ids=array(output, I4),
         )
 
-    @property
-    def prompt_ids(self) -> np.ndarray:
-        return unpack(self.packed_prompt, I4)
 
-    @property
-    def output_ids(self) -> np.ndarray:
-        return unpack(self.packed_output, I4)
-
-
-def pack_top(top: Sequence[Top]) -> tuple[bytes, bytes, bytes]:
+def pack_top(top: Sequence[Top]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per sampling row its top ids and logprobs (any count, 0 included) as three packed
     arrays: the counts, then every row's ids and logprobs end to end."""
     counts = [len(ids) for ids, _ in top]
     counts = counts if any(counts) else []  # nobody asked: no counts at all
     ids = [i for row_ids, _ in top for i in row_ids]
     logprobs = [lp for _, row_lps in top for lp in row_lps]
-    return pack(counts, I4), pack(ids, I4), pack(logprobs, F4)
+    return array(counts, I4), array(ids, I4), array(logprobs, F4)
 
 
-def unpack_top(counts: bytes, ids: bytes, logprobs: bytes, rows: int) -> list[Top]:
+def unpack_top(n: np.ndarray, flat_ids: np.ndarray, flat_lps: np.ndarray, rows: int) -> list[Top]:
     """The inverse of `pack_top` for `rows` sampling rows (no counts at all: nobody asked);
     a WireError when the lengths disagree."""
-    n, flat_ids, flat_lps = unpack(counts, I4), unpack(ids, I4), unpack(logprobs, F4)
     if not len(n):
         if len(flat_ids) or len(flat_lps):
             raise WireError(f"{len(flat_ids)} top ids without counts")

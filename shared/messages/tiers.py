@@ -35,21 +35,20 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from shared.messages.envelope import WireError, pack, unpack
+from shared.messages.envelope import I4, Arrays, WireError, array, empty
 from shared.streams import REPLICA_ID
 
-PAGES = "<i4"
 MoveKind = Literal["hibernate", "spill", "load", "restore", "adopt"]
 MOVE_ORDER: tuple[MoveKind, ...] = ("adopt", "spill", "hibernate", "load", "restore")
 DISK_SIDES = {"load": (True, False), "spill": (False, True), "adopt": (True, True)}
 
 
-class TierMove(msgspec.Struct, kw_only=True):
+class TierMove(Arrays, kw_only=True):
     kind: MoveKind
     sid: str  # the session whose state moves: names its blob (checked at a load)
     tokens: int  # positions moved: the KV of 0..tokens-1 and the state after them
-    packed_src_pages: bytes = msgspec.field(name="src_pages", default=b"")  # none from disk
-    packed_dst_pages: bytes = msgspec.field(name="dst_pages", default=b"")  # none to disk
+    src_pages: I4 = msgspec.field(default_factory=empty(I4))  # none from disk
+    dst_pages: I4 = msgspec.field(default_factory=empty(I4))  # none to disk
     src_slot: int  # Mamba slot of the source tier; for a load, the disk slot (blob)
     dst_slot: int  # Mamba slot of the destination tier; for a spill, the disk slot
     owner: int = 0  # the ledger owner its destination is written for (0: not named)
@@ -61,12 +60,12 @@ class TierMove(msgspec.Struct, kw_only=True):
         if (self.kind == "adopt") != bool(REPLICA_ID.fullmatch(self.src_replica)):
             raise WireError(f"{self.kind} of {self.sid}: source replica {self.src_replica!r}")
         src_disk, dst_disk = DISK_SIDES.get(self.kind, (False, False))
-        for side, packed, disk in (
-            ("source", self.packed_src_pages, src_disk),
-            ("destination", self.packed_dst_pages, dst_disk),
+        for side, pages, disk in (
+            ("source", self.src_pages, src_disk),
+            ("destination", self.dst_pages, dst_disk),
         ):
-            n = len(unpack(packed, PAGES))
-            if disk != (n == 0) or (n and np.any(unpack(packed, PAGES) < 1)):
+            n = len(pages)
+            if disk != (n == 0) or (n and np.any(pages < 1)):
                 raise WireError(f"{self.kind} of {self.sid}: {n} {side} pages")
         src, dst = len(self.src_pages), len(self.dst_pages)
         if src and dst and src != dst:
@@ -89,21 +88,13 @@ class TierMove(msgspec.Struct, kw_only=True):
             kind=kind,
             sid=sid,
             tokens=tokens,
-            packed_src_pages=pack(src_pages, PAGES),
-            packed_dst_pages=pack(dst_pages, PAGES),
+            src_pages=array(src_pages, I4),
+            dst_pages=array(dst_pages, I4),
             src_slot=src_slot,
             dst_slot=dst_slot,
             owner=owner,
             src_replica=src_replica,
         )
-
-    @property
-    def src_pages(self) -> np.ndarray:
-        return unpack(self.packed_src_pages, PAGES)
-
-    @property
-    def dst_pages(self) -> np.ndarray:
-        return unpack(self.packed_dst_pages, PAGES)
 
     def pages(self, page_size: int) -> int:
         """KV pages the move carries (each side that is not disk holds this many)."""

@@ -33,9 +33,9 @@ from services.executor.weights import builtin_model
 from shared import streams
 from shared.config import Settings
 from shared.deferred_ops import DeferredOps
-from shared.messages.envelope import encode, pack
+from shared.messages.envelope import I4, array, encode
 from shared.messages.forward import Step, StepRow, decode_result
-from shared.messages.tiers import PAGES, TierMove
+from shared.messages.tiers import TierMove
 from shared.model_config import builtin_config
 from shared.tiers import StateShapes, TierSizes
 
@@ -200,7 +200,7 @@ def sunk(move: TierMove) -> TierMove:
     if move.kind == "spill":
         move.dst_slot = 0
     else:
-        move.packed_dst_pages = pack([5, 0, 6], PAGES)
+        move.dst_pages = array([5, 0, 6], I4)
     return move
 
 

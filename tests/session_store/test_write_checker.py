@@ -19,7 +19,7 @@ from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from services.session_store.write_checker import WriteChecker
 from shared import streams
-from shared.messages.envelope import encode, pack
+from shared.messages.envelope import array, encode
 from shared.messages.forward import I4, I8
 from tests.engine.data_model import result_of
 from tests.engine.driver import Driver
@@ -195,9 +195,9 @@ def test_an_op_for_an_owner_outside_the_step_and_a_foreign_kv_page_are_named(red
     foreign = int(d.pools.rows.pages[bystander.slots.row.slot, 0])  # the bystander's KV
     kv = rows[i].kv_indices.copy()
     kv[rows[i].start] = foreign * 4
-    rows[i] = msgspec.structs.replace(rows[i], packed_kv=pack(kv, I4))
+    rows[i] = msgspec.structs.replace(rows[i], kv_indices=array(kv, I4))
     # and the clear claims to be for a bystander
-    step = msgspec.structs.replace(step, rows=rows, packed_clear_owners=pack([idle], I8))
+    step = msgspec.structs.replace(step, rows=rows, clear_owners=array([idle], I8))
     pub.ship()
     pub._xadd(streams.SINGLE.forward, encode(step))
     pub.complete_oldest()

@@ -12,8 +12,9 @@ import secrets
 from aiohttp import web
 
 from services.scheduler.http.app_keys import FRONT_DOOR
-from services.scheduler.http.tenancy import CALLER, Refused, session_id
+from services.scheduler.http.tenancy import CALLER, session_id
 from services.scheduler.records.session import Session, SessionError
+from shared.tenancy import Refused
 
 RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
 

@@ -31,10 +31,11 @@ from services.scheduler.http.common import (
     token_limit,
 )
 from services.scheduler.http.logprobs import openai as openai_logprobs
-from services.scheduler.http.tenancy import CACHE_SALT, Refused
+from services.scheduler.http.tenancy import CACHE_SALT
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, SamplingParams
 from services.scheduler.runtime.front_door import Progress
+from shared.tenancy import Refused
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest

@@ -36,11 +36,12 @@ from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
-from services.scheduler.http.tenancy import CACHE_SALT, Refused
+from services.scheduler.http.tenancy import CACHE_SALT
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.runtime.front_door import FrontDoor, Progress
 from shared.placement import PLACED_HEADER
+from shared.tenancy import Refused
 
 DEFAULT_MAX_NEW_TOKENS = 16
 

@@ -1,23 +1,14 @@
-"""Tenancy: with API keys on, every request and session belongs to the key that made it.
+"""Tenancy at a replica's edge: with API keys on (shared/tenancy.py), every request and
+session belongs to the key that made it.
 
-A caller is known by the sha256 of its key (its tenant), never by the key itself: that
-hash is what a session's durable record keeps, so after a restart a session's owner
-still has it and every other key still gets 404. A request runs under a random 128-bit
-internal id, the rid the engine, the wire and the executor see; the rid a client chose
-is mapped per tenant, so two keys may both use rid "a" at once and no key can name,
-let alone abort, another's request. An operator key (`--admin-api-keys`, valid as a
-normal key too) may abort every key's requests and is required for the operator routes.
-With no key configured, everyone is one anonymous operator, as before tenancy. Session
-names are per key too (`session_id`).
-
-Keys are compared in constant time, as digests, against every configured key, and are
-never logged.
+A request runs under a random 128-bit internal id, the rid the engine, the wire and the
+executor see; the rid a client chose is mapped per tenant, so two keys may both use rid
+"a" at once and no key can name, let alone abort, another's request. An operator key may
+abort every key's requests. Session names are per key too (`session_id`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,26 +19,10 @@ from services.scheduler.records.sampling import InvalidRequest
 from shared.http_limits import MAX_RID
 from shared.messages.cache import cache_namespace
 from shared.session_ids import SESSION_ID, scoped_session_id, valid_session_name
+from shared.tenancy import ANONYMOUS, ApiKeys, Caller, Refused
 
 # what probes and Prometheus call, without a key
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
-OPERATOR_PATHS = frozenset(
-    {
-        "/flush_cache",
-        "/place_session",
-        "/admin/migrate_out",
-        "/admin/migrate_in",
-        "/admin/migrate_done",
-        "/admin/migrate_cancel",
-        "/admin/idle_sessions",
-    }
-)
-
-
-@dataclass(frozen=True)
-class Caller:
-    tenant: str | None  # sha256 hex of its key; None when keys are off
-    operator: bool
 
 
 @dataclass(frozen=True)
@@ -58,53 +33,17 @@ class Claim:
     shown: str
 
 
-ANONYMOUS = Caller(None, operator=True)
 CALLER = web.RequestKey("caller", Caller)
 CACHE_SALT = web.RequestKey("cache_salt", str)  # the body's `cache_salt`, when given
 CLAIMS = web.RequestKey("claims", list)
 
 
-class Refused(Exception):
-    """A refusal with its status and headers (Retry-After), answered by the tenancy
-    middleware as `{"error": {"message", "type"}}`."""
+class Tenancy(ApiKeys):
+    """The replica's keys, and the rids its callers claimed."""
 
-    def __init__(
-        self, status: int, message: str, kind: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.headers = status, kind, headers or {}
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": str(self), "type": self.kind}}
-        return web.json_response(body, status=self.status, headers=self.headers)
-
-
-class Tenancy:
     def __init__(self, api_keys: str, admin_api_keys: str) -> None:
-        admin = _split(admin_api_keys)
-        self._keys = [(_digest(k), k in admin) for k in sorted(_split(api_keys) | admin)]
+        super().__init__(api_keys, admin_api_keys)
         self._rids: dict[tuple[str | None, str], str] = {}  # (tenant, shown) -> server id
-
-    def identify(self, request: web.Request) -> Caller:
-        """The caller of `request`; 401 without a valid key, 403 on an operator route
-        without an operator key."""
-        if not self._keys:
-            return ANONYMOUS
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        presented = _digest(key.strip()) if scheme.lower() == "bearer" else b""
-        caller = None
-        for digest, operator in self._keys:  # no early exit: every key is compared
-            if hmac.compare_digest(digest, presented) and caller is None:
-                caller = Caller(digest.hex(), operator)
-        if caller is None:
-            raise Refused(
-                401,
-                "a valid API key is required (Authorization: Bearer ...)",
-                "authentication_error",
-            )
-        if request.path in OPERATOR_PATHS and not caller.operator:
-            raise Refused(403, f"{request.path} needs an operator key", "permission_error")
-        return caller
 
     def claim(self, request: web.Request, rid: object, prefix: str = "") -> Claim:
         """Ids for a new request of the caller: a random server id, shown as `rid` if
@@ -171,11 +110,3 @@ def middleware(tenancy: Tenancy):
             tenancy.release(request)
 
     return guard
-
-
-def _split(keys: str) -> set[str]:
-    return {k.strip() for k in keys.split(",") if k.strip()}
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()

@@ -1,0 +1,91 @@
+"""API keys, as both HTTP edges check them: the router and every replica identify a
+caller the same way, so a key the router lets through is one its replica accepts.
+
+A caller is known by the sha256 of its key (its tenant), never by the key itself: that
+hash is what a session's durable record keeps, so after a restart a session's owner
+still has it and every other key still gets 404. An operator key (`--admin-api-keys`,
+valid as a normal key too) is required for the operator routes. With no key configured,
+everyone is one anonymous operator, as before tenancy.
+
+Keys are compared in constant time, as digests, against every configured key, and are
+never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from aiohttp import web
+
+OPERATOR_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/place_session",
+        "/admin/migrate_out",
+        "/admin/migrate_in",
+        "/admin/migrate_done",
+        "/admin/migrate_cancel",
+        "/admin/idle_sessions",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str | None  # sha256 hex of its key; None when keys are off
+    operator: bool
+
+
+ANONYMOUS = Caller(None, operator=True)
+
+
+class Refused(Exception):
+    """A refusal with its status and headers (Retry-After), answered as
+    `{"error": {"message", "type"}}`."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.headers = status, kind, headers or {}
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.kind}}
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+class ApiKeys:
+    def __init__(self, api_keys: str, admin_api_keys: str) -> None:
+        admin = _split(admin_api_keys)
+        self._keys = [(_digest(k), k in admin) for k in sorted(_split(api_keys) | admin)]
+
+    def identify(self, request: web.Request) -> Caller:
+        """The caller of `request`; 401 without a valid key, 403 on an operator route
+        without an operator key."""
+        if not self._keys:
+            return ANONYMOUS
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        presented = _digest(key.strip()) if scheme.lower() == "bearer" else b""
+        caller = None
+        for digest, operator in self._keys:  # no early exit: every key is compared
+            if hmac.compare_digest(digest, presented) and caller is None:
+                caller = Caller(digest.hex(), operator)
+        if caller is None:
+            raise Refused(
+                401,
+                "a valid API key is required (Authorization: Bearer ...)",
+                "authentication_error",
+            )
+        if request.path in OPERATOR_PATHS and not caller.operator:
+            raise Refused(403, f"{request.path} needs an operator key", "permission_error")
+        return caller
+
+
+def _split(keys: str) -> set[str]:
+    return {k.strip() for k in keys.split(",") if k.strip()}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
