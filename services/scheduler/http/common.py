@@ -16,9 +16,9 @@ from services.scheduler.http.app_keys import FRONT_DOOR
 from services.scheduler.http.limits import check_queue
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.tenancy import cache_namespace_of, session_id
-from services.scheduler.records.request import Request
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.records.session import ChatTurn, Session
+from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tokenizer import NoTokenizer, Tokenizer, TokenizerMissing
 

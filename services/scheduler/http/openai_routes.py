@@ -38,7 +38,7 @@ from services.scheduler.runtime.front_door import Progress
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
-    from services.scheduler.records.session import ChatTurn
+    from services.scheduler.records.request import ChatTurn
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 

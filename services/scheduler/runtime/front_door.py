@@ -14,9 +14,9 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.records.request import Request
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.records.session import ChatTurn, Session, SessionError
+from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics

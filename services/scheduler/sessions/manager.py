@@ -26,12 +26,12 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
-from services.scheduler.records.request import Request, TurnStart
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
-    ChatTurn,
     Session,
     SessionError,
+    TurnStart,
     check_session_params,
 )
 from services.scheduler.sessions.chat_log import Reencoding, settle, turn_history
