@@ -39,6 +39,7 @@ from services.scheduler.ownership.invariants import (
 )
 from services.scheduler.records.request import ChatTurn, Request, Status
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
+from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionManager
 from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
@@ -94,7 +95,7 @@ class EngineCore:
 
     def submit_turn(
         self,
-        sid: str,
+        session: Session,
         new_tokens: np.ndarray,
         rid: str,
         params: SamplingParams,
@@ -102,13 +103,21 @@ class EngineCore:
         chat: ChatTurn | None = None,
         cache_namespace: str = "",
     ) -> Request:
-        """Queue the next turn of session `sid` (the prompt becomes history + input; the
-        session builds the request); `chat`: a chat turn's conversation."""
+        """Queue the next turn of `session` (an open session, as `sessions.get` gives it:
+        the prompt becomes history + input; the session builds the request); `chat`: a
+        chat turn's conversation."""
         tokens = check_tokens(new_tokens, self.config.vocab_size)
         params.validate(self.config.vocab_size)
         self._check_rid(rid)
         turn = self.sessions.begin_turn(
-            sid, tokens, params, rid, self.config.context_len, session_params, chat, cache_namespace
+            session,
+            tokens,
+            params,
+            rid,
+            self.config.context_len,
+            session_params,
+            chat,
+            cache_namespace,
         )
         return self._queue(turn)
 

@@ -136,16 +136,31 @@ class SessionManager:
         self._serving(sid)
         session = self.sessions.get(sid)
         if session is None:
-            if sid in self._closed:
-                raise SessionError(f"session {session_name(sid)} is closed", "closed")
-            raise SessionError(f"session {session_name(sid)} not found", "not_found")
+            raise self._gone(sid)
         if session.closing or session.closed:
             raise SessionError(f"session {session_name(sid)} is closed", "closed")
         return session
 
+    def _still_open(self, session: Session) -> None:
+        """`session`, resolved by `get` before an await (at the HTTP edge), is refused as
+        `get` would refuse its id now, without a second lookup."""
+        self._not_pending(session.sid)
+        self._serving(session.sid)
+        if session.closed:
+            raise self._gone(session.sid)
+        if session.closing:
+            raise SessionError(f"session {session.name} is closed", "closed")
+
+    def _gone(self, sid: str) -> SessionError:
+        """The refusal of `sid` no longer open here: closed here, or never (or no longer:
+        it departed) known."""
+        if sid in self._closed:
+            return SessionError(f"session {session_name(sid)} is closed", "closed")
+        return SessionError(f"session {session_name(sid)} not found", "not_found")
+
     def begin_turn(
         self,
-        sid: str,
+        session: Session,
         new_tokens: np.ndarray,
         params: SamplingParams,
         rid: str,
@@ -154,8 +169,10 @@ class SessionManager:
         chat: ChatTurn | None = None,
         cache_namespace: str = "",
     ) -> Request:
-        """A turn extends the history with `new_tokens`; checked before anything moves."""
-        session = self.get(sid)
+        """A turn of `session` (resolved by `get`) extends the history with `new_tokens`;
+        checked before anything moves."""
+        self._still_open(session)
+        sid = session.sid
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {session_name(sid)} already has a turn in flight", "busy")
