@@ -22,13 +22,13 @@ TURNS = [
 
 def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
     local = InProcess(Settings(model=model_dir, compile=False))  # starts at once, eager
-    sid = local.engine.sessions.open().sid
-    print(f"session {sid}: {turns} turns, {max_new_tokens} new tokens each\n")
+    session = local.engine.sessions.open()
+    print(f"session {session.sid}: {turns} turns, {max_new_tokens} new tokens each\n")
     for k, text in enumerate((TURNS * turns)[:turns]):
         params = SamplingParams(max_new_tokens=max_new_tokens)
         start = time.perf_counter()
         tokens = np.asarray(local.tokenizer.encode(text, k == 0))
-        turn = local.engine.submit_turn(sid, tokens, f"turn{k}", params)
+        turn = local.engine.submit_turn(session, tokens, f"turn{k}", params)
         first = None
         while not turn.done:
             local.step()
@@ -39,7 +39,7 @@ def run(model_dir: Path | None, turns: int, max_new_tokens: int) -> int:
             f"first token after {first * 1e3:.0f} ms, finish {turn.finish_reason.type}"
         )
         print(f"  -> {local.tokenizer.decode(turn.output)!r}")
-    local.engine.sessions.close(sid)
+    local.engine.sessions.close(session.sid)
     local.run_until_idle()
     report = local.engine.check(idle=True)
     counts = {pool: c["free"] for pool, c in report.counts.items()}

@@ -18,8 +18,8 @@ import redis
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
-from services.scheduler.http.common import EventStream
 from services.scheduler.http.errors import errors
+from services.scheduler.http.events import EventStream
 from shared.tokenizer import BYTE_VOCAB as VOCAB  # the built-in model's
 from tests.services_harness import POOLS, call, ledger_when_idle, stack_settings, start_stack
 

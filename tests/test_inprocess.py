@@ -31,10 +31,9 @@ def one_shot(prompt: list[int], n: int) -> list[int]:
 
 
 def turn(local: InProcess, sid: str, text: str, n: int, rid: str) -> Request:
-    tokens = np.asarray(
-        local.tokenizer.encode(text, not local.engine.sessions.get(sid).history.size)
-    )
-    return local.engine.submit_turn(sid, tokens, rid, SamplingParams(max_new_tokens=n))
+    session = local.engine.sessions.get(sid)
+    tokens = np.asarray(local.tokenizer.encode(text, not session.history.size))
+    return local.engine.submit_turn(session, tokens, rid, SamplingParams(max_new_tokens=n))
 
 
 def test_session_turns_equal_one_shot_generation_over_the_history():

@@ -81,7 +81,7 @@ def test_an_open_or_a_close_is_answered_only_once_its_record_is_on_the_stream(re
         await service.loop.ship_events()  # a pass after the open, and its flush
         await asyncio.wait_for(waiting, 5)
         assert recorded_sessions(redis_url).count(session.sid) == 1
-        await door.close_session(session.sid)
+        await door.close_session(session)
         closing = asyncio.ensure_future(door.durable())
         await asyncio.sleep(0.01)
         assert not closing.done()  # no pass has taken the close yet

@@ -1,5 +1,6 @@
 """The shape of the code, checked so it cannot drift back: packages (folders) import one
-another in one direction only, files and functions stay short enough to read, and the
+another in one direction only, so do the scheduler's modules (type-only imports
+included), files and functions stay short enough to read, and the
 `custody` command parses its arguments and spawns services without loading torch.
 
 Each check comes with a self-check on a known case, so a walker that silently sees
@@ -18,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("services", "shared", "custody", "kernels")
-MAX_FILE_LINES = 440  # raised by issues 25 and 26 (the session manager) rather than split
-MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600  # a ceiling, not a target: files split by collaborator (issue 27)
+MAX_FUNCTION_LINES = 100
 DRIVERS = ("custody/bench/", "custody/soak/")  # benchmark and soak drivers: long by nature
 
 Edges = dict[tuple[str, str], list[str]]  # (from package, to package) -> "file:line"
@@ -131,6 +132,53 @@ def test_the_graph_sees_known_edges_and_the_finder_finds_a_cycle():
     assert cycles(planted) == []
 
 
+def module_of(path: Path) -> str:
+    return ".".join(path.with_suffix("").relative_to(ROOT).parts)
+
+
+def module_edges(sources: dict[str, str]) -> Edges:
+    """(module, module) -> "module:line", for every import between two of `sources`
+    (module -> its text), those under `if TYPE_CHECKING:` and inside functions included:
+    a cycle closed only for the type checker still ties two modules together."""
+    edges: Edges = {}
+    for source, text in sources.items():
+        for line, module in imported_modules(ast.parse(text)):
+            if module in sources and module != source:
+                edges.setdefault((source, module), []).append(f"{source}:{line}")
+    return edges
+
+
+def scheduler_sources() -> dict[str, str]:
+    files = sorted((ROOT / "services/scheduler").rglob("*.py"))
+    return {module_of(p): p.read_text() for p in files if p.stem != "__init__"}
+
+
+def test_scheduler_modules_import_each_other_in_one_direction_only():
+    """A collaborator that calls back into the object that built it (or two records that
+    name each other) forms a cycle; a type both sides share moves below both, or becomes
+    a `typing.Protocol` on the side that uses it."""
+    edges = module_edges(scheduler_sources())
+    found = cycles(edges)
+    assert not found, "module import cycles:\n" + "\n".join(describe(c, edges) for c in found)
+
+
+def test_the_module_graph_sees_known_edges_and_type_only_cycles():
+    """The module walk is not vacuous: it sees a known edge, and a cycle closed only
+    under `TYPE_CHECKING` in a tiny synthetic graph is found."""
+    assert ("services.scheduler.engine.core", "services.scheduler.engine.faults") in module_edges(
+        scheduler_sources()
+    )
+    core, faults = "services.scheduler.engine.core", "services.scheduler.engine.faults"
+    planted = {
+        core: "from services.scheduler.engine.faults import Faults\n",
+        faults: "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        "    from services.scheduler.engine.core import EngineCore\n",
+    }
+    edges = module_edges(planted)
+    assert cycles(edges) == [[core, faults, core]]
+    assert f"{faults} -> {core}: {faults}:4" in describe(cycles(edges)[0], edges)
+
+
 def line_counts() -> dict[str, int]:
     return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in product_files()}
 
@@ -154,7 +202,7 @@ def long_functions(source: str, where: str) -> list[str]:
     return found
 
 
-def test_no_function_is_longer_than_sixty_lines_outside_the_drivers():
+def test_no_function_is_longer_than_a_hundred_lines_outside_the_drivers():
     found = []
     for path in product_files():
         rel = str(path.relative_to(ROOT))
@@ -166,7 +214,8 @@ def test_no_function_is_longer_than_sixty_lines_outside_the_drivers():
 def test_the_function_measure_flags_a_long_one():
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
     source = f"def fits():\n{body}\n\nasync def too_long():\n{body}    return 0\n"
-    assert long_functions(source, "m.py") == [f"m.py:{MAX_FUNCTION_LINES + 3} too_long (61 lines)"]
+    too_long = f"m.py:{MAX_FUNCTION_LINES + 3} too_long ({MAX_FUNCTION_LINES + 1} lines)"
+    assert long_functions(source, "m.py") == [too_long]
 
 
 PROBE = """

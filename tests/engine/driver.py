@@ -118,7 +118,10 @@ class Driver:
         self, sid: str, tokens, max_new: int = 12, session_params: dict | None = None, **params
     ) -> Request:
         params = SamplingParams(max_new_tokens=max_new, **params)
-        return self.engine.submit_turn(sid, np.asarray(tokens), self.rid(), params, session_params)
+        session = self.engine.sessions.get(sid)  # as the HTTP edge resolves it, once
+        return self.engine.submit_turn(
+            session, np.asarray(tokens), self.rid(), params, session_params
+        )
 
     def run_turn(self, sid: str, tokens, max_new: int = 12, **params) -> Request:
         req = self.turn(sid, tokens, max_new, **params)

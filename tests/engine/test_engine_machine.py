@@ -208,7 +208,7 @@ class EngineMachine(RuleBasedStateMachine):
     def persist_records(self):
         """The session store's view: every record the scheduler ships (it ships them
         before any step that reuses the slots they release)."""
-        for rec in self.d.engine.sessions.take_records():
+        for rec in self.d.engine.sessions.records.take_records():
             self.records[rec.sid] = rec
 
     @invariant()

@@ -321,7 +321,7 @@ def test_records_claiming_one_slot_twice_are_taken_back_from_history_only():
     for i, sid in enumerate(sids):
         prompt = text(6, 50 + i)
         histories[sid] = prompt + d.run_turn(sid, prompt, max_new=4).output
-    records = {r.sid: r for r in d.engine.sessions.all_records()}
+    records = {r.sid: r for r in d.engine.sessions.records.all_records()}
     a, b, kept = sids
     assert records[a].row is not None and records[b].row != records[a].row
     records[b] = msgspec.structs.replace(records[b], row=records[a].row)

@@ -207,7 +207,7 @@ def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
     d = tiered(host_pages=64, host_slots=8, disk_slots=8)
     sids, histories = one_on_disk_one_on_host(d, 21, 60)
     kept = d.engine.sessions.sessions[sids[0]].disk.blob.slot
-    records = d.engine.sessions.take_records()
+    records = d.engine.sessions.records.take_records()
     again = tiered(host_pages=64, host_slots=8, disk_slots=8)  # a new scheduler life
     again.engine.sessions.rebuild(records, state_valid=False)
     again.engine.sessions.discard_unnamed_blobs()

@@ -224,7 +224,7 @@ def test_records_lost_in_a_gap_are_made_whole_by_the_full_set_after_a_snapshot(r
     a = d.engine.sessions.open("sa")
     d.engine.sessions.open("sb")
     publish(redis_client, shipper.snapshot())
-    publish(redis_client, shipper.sessions(d.engine.sessions.take_records(), None))
+    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
     drain(consumer)
     assert redis_client.smembers(keys.sessions) == {b"sa", b"sb"}
     applied = consumer.records_through
@@ -233,7 +233,7 @@ def test_records_lost_in_a_gap_are_made_whole_by_the_full_set_after_a_snapshot(r
     a.history = np.arange(7)
     d.engine.sessions.dirty.add("sa")
     d.engine.sessions.close("sb")
-    shipper.sessions(d.engine.sessions.take_records(), None)  # lost: never on the stream
+    shipper.sessions(d.engine.sessions.records.take_records(), None)  # lost: never on the stream
     publish(redis_client, shipper.idle({}))  # the next message shows the gap
     drain(consumer)
     assert not consumer.records_complete
@@ -241,7 +241,9 @@ def test_records_lost_in_a_gap_are_made_whole_by_the_full_set_after_a_snapshot(r
     assert redis_client.exists(keys.snapshot_wanted)
 
     publish(redis_client, shipper.snapshot())
-    publish(redis_client, shipper.sessions(d.engine.sessions.all_records(), None, full=True))
+    publish(
+        redis_client, shipper.sessions(d.engine.sessions.records.all_records(), None, full=True)
+    )
     drain(consumer)
     assert consumer.records_complete
     assert entry_id(consumer.records_through) > entry_id(applied)
@@ -273,7 +275,7 @@ def test_a_record_written_under_an_epoch_the_directory_left_is_refused(redis_cli
     redis_client.set(streams.placement_key("here"), Placement(keys.replica, 1).encode())
     redis_client.set(streams.placement_key("moved"), Placement(keys.replica, 1).encode())
     redis_client.set(streams.placement_key("away"), Placement(keys.replica, 1).encode())
-    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    publish(redis_client, shipper.sessions(sessions.records.take_records(), None))
     drain(consumer)
     assert redis_client.smembers(keys.sessions) == {b"here", b"moved", b"away", b"direct"}
 
@@ -282,7 +284,7 @@ def test_a_record_written_under_an_epoch_the_directory_left_is_refused(redis_cli
     for sid in ("here", "moved", "away", "direct"):
         sessions.sessions[sid].history = np.arange(5)
         sessions.dirty.add(sid)
-    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    publish(redis_client, shipper.sessions(sessions.records.take_records(), None))
     drain(consumer)
     assert consumer.fenced == 2
 
@@ -311,7 +313,7 @@ def test_records_a_refused_write_dropped_are_written_with_the_next_batch(redis_c
     drain(consumer)
     sessions = d.engine.sessions
     sessions.open("kept").history = np.arange(9)
-    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    publish(redis_client, shipper.sessions(sessions.records.take_records(), None))
     saved = redis_client.config_get("maxmemory*")
     redis_client.config_set("maxmemory-policy", "noeviction")
     redis_client.config_set("maxmemory", 1)
@@ -322,7 +324,7 @@ def test_records_a_refused_write_dropped_are_written_with_the_next_batch(redis_c
         redis_client.config_set("maxmemory", saved["maxmemory"])
         redis_client.config_set("maxmemory-policy", saved["maxmemory-policy"])
     sessions.open("later")
-    publish(redis_client, shipper.sessions(sessions.take_records(), None))
+    publish(redis_client, shipper.sessions(sessions.records.take_records(), None))
     drain(consumer)
     assert {m.decode() for m in redis_client.smembers(keys.sessions)} == {"kept", "later"}
     kept = RECORDS.decode(redis_client.hget(keys.session("kept"), "record"))

@@ -47,7 +47,7 @@ class Publisher:
         shipped = self.shipper.batch()
         if shipped is not None:
             self._xadd(streams.SINGLE.ownership, shipped[0])
-        records = self.d.engine.sessions.take_records()
+        records = self.d.engine.sessions.records.take_records()
         if records:
             self._xadd(streams.SINGLE.ownership, self.shipper.sessions(records, "x1"))
 
@@ -223,7 +223,7 @@ def test_a_session_record_naming_slots_it_does_not_hold_is_reported(redis_client
     d.turn("chat", text(9, 4), max_new=3)
     pub.run()
     d.engine.sessions.dirty.add("chat")
-    (record,) = d.engine.sessions.take_records()
+    (record,) = d.engine.sessions.records.take_records()
     free = int(np.flatnonzero(d.pools.mamba.owner_view == 0)[0])
     misnamed = msgspec.structs.replace(record, working=free)
     pub._xadd(streams.SINGLE.ownership, pub.shipper.sessions([misnamed], "x1"))

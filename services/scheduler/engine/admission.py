@@ -7,72 +7,85 @@ starts from a cleared slot."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
+from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.room import Room
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.step_builder import StepBudget, pages_to_grow
-from services.scheduler.records.request import Request, TurnStart
+from services.scheduler.records.request import Request
+from services.scheduler.records.session import TurnStart
+from services.scheduler.sessions.manager import SessionManager
 
-if TYPE_CHECKING:
-    from services.scheduler.engine.core import EngineCore
 
+class Admission:
+    def __init__(
+        self,
+        pools: Pools,
+        cache: RadixCache,
+        sessions: SessionManager,
+        room: Room,
+        chunk_size: int,
+    ) -> None:
+        self.pools, self.cache, self.sessions, self.room = pools, cache, sessions, room
+        self.chunk_size = chunk_size
+        self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
 
-def admit_waiting(engine: EngineCore, req: Request, plan: StepPlan, state: StepBudget) -> int:
-    """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
-    fit. Every path out of here either keeps all it took or gives all back (lesson 7,
-    docs/ownership.md)."""
-    session = req.session
-    below = session is not None and session.state_tier in ("host", "disk")
-    if below and not _state_to_device(engine, req, state):
-        return 0
-    if session is not None and session.slots is not None:
-        n = min(req.length - session.cached_len, engine.config.chunk_size, state.tokens)
-        need = pages_to_grow(engine.pools.config.page_size, session.cached_len, n)
-        if not engine.make_room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
+    def admit(self, req: Request, plan: StepPlan, state: StepBudget) -> int:
+        """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
+        fit. Every path out of here either keeps all it took or gives all back (lesson 7,
+        docs/ownership.md)."""
+        session = req.session
+        below = session is not None and session.state_tier in ("host", "disk")
+        if below and not self._state_to_device(req, state):
             return 0
-        req.slots = engine.sessions.restore(req, plan.ops)
+        page_size = self.pools.config.page_size
+        if session is not None and session.slots is not None:
+            n = min(req.length - session.cached_len, self.chunk_size, state.tokens)
+            need = pages_to_grow(page_size, session.cached_len, n)
+            if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
+                return 0
+            req.slots = self.sessions.restore(req, plan.ops)
+            state.take(n, need)
+            return n
+        match = self.cache.match(req.sequence, req.length - 1, req.cache_namespace)
+        node = match.node if match.length else None
+        if node is not None:
+            self.cache.lock(node)
+            self.cache.lock_copy(node)  # the copy source survives any eviction below
+        n = min(req.length - match.length, self.chunk_size, state.tokens)
+        need = pages_to_grow(page_size, match.length, n)  # match: page-aligned
+        if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
+            if node is not None:
+                self.cache.unlock_copy(node)
+                self.cache.unlock(node)
+            return 0
+        req.slots = admit(self.pools, req.rid)
+        self.cache_queries += 1
+        self.cache_hits += bool(match.length)
+        self.cache_hit_tokens += match.length
+        working = req.slots.state.current.slot
+        if node is not None:
+            self.pools.kv.borrow(req.slots.row.slot, match.pages)
+            req.slots.borrowed = match.length
+            plan.ops.copy(node.mamba, working, req.slots.owner.id)
+            plan.copy_sources.append(node)
+        else:
+            plan.ops.clear(working, req.slots.owner.id)
+        req.cache_node = node
+        req.computed = req.cached_tokens = match.length
+        if session is not None:
+            req.turn_start = TurnStart(0, None)
         state.take(n, need)
         return n
-    match = engine.cache.match(req.sequence, req.length - 1, req.cache_namespace)
-    node = match.node if match.length else None
-    if node is not None:
-        engine.cache.lock(node)
-        engine.cache.lock_copy(node)  # the copy source survives any eviction below
-    n = min(req.length - match.length, engine.config.chunk_size, state.tokens)
-    need = pages_to_grow(engine.pools.config.page_size, match.length, n)  # match: page-aligned
-    if not engine.make_room(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
-        if node is not None:
-            engine.cache.unlock_copy(node)
-            engine.cache.unlock(node)
-        return 0
-    req.slots = admit(engine.pools, req.rid)
-    engine.cache_queries += 1
-    engine.cache_hits += bool(match.length)
-    engine.cache_hit_tokens += match.length
-    working = req.slots.state.current.slot
-    if node is not None:
-        engine.pools.kv.borrow(req.slots.row.slot, match.pages)
-        req.slots.borrowed = match.length
-        plan.ops.copy(node.mamba, working, req.slots.owner.id)
-        plan.copy_sources.append(node)
-    else:
-        plan.ops.clear(working, req.slots.owner.id)
-    req.cache_node = node
-    req.computed = req.cached_tokens = match.length
-    if session is not None:
-        req.turn_start = TurnStart(0, None)
-    state.take(n, need)
-    return n
 
-
-def _state_to_device(engine: EngineCore, req: Request, state: StepBudget) -> bool:
-    """A turn's session state is below the device: on a ready host state, start its
-    restore (room for it and the turn's first chunk, made first); else it waits (a load
-    or hibernate in flight)."""
-    session = req.session
-    n = min(req.length - session.cached_len, engine.config.chunk_size, state.tokens)
-    need = pages_to_grow(engine.pools.config.page_size, session.cached_len, n)
-    return engine.sessions.tiers.bring_to_device(
-        session, engine.make_room, need + state.pages, MAMBA_SLOTS_PER_REQUEST
-    )
+    def _state_to_device(self, req: Request, state: StepBudget) -> bool:
+        """A turn's session state is below the device: on a ready host state, start its
+        restore (room for it and the turn's first chunk, made first); else it waits (a
+        load or hibernate in flight)."""
+        session = req.session
+        n = min(req.length - session.cached_len, self.chunk_size, state.tokens)
+        need = pages_to_grow(self.pools.config.page_size, session.cached_len, n)
+        return self.sessions.tiers.bring_to_device(
+            session, self.room.make, need + state.pages, MAMBA_SLOTS_PER_REQUEST
+        )

@@ -1,28 +1,74 @@
-"""The one step driver: apply the executor's reply to a planned step. The scheduler's
-step loop, the in-process runtime (`custody demo`) and the engine tests all complete a
-step through here, so a refused step and a run step take the same path everywhere."""
+"""Applying a step the executor ran: each row's request takes its computed positions,
+its state and snapshot, and the token it sampled; a request that stops ends (endings.py),
+and a prefill chunk's snapshot feeds the prefix cache at once."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from services.scheduler.engine.endings import Endings
+from services.scheduler.engine.in_flight import InFlight
+from services.scheduler.engine.queue import RequestQueue
 from services.scheduler.engine.step import StepPlan
+from services.scheduler.engine.stopping import finish_reason
 from services.scheduler.records.request import Request
-from shared.messages.forward import StepResult
-
-if TYPE_CHECKING:
-    from services.scheduler.engine.core import EngineCore
+from services.scheduler.sessions.manager import SessionManager
+from shared.messages.sampling import Top
 
 
-def complete(engine: EngineCore, plan: StepPlan, result: StepResult) -> list[Request]:
-    """`result`: the executor's result for `plan`. Returns the requests that ended."""
-    if result.error is not None:
-        return engine.step_refused(plan, result.error, result.ops_ran)
-    rids = result.rids
-    return engine.complete_step(
-        plan,
-        dict(zip(rids, result.tokens.tolist(), strict=True)),
-        dict(zip(rids, result.logprobs.tolist(), strict=True)),
-        set(result.failed_moves),
-        dict(zip(rids, result.top, strict=True)),
-    )
+class Completion:
+    def __init__(
+        self,
+        queue: RequestQueue,
+        in_flight: InFlight,
+        sessions: SessionManager,
+        endings: Endings,
+        eos_token_ids: frozenset[int],
+        context_len: int,
+    ) -> None:
+        self.queue, self.in_flight, self.sessions, self.endings = (
+            queue,
+            in_flight,
+            sessions,
+            endings,
+        )
+        self.eos_token_ids, self.context_len = eos_token_ids, context_len
+
+    def apply(
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        logprobs: dict[str, float] | None = None,
+        failed_moves: set[int] | None = None,
+        top: dict[str, Top] | None = None,
+    ) -> list[Request]:
+        """Apply the executor's result of `plan` (`failed_moves`: indices of its tier moves
+        that did not happen; `top`: the top log probabilities of the rows that asked);
+        returns the requests that ended."""
+        self.in_flight.pop_oldest(plan)
+        self.sessions.moves.landed(plan.tier, failed_moves or set())
+        ended = []
+        for row in plan.rows:
+            if row.dropped:
+                continue
+            req = self.queue.by_rid[row.rid]
+            if req.inflight[0] is not row:
+                raise RuntimeError(f"{row.rid}: rows completed out of order")
+            req.inflight.pop(0)
+            req.computed = row.end
+            req.slots.state.commit(row.mamba_out)
+            if row.snapshot_slot:
+                req.slots.track.record(row.snapshot_slot, row.snapshot_len)
+            if row.sample:
+                token = int(sampled[row.rid])
+                req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
+                req.finish_reason = finish_reason(req, token, self.eos_token_ids, self.context_len)
+                if req.finish_reason is not None:
+                    self.endings.finish(req)
+                    ended.append(req)
+                    continue
+            start = req.turn_start
+            fresh = start is None or (req.chat is not None and start.rollback is None)
+            if row.snapshot_slot and row.prefill and fresh:
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md); a
+                # chat turn's too when it has no rollback copy: a re-encoded reply needs it
+                self.endings.cache_prefix(req)
+        return ended

@@ -26,62 +26,58 @@ from services.scheduler.sessions.manager import SessionManager
 log = logging.getLogger("custody.engine")
 
 
-def make_room(
-    pools: Pools,
-    cache: RadixCache,
-    sessions: SessionManager,
-    pages: int,
-    mamba: int,
-    rows: int,
-    drop_sessions: bool = True,
-) -> bool:
-    """Make `pages` KV pages, `mamba` slots and `rows` rows free; False (having dropped
-    no session state) if that cannot be done. Without `drop_sessions`, only the cache
-    gives way."""
-    wanted = ((pools.kv_pages, pages), (pools.mamba, mamba), (pools.req, rows))
+class Room:
+    """Frees pool room on demand; admission, planning and the cache's donations share it."""
 
-    def short() -> bool:
-        return any(n > pool.free_count for pool, n in wanted)
+    def __init__(self, pools: Pools, cache: RadixCache, sessions: SessionManager) -> None:
+        self.pools, self.cache, self.sessions = pools, cache, sessions
 
-    def evict() -> None:
-        if pages > pools.kv_pages.free_count:
-            cache.evict_kv(pages - pools.kv_pages.free_count)
-        if mamba > pools.mamba.free_count:
-            cache.evict_mamba(mamba - pools.mamba.free_count)
+    def make(self, pages: int, mamba: int, rows: int, drop_sessions: bool = True) -> bool:
+        """Make `pages` KV pages, `mamba` slots and `rows` rows free; False (having
+        dropped no session state) if that cannot be done. Without `drop_sessions`, only
+        the cache gives way."""
+        pools, cache = self.pools, self.cache
+        wanted = ((pools.kv_pages, pages), (pools.mamba, mamba), (pools.req, rows))
 
-    evict()
-    if not short():
-        return True
-    if not drop_sessions or not _sessions_could_cover(pools, cache, sessions, wanted):
-        return False
-    while short():
-        log.info(
-            "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
-            pages,
-            pools.kv_pages.free_count,
-            mamba,
-            pools.mamba.free_count,
-            rows,
-            pools.req.free_count,
-        )
-        if not sessions.evict_idle():
-            return False
+        def short() -> bool:
+            return any(n > pool.free_count for pool, n in wanted)
+
+        def evict() -> None:
+            if pages > pools.kv_pages.free_count:
+                cache.evict_kv(pages - pools.kv_pages.free_count)
+            if mamba > pools.mamba.free_count:
+                cache.evict_mamba(mamba - pools.mamba.free_count)
+
         evict()
-    return True
-
-
-def _sessions_could_cover(
-    pools: Pools, cache: RadixCache, sessions: SessionManager, wanted: tuple
-) -> bool:
-    held, borrowed = sessions.idle_state_held()
-    from_cache = {
-        "kv": cache.reclaimable_pages(borrowed),
-        "mamba": pools.mamba.held_by_kind()[OwnerKind.CACHE],
-        "req": 0,
-    }
-    for pool, n in wanted:
-        reachable = pool.free_count + from_cache[pool.name] + held[pool.name]
-        if n > reachable:
-            log.info("no room for %d %s slots even without idle sessions' state", n, pool.name)
+        if not short():
+            return True
+        if not drop_sessions or not self._sessions_could_cover(wanted):
             return False
-    return True
+        while short():
+            log.info(
+                "short of room: need %d pages (%d free), %d mamba (%d), %d rows (%d)",
+                pages,
+                pools.kv_pages.free_count,
+                mamba,
+                pools.mamba.free_count,
+                rows,
+                pools.req.free_count,
+            )
+            if not self.sessions.evict_idle():
+                return False
+            evict()
+        return True
+
+    def _sessions_could_cover(self, wanted: tuple) -> bool:
+        held, borrowed = self.sessions.idle_state_held()
+        from_cache = {
+            "kv": self.cache.reclaimable_pages(borrowed),
+            "mamba": self.pools.mamba.held_by_kind()[OwnerKind.CACHE],
+            "req": 0,
+        }
+        for pool, n in wanted:
+            reachable = pool.free_count + from_cache[pool.name] + held[pool.name]
+            if n > reachable:
+                log.info("no room for %d %s slots even without idle sessions' state", n, pool.name)
+                return False
+        return True

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.scheduler.records.request import Request
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest
-from services.scheduler.records.session import ChatTurn, Session, SessionError
+from services.scheduler.records.session import Session, SessionError
 from services.scheduler.text.chat_tokens import ChatEncoder
 from shared.messages.ownership import ChatEntry
 

@@ -12,7 +12,8 @@ import secrets
 
 from aiohttp import web
 
-from services.scheduler.http.common import EVENT_STREAM, error_body
+from services.scheduler.http.bodies import error_body
+from services.scheduler.http.events import EVENT_STREAM
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
 from services.scheduler.text.chat_template import ChatRefused

@@ -7,7 +7,7 @@ import msgspec
 from aiohttp import web
 
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS
-from services.scheduler.http.common import read_body
+from services.scheduler.http.bodies import read_body
 from services.scheduler.http.replies import Placed
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session

@@ -17,29 +17,21 @@ import msgspec
 from aiohttp import web
 
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.bodies import prompt_tokens, read_body, token_limit
 from services.scheduler.http.chat_session import plan_turn
-from services.scheduler.http.common import (
-    EventStream,
-    Job,
-    StreamCursor,
-    output_text,
-    own_session,
-    prompt_tokens,
-    read_body,
-    run_all,
-    run_generation,
-    token_limit,
-)
+from services.scheduler.http.edge_sessions import named_session, own_session
+from services.scheduler.http.events import EventStream, StreamCursor, output_text
+from services.scheduler.http.generation import Job, run_all, run_generation
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import CACHE_SALT
-from services.scheduler.records.request import Request
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tenancy import Refused
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
-    from services.scheduler.records.session import ChatTurn
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 
@@ -91,28 +83,32 @@ async def respond(
     body: OpenAIRequest,
     tokens: list[int],
     chat: bool,
+    session: Session | None,
     turn: ChatTurn | None = None,
 ) -> web.StreamResponse:
+    """Answer a completion or chat completion; `session`: the turn's, resolved once."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
         raise Refused(
             404, f"model {body.model!r} is not served here; {served!r} is", "model_not_found"
         )
-    n, sid = body.n or 1, body.session_id
+    n = body.n or 1
     if body.cache_salt is not None:
         request[CACHE_SALT] = body.cache_salt
-    if n > 1 and sid is not None:
+    if n > 1 and session is not None:
         raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
     claims = [request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")]
     claims += [request.app[TENANCY].claim(request, None) for _ in range(n - 1)]
     reply = Reply(claims[0].shown, chat, body.stream, served)
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
-    params = body.engine_params(token_limit(request, sid, len(tokens), field, requested, default))
+    params = body.engine_params(
+        token_limit(request, session, len(tokens), field, requested, default)
+    )
     jobs = [Job(c.server, tokens, p) for c, p in zip(claims, choice_params(params, n), strict=True)]
     if not body.stream:
-        done = await run_choices(request, jobs, sid, turn)
+        done = await run_choices(request, jobs, session, turn)
         choices = [
             reply.choice(output_text(r), finish(r), openai_logprobs(door.tokenizer, r, chat), i)
             for i, r in enumerate(done)
@@ -120,7 +116,7 @@ async def respond(
         return web.json_response(reply.body(choices, usage=usage(done)))
     sse = EventStream(request)
     jobs = [replace(job, progress=streamer(request, reply, sse, i)) for i, job in enumerate(jobs)]
-    done = await run_choices(request, jobs, sid, turn)
+    done = await run_choices(request, jobs, session, turn)
     if body.include_usage():
         await sse.send(reply.body([], usage=usage(done)))
     await sse.send("[DONE]")
@@ -136,14 +132,16 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def run_choices(
-    request: web.Request, jobs: list[Job], sid: str | None, turn: ChatTurn | None
+    request: web.Request, jobs: list[Job], session: Session | None, turn: ChatTurn | None
 ) -> list[Request]:
     """One choice: a plain request or a session's turn; more: plain requests at once."""
     if len(jobs) > 1:
         return await run_all(request, jobs)
     job = jobs[0]
     return [
-        await run_generation(request, job.rid, job.tokens, job.params, sid, {}, job.progress, turn)
+        await run_generation(
+            request, job.rid, job.tokens, job.params, session, {}, job.progress, turn
+        )
     ]
 
 
@@ -172,9 +170,9 @@ async def models(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].completions)
-    prompt = body.prompt
-    tokens = prompt_tokens(request, prompt, body.session_id) if isinstance(prompt, str) else prompt
-    return await respond(request, body, tokens, False)
+    prompt, session = body.prompt, named_session(request, body.session_id)  # its one lookup
+    tokens = prompt_tokens(request, prompt, session) if isinstance(prompt, str) else prompt
+    return await respond(request, body, tokens, False, session)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -182,10 +180,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     encoder, sid = request.app[CHAT], body.session_id
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
     if sid is None:
-        return await respond(request, body, encoder.tokens(messages, True, body.tools), True)
-    session = own_session(request, sid)
+        tokens = encoder.tokens(messages, True, body.tools)
+        return await respond(request, body, tokens, True, None)
+    session = own_session(request, sid)  # the one lookup of its session
     tokens, turn = plan_turn(encoder, session, messages, body.tools, output_text)
-    return await respond(request, body, tokens, True, turn)
+    return await respond(request, body, tokens, True, session, turn)
 
 
 ROUTES = (

@@ -18,18 +18,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
-from services.scheduler.http.common import (
-    EventStream,
-    Job,
-    StreamCursor,
-    output_text,
-    own_session,
-    prompt_tokens,
-    read_body,
-    run_all,
-    run_generation,
-    token_limit,
-)
+from services.scheduler.http.bodies import prompt_tokens, read_body, token_limit
+from services.scheduler.http.edge_sessions import named_session, own_session
+from services.scheduler.http.events import EventStream, StreamCursor, output_text
+from services.scheduler.http.generation import Job, run_all, run_generation
 from services.scheduler.http.limits import open_session_within_limits
 from services.scheduler.http.logprobs import SglangStream, check_streamed
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
@@ -39,6 +31,7 @@ from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.tenancy import CACHE_SALT
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import FrontDoor, Progress
 from shared.placement import PLACED_HEADER
 from shared.tenancy import Refused
@@ -137,7 +130,7 @@ async def open_session(request: web.Request) -> web.Response:
 
 async def close_session(request: web.Request) -> web.Response:
     name = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
-    await request.app[FRONT_DOOR].close_session(own_session(request, name).sid)
+    await request.app[FRONT_DOOR].close_session(own_session(request, name))
     await request.app[FRONT_DOOR].durable()
     return web.json_response(True)
 
@@ -175,17 +168,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if is_batch(raw):
         return await generate_batch(request, body)
     door = request.app[FRONT_DOOR]
-    sid = body.session_id()
-    tokens = body.input_ids or prompt_tokens(request, body.text, sid)
+    session = named_session(request, body.session_id())  # the one lookup of its session
+    tokens = body.input_ids or prompt_tokens(request, body.text, session)
     rid = request.app[TENANCY].claim(request, body.rid)
-    logprobs, params = body.return_logprob, engine_params(request, body, sid, len(tokens))
+    logprobs, params = body.return_logprob, engine_params(request, body, session, len(tokens))
     options = body.session_options()
     if not body.stream:
-        done = await run_generation(request, rid.server, tokens, params, sid, options)
+        done = await run_generation(request, rid.server, tokens, params, session, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
     sse = EventStream(request)
     progress = streamer(door, sse, rid.shown, params)
-    await run_generation(request, rid.server, tokens, params, sid, options, progress)
+    await run_generation(request, rid.server, tokens, params, session, options, progress)
     await sse.send("[DONE]")
     return sse.response
 
@@ -217,12 +210,14 @@ async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
     return sse.response
 
 
-def engine_params(request: web.Request, body: Any, sid: str | None, tokens: int) -> SamplingParams:
+def engine_params(
+    request: web.Request, body: Any, session: Session | None, tokens: int
+) -> SamplingParams:
     """A /generate request's parameters, its output budget cut to the context's room."""
     sampling = body.sampling()
     limit = token_limit(
         request,
-        sid,
+        session,
         tokens,
         "sampling_params.max_new_tokens",
         sampling.max_new_tokens,

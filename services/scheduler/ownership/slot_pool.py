@@ -12,18 +12,27 @@ the batched path fills from bytes.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import numpy as np
 
-from services.scheduler.ownership.errors import PoolExhausted
+from services.scheduler.ownership.errors import OwnershipError, PoolExhausted
+from services.scheduler.ownership.events import EventLog
 from services.scheduler.ownership.owners import FREE, KIND_MASK, SINK_ID, Owner, OwnerKind
 
-if TYPE_CHECKING:
-    from services.scheduler.ownership.ledger import Ledger
-
 OwnerArg = Owner | int | np.ndarray  # an owner, an owner id, or an int64 array of ids per slot
+
+
+class PoolLedger(Protocol):
+    """What a pool needs of the ledger that holds it (ledger.py, which builds the pools):
+    a Protocol keeps the two modules out of an import cycle."""
+
+    events: EventLog
+
+    def name(self, owner: OwnerArg) -> str: ...
+
+    def fault(self, pool: SlotPool, slots: Iterable[int], what: str) -> OwnershipError: ...
 
 
 def _ids(owner: OwnerArg) -> int | np.ndarray:
@@ -35,7 +44,7 @@ class SlotPool:
     pool of capacity 0 (a tier turned off) has nothing to give."""
 
     def __init__(
-        self, ledger: Ledger, pool_id: int, name: str, capacity: int, scalar: bool = False
+        self, ledger: PoolLedger, pool_id: int, name: str, capacity: int, scalar: bool = False
     ) -> None:
         if capacity < 0:
             raise ValueError(f"pool {name}: capacity must be >= 0, got {capacity}")

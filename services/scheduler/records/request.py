@@ -11,6 +11,7 @@ which the next step feeds as a future token (the executor fills it in).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -21,15 +22,15 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots, release
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.ownership.lease import Lease
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.session import Session, TurnStart
 from services.scheduler.text.output import OutputText
+from shared.messages.ownership import ChatEntry
 from shared.messages.sampling import Top
 
 if TYPE_CHECKING:
     from services.scheduler.records.row_plan import RowPlan
-    from services.scheduler.records.session import ChatTurn, Session
 
 
 class Status(Enum):
@@ -40,11 +41,16 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
-class TurnStart:
-    """What a session turn must return to if it is aborted or retracted."""
+class ChatTurn:
+    """What a chat turn hands its session, prepared by the HTTP edge (which owns the
+    template) so the engine never renders: the history length its new tokens follow,
+    the conversation's entries through the prompt, and `reply`, which gives the reply's
+    entry and the canonical history (the conversation with the reply, rendered without
+    a generation prompt and tokenized), or None if that cannot be rendered."""
 
-    cached_len: int  # positions the session had computed when the turn began
-    rollback: Lease | None  # a copy of the session's state at that moment (session-owned)
+    base: int
+    messages: tuple[ChatEntry, ...]
+    reply: Callable[[Request], tuple[ChatEntry, np.ndarray] | None]
 
 
 @dataclass(eq=False)
@@ -62,7 +68,7 @@ class Request:
     cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
-    chat: ChatTurn | None = None  # a chat turn's conversation (records/session.py)
+    chat: ChatTurn | None = None  # a chat turn's conversation
     cache_namespace: str = ""  # whose cached prefixes it may match and feed (radix_cache.py)
     logprobs: list[float] = field(default_factory=list)  # the model's, per output token
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked

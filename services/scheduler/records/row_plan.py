@@ -6,9 +6,11 @@ only the scheduler needs. A request keeps the rows of its steps in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+import numpy as np
 
 from shared.messages.forward import StepRow
+from shared.messages.sampling import Penalties
 
 
 @dataclass
@@ -17,9 +19,70 @@ class RowPlan:
     prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
     dropped: bool = False  # its request ended or was re-queued while the step was in flight
 
-    def __getattr__(self, name: str) -> Any:
-        """The wire row's facts (rid, tokens, start, kv_indices, slots, sample, future,
-        owners, end) read as the plan's own, so the row has one shape: no copies."""
-        if name == "wire" or name.startswith("__"):
-            raise AttributeError(name)  # not set yet (copying, unpickling): no recursion
-        return getattr(self.wire, name)
+    # The wire row's facts, read as the plan's own (one shape: no copies).
+    @property
+    def rid(self) -> str:
+        return self.wire.rid
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Fed at positions start..end-1."""
+        return self.wire.tokens
+
+    @property
+    def start(self) -> int:
+        return self.wire.start
+
+    @property
+    def end(self) -> int:
+        return self.wire.end
+
+    @property
+    def kv_indices(self) -> np.ndarray:
+        """The KV token index of positions 0..end-1."""
+        return self.wire.kv_indices
+
+    @property
+    def mamba_slot(self) -> int:
+        """The state is read from here."""
+        return self.wire.mamba_slot
+
+    @property
+    def mamba_out(self) -> int:
+        """And written here."""
+        return self.wire.mamba_out
+
+    @property
+    def snapshot_slot(self) -> int:
+        """0: no snapshot this step."""
+        return self.wire.snapshot_slot
+
+    @property
+    def snapshot_len(self) -> int:
+        return self.wire.snapshot_len
+
+    @property
+    def sample(self) -> bool:
+        """The row produces a token."""
+        return self.wire.sample
+
+    @property
+    def future(self) -> bool:
+        """Tokens[0] is the token the step before samples."""
+        return self.wire.future
+
+    @property
+    def penalties(self) -> Penalties | None:
+        return self.wire.penalties
+
+    @property
+    def owner(self) -> int:
+        return self.wire.owner
+
+    @property
+    def track_owner(self) -> int:
+        return self.wire.track_owner
+
+    @property
+    def session_owner(self) -> int:
+        return self.wire.session_owner

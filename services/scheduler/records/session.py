@@ -3,23 +3,21 @@ for a chat session, the conversation its history renders (docs/chat.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from services.scheduler.allocators.handover import SessionSlots
+from services.scheduler.allocators.request_slots import RequestSlots
 from services.scheduler.allocators.tier_slots import DiskState, HostState
 from services.scheduler.cache.node import CacheNode
+from services.scheduler.ownership.lease import Lease
 from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
 from shared.messages.ownership import ChatEntry
 from shared.placement import FIRST_EPOCH
 from shared.session_ids import session_name
-
-if TYPE_CHECKING:
-    from services.scheduler.records.request import Request
 
 
 class SessionError(InvalidRequest):
@@ -47,16 +45,20 @@ def check_session_params(params: dict) -> None:
 
 
 @dataclass(eq=False)
-class ChatTurn:
-    """What a chat turn hands its session, prepared by the HTTP edge (which owns the
-    template) so the engine never renders: the history length its new tokens follow,
-    the conversation's entries through the prompt, and `reply`, which gives the reply's
-    entry and the canonical history (the conversation with the reply, rendered without
-    a generation prompt and tokenized), or None if that cannot be rendered."""
+class TurnStart:
+    """What a session turn must return to if it is aborted or retracted."""
 
-    base: int
-    messages: tuple[ChatEntry, ...]
-    reply: Callable[[Request], tuple[ChatEntry, np.ndarray] | None]
+    cached_len: int  # positions the session had computed when the turn began
+    rollback: Lease | None  # a copy of the session's state at that moment (session-owned)
+
+
+class Turn(Protocol):
+    """What a session reads of its turn in flight: a `Request` (records/request.py), which
+    refers to its session; a Protocol keeps the two records out of an import cycle."""
+
+    rid: str
+    slots: RequestSlots | None
+    turn_start: TurnStart | None
 
 
 @dataclass(eq=False)
@@ -71,7 +73,7 @@ class Session:
     host: HostState | None = None  # or hibernated in the host tier
     disk: DiskState | None = None  # or spilled to the disk tier; at most one of the three
     cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
-    turn: Request | None = None  # the turn in flight, at most one
+    turn: Turn | None = None  # the turn in flight (a Request), at most one
     closing: bool = False  # close asked while a turn runs: completes when it ends
     closed: bool = False
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off

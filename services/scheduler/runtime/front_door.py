@@ -14,9 +14,9 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.records.request import Request
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
-from services.scheduler.records.session import ChatTurn, Session, SessionError
+from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
@@ -110,46 +110,44 @@ class FrontDoor:
         rid: str,
         tokens: list[int],
         params: SamplingParams,
-        sid: str | None = None,
+        session: Session | None = None,
         session_params: dict | None = None,
         progress: Progress | None = None,
         chat: ChatTurn | None = None,
         cache_namespace: str = "",
     ) -> Request:
-        """Run a plain request, or the next turn of session `sid` (`tokens` are then only
-        its new input; `chat`: a chat turn's conversation), to its end, matching and
-        feeding the prefix cache of `cache_namespace`; `progress` is called as tokens
-        arrive."""
+        """Run a plain request, or the next turn of `session` (resolved by the edge with
+        `session`: `tokens` are then only its new input; `chat`: a chat turn's
+        conversation), to its end, matching and feeding the prefix cache of
+        `cache_namespace`; `progress` is called as tokens arrive."""
         engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
-        if sid is None:
+        if session is None:
             plain = Request(rid, tokens, params, cache_namespace=cache_namespace)
-            return await self._intake.run(lambda: engine.submit(plain), progress)
-        await self._undo_stale_move(sid)
-        return await self._intake.run(
-            lambda: engine.submit_turn(
-                sid, tokens, rid, params, session_params, chat, cache_namespace
-            ),
-            progress,
+            return await self._intake.run(engine.submit(plain), progress)
+        await self._undo_stale_move(session)
+        turn = engine.submit_turn(
+            session, tokens, rid, params, session_params, chat, cache_namespace
         )
+        return await self._intake.run(turn, progress)
 
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
         return self._engine.sessions.open(sid, timeout, tenant)
 
-    async def close_session(self, sid: str) -> None:
-        await self._undo_stale_move(sid)
-        self._engine.sessions.close(sid)
+    async def close_session(self, session: Session) -> None:
+        """Close `session` (resolved by the edge with `session`)."""
+        await self._undo_stale_move(session)
+        self._engine.sessions.close(session.sid)
         self._intake.wake.set()
 
-    async def _undo_stale_move(self, sid: str) -> None:
+    async def _undo_stale_move(self, session: Session) -> None:
         """A session marked moving whose placement names this replica and no target was
         moved back, or never left, by a router that could not tell this replica (it was
         restarting): it takes turns here again. The directory decides, as everywhere."""
-        session = self._engine.sessions.sessions.get(sid)
-        if session is None or not session.moving:
+        if not session.moving:
             return
-        placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
+        placed = Placement.decode(await self._redis.get(streams.placement_key(session.sid)))
         if placed == Placement(self._outbox.keys.replica, session.epoch):
-            migration.stay(self._engine.sessions, sid)
+            migration.stay(self._engine.sessions, session.sid)
 
     async def durable(self) -> None:
         """Until the sessions opened or closed so far are recorded on the ownership

@@ -32,13 +32,12 @@ class Intake:
 
     async def run(
         self,
-        submit: Callable[[], Request],
+        submitted: Request,
         progress: Callable[[Request], Awaitable[None]] | None = None,
     ) -> Request:
-        """Submit (`submit` queues the request in the engine, refusing bad input before
-        anything moves) and wait for the end, calling `progress` as tokens arrive; a
-        cancelled wait (the client went away) aborts the request."""
-        submitted = submit()
+        """Wait for the end of `submitted`, just queued in the engine (no await in
+        between), calling `progress` as tokens arrive; a cancelled wait (the client went
+        away) aborts the request."""
         event = asyncio.Event()
         self.waiters[submitted.rid] = (submitted, event)
         self.timing[submitted.rid] = [time.monotonic(), None]

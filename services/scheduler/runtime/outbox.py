@@ -66,7 +66,7 @@ class OwnershipOutbox:
             self.cache_messages.append(cache)
         if not self.may_record():
             return False
-        records = self.engine.sessions.take_records()
+        records = self.engine.sessions.records.take_records()
         self.taken += 1
         if records:
             self.messages.append(self.shipper.sessions(records, executor_epoch))
@@ -80,7 +80,7 @@ class OwnershipOutbox:
         self.messages.append(self.shipper.snapshot())
         sessions = self.engine.sessions
         if not sessions.pending and self.may_record():
-            records = sessions.all_records()
+            records = sessions.records.all_records()
             self.messages.append(self.shipper.sessions(records, executor_epoch, full=True))
 
     def queue_cache_snapshot(self) -> None:

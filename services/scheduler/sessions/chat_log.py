@@ -8,18 +8,15 @@ split). If the session kept them, turn N's tokens would differ from the stateles
 rendering of the same conversation. So when the turn's history is not a prefix of the
 canonical tokens, the session returns to its state at the turn's start (the rollback copy
 every turn takes), its history becomes the canonical tokens, and the next turn prefills
-what lies past that state, the canonical reply included.
+what lies past that state, the canonical reply included (`SessionManager` does that).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from services.scheduler.records.request import Request
-    from services.scheduler.records.session import Session
+from services.scheduler.records.request import Request
+from services.scheduler.records.session import Session
 
 
 def turn_history(req: Request) -> np.ndarray:
@@ -44,28 +41,3 @@ def settle(req: Request) -> np.ndarray | None:
     if len(history) <= len(canonical) and np.array_equal(canonical[: len(history)], history):
         return None
     return canonical
-
-
-class Reencoding:
-    """The re-encoding half of `SessionManager` (which provides these attributes)."""
-
-    dirty: set[str]
-    reencoded: int  # replies re-encoded (a metric)
-
-    def _back_to_start(self, req: Request) -> None: ...
-
-    def _end_turn(self, req: Request) -> None: ...
-
-    def _reencode(self, req: Request, canonical: np.ndarray) -> bool:
-        """Back to the turn's start with the canonical history. False when the turn had
-        no state to return to: the caller releases its slots (as a plain request's)."""
-        self.reencoded += 1
-        session, start = req.session, req.turn_start
-        kept = start is not None and start.rollback is not None
-        if kept:
-            self._back_to_start(req)
-        session.history = canonical
-        session.cached_len = start.cached_len if kept else 0
-        self.dirty.add(session.sid)
-        self._end_turn(req)
-        return kept

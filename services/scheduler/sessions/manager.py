@@ -26,20 +26,25 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
-from services.scheduler.records.request import Request, TurnStart
+from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
-    ChatTurn,
     Session,
     SessionError,
+    TurnStart,
     check_session_params,
 )
-from services.scheduler.sessions.chat_log import Reencoding, settle, turn_history
+from services.scheduler.sessions.chat_log import settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
-from services.scheduler.sessions.records import DurableRecords
+from services.scheduler.sessions.records import (
+    DurableRecords,
+    conflicting_claims,
+    without_device_state,
+)
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
+from shared.messages.ownership import SessionRecord
 from shared.session_ids import session_name, valid_session_id
 
 log = logging.getLogger("custody.sessions")
@@ -49,7 +54,7 @@ REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 IDLE_SECONDS = 60.0  # a session unused this long counts as idle in a refusal's message
 
 
-class SessionManager(DurableRecords, Reencoding):
+class SessionManager:
     def __init__(
         self,
         pools: Pools,
@@ -85,6 +90,7 @@ class SessionManager(DurableRecords, Reencoding):
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
         self.tiers = TierPolicy(self.moves, self.sessions)
+        self.records = DurableRecords(pools, self.sessions, self.dirty)
 
     # ---- client-facing ----
     def open(
@@ -130,16 +136,31 @@ class SessionManager(DurableRecords, Reencoding):
         self._serving(sid)
         session = self.sessions.get(sid)
         if session is None:
-            if sid in self._closed:
-                raise SessionError(f"session {session_name(sid)} is closed", "closed")
-            raise SessionError(f"session {session_name(sid)} not found", "not_found")
+            raise self._gone(sid)
         if session.closing or session.closed:
             raise SessionError(f"session {session_name(sid)} is closed", "closed")
         return session
 
+    def _still_open(self, session: Session) -> None:
+        """`session`, resolved by `get` before an await (at the HTTP edge), is refused as
+        `get` would refuse its id now, without a second lookup."""
+        self._not_pending(session.sid)
+        self._serving(session.sid)
+        if session.closed:
+            raise self._gone(session.sid)
+        if session.closing:
+            raise SessionError(f"session {session.name} is closed", "closed")
+
+    def _gone(self, sid: str) -> SessionError:
+        """The refusal of `sid` no longer open here: closed here, or never (or no longer:
+        it departed) known."""
+        if sid in self._closed:
+            return SessionError(f"session {session_name(sid)} is closed", "closed")
+        return SessionError(f"session {session_name(sid)} not found", "not_found")
+
     def begin_turn(
         self,
-        sid: str,
+        session: Session,
         new_tokens: np.ndarray,
         params: SamplingParams,
         rid: str,
@@ -148,8 +169,10 @@ class SessionManager(DurableRecords, Reencoding):
         chat: ChatTurn | None = None,
         cache_namespace: str = "",
     ) -> Request:
-        """A turn extends the history with `new_tokens`; checked before anything moves."""
-        session = self.get(sid)
+        """A turn of `session` (resolved by `get`) extends the history with `new_tokens`;
+        checked before anything moves."""
+        self._still_open(session)
+        sid = session.sid
         check_session_params(session_params or {})
         if session.turn is not None:
             raise SessionError(f"session {session_name(sid)} already has a turn in flight", "busy")
@@ -335,6 +358,21 @@ class SessionManager(DurableRecords, Reencoding):
         if not keep_turn:
             self._end_turn(req)
 
+    def _reencode(self, req: Request, canonical: np.ndarray) -> bool:
+        """A chat reply's ids were not the canonical encoding of its text (chat_log.py):
+        back to the turn's start with the canonical history. False when the turn had no
+        state to return to: the caller releases its slots (as a plain request's)."""
+        self.reencoded += 1
+        session, start = req.session, req.turn_start
+        kept = start is not None and start.rollback is not None
+        if kept:
+            self._back_to_start(req)
+        session.history = canonical
+        session.cached_len = start.cached_len if kept else 0
+        self.dirty.add(session.sid)
+        self._end_turn(req)
+        return kept
+
     def _back_to_start(self, req: Request) -> None:
         """The session takes back its state copied at the turn's start (the turn's state
         and KV past that point are freed)."""
@@ -353,6 +391,37 @@ class SessionManager(DurableRecords, Reencoding):
             if turn is not None and turn.turn_start is not None and turn.turn_start.rollback:
                 out.append((session.owner, "mamba", [turn.turn_start.rollback.held]))
         return out
+
+    # ---- after a restart ----
+    def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
+        """A restarted scheduler takes its sessions back (records.py): the history always,
+        a valid blob on disk, device slots when the executor that holds their contents is
+        the same one. Records that claim one slot twice (`conflicting_claims`) keep their
+        history only: which of them holds the slot's contents cannot be known, and the
+        history is the session either way."""
+        doubtful = conflicting_claims(records, state_valid)
+        if doubtful:
+            log.error(
+                "%d session records claim slots another record claims too; "
+                "they are taken back from their history only: %s",
+                len(doubtful),
+                sorted(doubtful),
+            )
+            self.conflicting_records += len(doubtful)
+            records = [
+                without_device_state(r, disk=True) if r.sid in doubtful else r for r in records
+            ]
+        for rec in records:
+            self.pending.discard(rec.sid)
+            if not rec.closed:
+                session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
+                self.records.take_back(session, rec, state_valid)
+
+    def discard_unnamed_blobs(self) -> None:
+        """After a rebuild: delete every blob no record named (its deletion was still
+        pending when the last life of the scheduler ended); the first step carries it."""
+        free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
+        self.moves.discards += free.tolist()
 
     @property
     def tier_work(self) -> bool:

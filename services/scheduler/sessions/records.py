@@ -13,36 +13,29 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from services.scheduler.allocators import handover
+from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.ownership.lease import new_lease
+from services.scheduler.records.session import Session
 from shared.messages.envelope import pack
 from shared.messages.ownership import PAGE, TOKEN, SessionRecord
 
 log = logging.getLogger("custody.scheduler")
 
-if TYPE_CHECKING:
-    from services.scheduler.allocators.pools import Pools
-    from services.scheduler.records.session import Session
-    from services.scheduler.sessions.tier_moves import TierMoves
-
 
 class DurableRecords:
-    """The records half of `SessionManager` (which provides these attributes)."""
+    """Writes the records of the sessions it is given and takes their state back from
+    records after a restart; `SessionManager` holds it and opens the sessions."""
 
-    pools: Pools
-    sessions: dict[str, Session]
-    dirty: set[str]  # sessions whose record changed since the last `take_records`
-    pending: set[str]  # recorded sessions not yet taken back (records not proven current)
-    conflicting_records: int  # taken back from history only: their slot claims collided
-    moves: TierMoves
-    open: Callable[..., Session]
+    def __init__(self, pools: Pools, sessions: dict[str, Session], dirty: set[str]) -> None:
+        self.pools = pools
+        self.sessions = sessions  # the manager's open sessions, by id
+        self.dirty = dirty  # sessions whose record changed since the last `take_records`
 
     def take_records(self) -> list[SessionRecord]:
         """What changed since the last call, as records the session store persists."""
@@ -79,58 +72,33 @@ class DurableRecords:
             rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
         return rec
 
-    def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
-        """A restarted scheduler takes its sessions back: the history always, a valid
-        blob on disk, device slots when the executor that holds their contents is the
-        same one. Records that claim one slot twice (`conflicting_claims`) keep their
-        history only: which of them holds the slot's contents cannot be known, and the
-        history is the session either way."""
-        doubtful = conflicting_claims(records, state_valid)
-        if doubtful:
-            log.error(
-                "%d session records claim slots another record claims too; "
-                "they are taken back from their history only: %s",
-                len(doubtful),
-                sorted(doubtful),
-            )
-            self.conflicting_records += len(doubtful)
-            records = [
-                without_device_state(r, disk=True) if r.sid in doubtful else r for r in records
-            ]
-        for rec in records:
-            self.pending.discard(rec.sid)
-            if rec.closed:
-                continue
-            session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
-            session.history = rec.tokens().astype(np.int64)
-            session.chat = None if rec.chat is None else tuple(rec.chat)
-            if rec.disk is not None:  # a valid blob outlives every executor
-                self.pools.disk.take(np.array([rec.disk]), session.owner, "rebuild")
-                lease = new_lease(self.pools.disk, session.owner, rec.disk)
-                session.disk = DiskState(session.owner, lease, rec.cached_len, ready=True)
-                session.cached_len = rec.cached_len
-                continue
-            if not state_valid or rec.row is None or rec.working is None:
-                continue
-            owner, pools = session.owner, self.pools
-            row, working = np.array([rec.row]), np.array([rec.working])
-            pages = rec.kv_pages().copy()
-            pools.req.take(row, owner, "rebuild")
-            pools.mamba.take(working, owner, "rebuild")
-            pools.kv_pages.take(pages, owner, "rebuild")
-            pools.kv.restore_row(rec.row, pages, rec.cached_len)
-            session.slots = handover.SessionSlots(
-                owner,
-                new_lease(pools.req, owner, rec.row),
-                new_lease(pools.mamba, owner, rec.working),
-            )
+    def take_back(self, session: Session, rec: SessionRecord, state_valid: bool) -> None:
+        """`session`, opened anew from `rec`, takes back its history always, a valid blob
+        on disk, and device slots when `state_valid` (the executor that holds their
+        contents is the same one)."""
+        session.history = rec.tokens().astype(np.int64)
+        session.chat = None if rec.chat is None else tuple(rec.chat)
+        if rec.disk is not None:  # a valid blob outlives every executor
+            self.pools.disk.take(np.array([rec.disk]), session.owner, "rebuild")
+            lease = new_lease(self.pools.disk, session.owner, rec.disk)
+            session.disk = DiskState(session.owner, lease, rec.cached_len, ready=True)
             session.cached_len = rec.cached_len
-
-    def discard_unnamed_blobs(self) -> None:
-        """After a rebuild: delete every blob no record named (its deletion was still
-        pending when the last life of the scheduler ended); the first step carries it."""
-        free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
-        self.moves.discards += free.tolist()
+            return
+        if not state_valid or rec.row is None or rec.working is None:
+            return
+        owner, pools = session.owner, self.pools
+        row, working = np.array([rec.row]), np.array([rec.working])
+        pages = rec.kv_pages().copy()
+        pools.req.take(row, owner, "rebuild")
+        pools.mamba.take(working, owner, "rebuild")
+        pools.kv_pages.take(pages, owner, "rebuild")
+        pools.kv.restore_row(rec.row, pages, rec.cached_len)
+        session.slots = handover.SessionSlots(
+            owner,
+            new_lease(pools.req, owner, rec.row),
+            new_lease(pools.mamba, owner, rec.working),
+        )
+        session.cached_len = rec.cached_len
 
 
 def conflicting_claims(records: list[SessionRecord], state_valid: bool) -> set[str]:

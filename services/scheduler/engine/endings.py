@@ -1,0 +1,103 @@
+"""How a request leaves the running list: it finishes (its state goes to its session or
+the prefix cache), it is aborted, or it is retracted (re-queued at the front). Every path
+first drops the request's rows still in flight (`InFlight.unplan`), so their effects
+never count."""
+
+from __future__ import annotations
+
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.in_flight import InFlight
+from services.scheduler.engine.queue import RequestQueue
+from services.scheduler.engine.room import Room
+from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.request import Request, Status
+from services.scheduler.sessions.manager import SessionManager
+
+
+class Endings:
+    def __init__(
+        self,
+        pools: Pools,
+        cache: RadixCache,
+        sessions: SessionManager,
+        in_flight: InFlight,
+        queue: RequestQueue,
+        room: Room,
+    ) -> None:
+        self.pools, self.cache, self.sessions = pools, cache, sessions
+        self.in_flight, self.queue, self.room = in_flight, queue, room
+        self.retractions = 0
+
+    def finish(self, req: Request) -> None:
+        """`req` sampled its last token: its state goes to its session, else (or if the
+        session could not keep it) its latest snapshot to the cache and the rest back."""
+        req.status = Status.FINISHED
+        self._stop(req)
+        if req.session is None or not self.sessions.save(req):  # save: True if it kept them
+            self.cache_prefix(req)
+            req.release(self.pools, self.cache)
+        req.slots = None
+        del self.queue.by_rid[req.rid]
+
+    def abort(self, rid: str, reason: str) -> list[Request]:
+        """Abort `rid` now, running or not (its rows still in flight are dropped).
+        Returns the requests that ended now."""
+        req = self.queue.by_rid.get(rid)
+        if req is None or req.done:
+            return []
+        req.abort_reason = reason
+        if req.status is Status.WAITING:
+            self.queue.waiting.remove(req)
+        else:
+            self._stop(req)
+            if req.session is None:
+                req.release(self.pools, self.cache)
+        if req.session is not None and req.session.turn is req:
+            self.sessions.rollback(req, keep_turn=False)
+        req.status = Status.ABORTED
+        req.finish_reason = FinishReason("abort", message=req.abort_reason)
+        req.slots = None
+        self.queue.by_rid.pop(req.rid, None)
+        return [req]
+
+    def retract(self, req: Request) -> None:
+        """Preempt a running request: give back everything, re-queue it at the front."""
+        self._stop(req)
+        if req.session is not None:
+            self.sessions.rollback(req, keep_turn=True)
+        else:
+            req.release(self.pools, self.cache)
+            req.slots, req.computed = None, 0
+        req.status = Status.WAITING
+        self.queue.waiting.appendleft(req)
+        self.retractions += 1
+
+    def cache_prefix(self, req: Request) -> None:
+        """Donate the latest snapshot, and the KV up to it, to the prefix cache."""
+        track, ps = req.slots.track, self.pools.config.page_size
+        snap = track.latest_snapshot()
+        if snap is None or snap.seq_len <= req.slots.borrowed:
+            return
+        if not self.room.make(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
+            return
+        row = req.slots.row.slot
+        node, tree_pages = self.cache.insert(
+            req.sequence[: snap.seq_len],
+            self.pools.rows.row_pages(row, 0, snap.seq_len),
+            req.slots.owner,
+            lambda receiver: track.donate_latest(receiver).slot,
+            req.cache_namespace,
+        )
+        self.pools.kv.adopt_prefix(row, tree_pages)
+        req.slots.borrowed = len(tree_pages) * ps
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _stop(self, req: Request) -> None:
+        """Take a running request off the running list; rows it still has in flight are
+        dropped (their writes land in slots and positions that no longer count)."""
+        self.queue.running.remove(req)
+        self.in_flight.unplan(req)

@@ -1,0 +1,75 @@
+"""Replies as server-sent events: the stream itself, and what a stream has sent of one
+request, so each chunk carries only what is new."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from services.scheduler.records.request import Request
+
+
+class EventStream:
+    """A reply as server-sent events whose 200 headers go out with the first event: the
+    request is submitted (and so checked completely) before that, so every refusal is
+    still a plain 4xx. Registered on the request, so a fault after the headers can end
+    the stream with an error event (`errors.py`)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        request[EVENT_STREAM] = self
+        self._order = asyncio.Lock()  # requests run at once (`run_all`) share one stream
+
+    async def send(self, payload: dict | str) -> None:
+        data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
+        async with self._order:
+            if not self.response.prepared:
+                await self.response.prepare(self.request)
+            await self.response.write(b"data: " + data + b"\n\n")
+
+
+EVENT_STREAM = web.RequestKey("event_stream", EventStream)
+
+
+def output_text(req: Request) -> str:
+    """The whole output text of an ended request (`records/request.py`'s `text`: cut
+    before a matched stop string unless no_stop_trim; empty when ids-only)."""
+    return "" if req.text is None else req.text.final(req.output)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed chunk of a request: its new text, the text so far, and the output
+    ids it covers (`output[start:end]`, what per-chunk extras such as logprobs cut)."""
+
+    delta: str
+    text: str
+    start: int
+    end: int
+
+
+class StreamCursor:
+    """What a stream has sent of one request, so each chunk carries only what is new
+    and the last one (at the end) the rest: streamed text joined is the final text."""
+
+    def __init__(self) -> None:
+        self.chars = self.tokens = 0
+        self.ended = False
+
+    def next(self, req: Request) -> Chunk | None:
+        """The chunk to send now; None when nothing is new (or the end was sent)."""
+        if self.ended:
+            return None
+        text = "" if req.text is None else req.text.shown(req.output, req.done)
+        start, end = self.tokens, len(req.output)
+        if len(text) == self.chars and start == end and not req.done:
+            return None
+        chunk = Chunk(text[self.chars :], text, start, end)
+        self.chars, self.tokens, self.ended = len(text), end, req.done
+        return chunk
