@@ -1,6 +1,7 @@
 """The shape of the code, checked so it cannot drift back: packages (folders) import one
-another in one direction only, so do the scheduler's modules (type-only imports
-included), files and functions stay short enough to read, and the
+another in one direction only, so do all modules (type-only imports included), no
+service imports another, every module says why it exists, files and functions stay under
+generous ceilings, and the
 `custody` command parses its arguments and spawns services without loading torch.
 
 Each check comes with a self-check on a known case, so a walker that silently sees
@@ -148,16 +149,16 @@ def module_edges(sources: dict[str, str]) -> Edges:
     return edges
 
 
-def scheduler_sources() -> dict[str, str]:
-    files = sorted((ROOT / "services/scheduler").rglob("*.py"))
-    return {module_of(p): p.read_text() for p in files if p.stem != "__init__"}
+def product_sources() -> dict[str, str]:
+    return {module_of(p): p.read_text() for p in product_files() if p.stem != "__init__"}
 
 
-def test_scheduler_modules_import_each_other_in_one_direction_only():
+def test_modules_import_each_other_in_one_direction_only():
     """A collaborator that calls back into the object that built it (or two records that
     name each other) forms a cycle; a type both sides share moves below both, or becomes
-    a `typing.Protocol` on the side that uses it."""
-    edges = module_edges(scheduler_sources())
+    a `typing.Protocol` on the side that uses it. Every product module, not only the
+    scheduler's."""
+    edges = module_edges(product_sources())
     found = cycles(edges)
     assert not found, "module import cycles:\n" + "\n".join(describe(c, edges) for c in found)
 
@@ -166,7 +167,7 @@ def test_the_module_graph_sees_known_edges_and_type_only_cycles():
     """The module walk is not vacuous: it sees a known edge, and a cycle closed only
     under `TYPE_CHECKING` in a tiny synthetic graph is found."""
     assert ("services.scheduler.engine.core", "services.scheduler.engine.faults") in module_edges(
-        scheduler_sources()
+        product_sources()
     )
     core, faults = "services.scheduler.engine.core", "services.scheduler.engine.faults"
     planted = {
@@ -177,6 +178,57 @@ def test_the_module_graph_sees_known_edges_and_type_only_cycles():
     edges = module_edges(planted)
     assert cycles(edges) == [[core, faults, core]]
     assert f"{faults} -> {core}: {faults}:4" in describe(cycles(edges)[0], edges)
+
+
+SERVICES = ("services.scheduler", "services.executor", "services.session_store", "services.router")
+
+
+def service_of(module: str) -> str | None:
+    return next((s for s in SERVICES if module == s or module.startswith(s + ".")), None)
+
+
+def cross_service_imports(edges: Edges) -> list[str]:
+    """Imports from one service into another: services share only `shared/`, the wire
+    contract, so each can be deployed, scaled and read alone."""
+    return [
+        f"{a} imports {b} ({'; '.join(where)})"
+        for (a, b), where in sorted(edges.items())
+        if service_of(a) and service_of(b) and service_of(a) != service_of(b)
+    ]
+
+
+def test_no_service_imports_another():
+    found = cross_service_imports(module_edges(product_sources()))
+    assert not found, "services importing each other:\n" + "\n".join(found)
+
+
+def test_the_service_rule_flags_a_planted_import():
+    planted = {
+        "services.router.app": "from services.scheduler.http import tenancy\n",
+        "services.scheduler.http.tenancy": "from shared import tenancy\n",
+        "shared.tenancy": "",
+    }
+    found = cross_service_imports(module_edges(planted))
+    assert len(found) == 1 and found[0].startswith("services.router.app imports")
+
+
+def undocumented_modules(sources: dict[str, str]) -> list[str]:
+    """Modules with code but no docstring: a newcomer opens a file to learn why it exists."""
+    return [
+        m
+        for m, text in sorted(sources.items())
+        if text.strip() and not ast.get_docstring(ast.parse(text))
+    ]
+
+
+def test_every_product_module_says_why_it_exists():
+    found = undocumented_modules(product_sources())
+    assert not found, f"modules without a docstring: {found}"
+
+
+def test_the_docstring_rule_flags_a_bare_module():
+    planted = {"a": '"""Why a exists."""\nx = 1\n', "b": "x = 1\n", "c": ""}
+    assert undocumented_modules(planted) == ["b"]
 
 
 def line_counts() -> dict[str, int]:
