@@ -165,10 +165,13 @@ def running(edge: Stack) -> int:
 
 def test_a_client_that_hangs_up_aborts_its_request_upstream(edge: Stack):
     """Not streamed: the router's handler is cancelled with the client's connection, and
-    its upstream request with it; the replica aborts the generation (it ran to its
-    limit before)."""
+    its upstream request with it; the replica aborts the turn, so the session's history
+    does not grow by it (before, the turn ran to its limit and the session kept all 900
+    tokens though nobody read them)."""
     port = edge.settings.port
-    body = json.dumps(turn([3, 4, 5], n=900)).encode()
+    code, _, _ = send(port, "POST", "/open_session", {"session_id": "left"})
+    assert code == 200
+    body = json.dumps(turn([3, 4, 5], n=900, session_params={"id": "left"})).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(
         f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {USER}\r\n"
@@ -180,10 +183,13 @@ def test_a_client_that_hangs_up_aborts_its_request_upstream(edge: Stack):
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.05)
     s.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while running(edge):
         assert time.monotonic() < deadline, "the request ran on after its client left"
         time.sleep(0.1)
+    after = answer(port, "/generate", turn([6], n=1, session_params={"id": "left"}))
+    assert after["meta_info"]["prompt_tokens"] == 1  # the abandoned turn left no history
+    assert send(port, "POST", "/close_session", {"session_id": "left"})[0] == 200
 
 
 def test_an_incremental_stream_carries_only_what_is_new(edge: Stack):
