@@ -5,6 +5,8 @@ off while a generation longer than the read timeout is served whole."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import socket
 import threading
@@ -19,6 +21,8 @@ from tests.services_harness import stack_settings, start_stack
 from tests.test_tenancy import Stream, generation, post
 
 READ_TIMEOUT, KEEPALIVE = 1.0, 3.0
+IDLE_TIMEOUT = 4.0  # --session-idle-timeout: a session opened without its own timeout
+LONG = 600.0  # the timeout of sessions a test keeps
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,7 @@ def limited(redis_url: str) -> Iterator[Stack]:
             max_queued_requests=1,
             read_timeout_seconds=READ_TIMEOUT,
             keepalive_seconds=KEEPALIVE,
+            session_idle_timeout=IDLE_TIMEOUT,
             context_len=4096,
             kv_pages=4096,
         )
@@ -46,16 +51,56 @@ def limited(redis_url: str) -> Iterator[Stack]:
 def test_sessions_are_limited_per_key_and_in_all(limited):
     port = limited.settings.port
     for sid in ("a1", "a2"):
-        assert post(port, "/open_session", {"session_id": sid}, "alpha")[0] == 200
+        assert post(port, "/open_session", {"session_id": sid, "timeout": LONG}, "alpha")[0] == 200
     status, body, _ = post(port, "/open_session", {"session_id": "a3"}, "alpha")
     assert status == 429 and "--max-sessions-per-key" in body["error"]["message"]
-    assert post(port, "/open_session", {"session_id": "b1"}, "beta")[0] == 200
+    assert post(port, "/open_session", {"session_id": "b1", "timeout": LONG}, "beta")[0] == 200
     status, body, _ = post(port, "/open_session", {"session_id": "g1"}, "gamma")
     assert status == 429 and "3 sessions are open" in body["error"]["message"]
     assert body["error"]["type"] == "session_limit"
     assert post(port, "/close_session", {"session_id": "a1"}, "alpha")[0] == 200
-    assert post(port, "/open_session", {"session_id": "g1"}, "gamma")[0] == 200
+    assert post(port, "/open_session", {"session_id": "g1", "timeout": LONG}, "gamma")[0] == 200
     for sid, key in (("a2", "alpha"), ("b1", "beta"), ("g1", "gamma")):
+        assert post(port, "/close_session", {"session_id": sid}, key)[0] == 200
+
+
+def get(port: int, path: str, key: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
+
+
+def test_a_session_nobody_touches_closes_after_the_idle_timeout(limited):
+    """An agent that crashed never closes its session: the default idle timeout does,
+    counted; meanwhile an operator sees it among the idle sessions with its age, and a
+    refused open says how many of the open sessions are idle."""
+    port = limited.settings.port
+    assert post(port, "/open_session", {"session_id": "kept", "timeout": LONG}, "alpha")[0] == 200
+    assert post(port, "/open_session", {"session_id": "orphan"}, "beta")[0] == 200
+    assert post(port, "/open_session", {"session_id": "third", "timeout": LONG}, "gamma")[0] == 200
+    status, body, _ = post(port, "/open_session", {"session_id": "late"}, "alpha")
+    assert status == 429 and "of them idle for over" in body["error"]["message"], body
+    status, idle = get(port, "/admin/idle_sessions", "op")
+    assert status == 200 and idle["idle_timeout"] == IDLE_TIMEOUT and idle["open"] == 3
+    listed = {s["session_id"].split("~")[0]: s for s in idle["sessions"]}
+    assert listed["orphan"]["timeout"] == IDLE_TIMEOUT and listed["kept"]["timeout"] == LONG
+    assert all(s["idle_seconds"] >= 0 for s in idle["sessions"])
+    assert get(port, "/admin/idle_sessions", "alpha")[0] == 403
+    deadline = time.monotonic() + 30
+    while any(
+        s["session_id"].startswith("orphan~")
+        for s in get(port, "/admin/idle_sessions", "op")[1]["sessions"]
+    ):
+        assert time.monotonic() < deadline, "the orphan outlived its idle timeout"
+        time.sleep(0.5)  # watched without a turn: a turn is a use, and restarts its timeout
+    assert post(port, "/generate", generation(1, sid="orphan"), "beta")[0] == 404
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        text = b"".join(iter(lambda: s.recv(65536), b"")).decode()
+    assert re.search(r'^custody_sessions_expired_total\{replica="0"\} [1-9]', text, re.M), text
+    assert post(port, "/open_session", {"session_id": "late"}, "alpha")[0] == 200  # room again
+    for sid, key in (("kept", "alpha"), ("third", "gamma"), ("late", "alpha")):
         assert post(port, "/close_session", {"session_id": sid}, key)[0] == 200
 
 

@@ -201,3 +201,34 @@ def test_a_turn_the_replica_dropped_after_it_was_sent_is_a_502_never_a_retry(
         loop.call_soon_threadsafe(loop.stop)
         redis_client.delete(streams.placement_key("s1"), streams.Keys("0").alive)
         redis_client.srem(streams.REPLICAS, "0")
+
+
+def test_a_router_with_no_ready_replica_is_not_ready():
+    """A router alone (no replica registered) would answer every request 503: its
+    `/health` says so (503, Retry-After, what it waits for) while `/liveness` is 200, so
+    a readiness probe sends it nothing; before, `/health` was 200 with 0 replicas."""
+    with PrivateRedis() as server:
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "services.router.main", "--redis-url", server.url],
+            env={**os.environ, "CUSTODY_PORT": str(port)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/liveness", timeout=5)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the router never came up"
+                    time.sleep(0.2)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                raise AssertionError("/health answered 200 with no replica")
+            except urllib.error.HTTPError as refused:
+                body = json.loads(refused.read())
+                assert refused.code == 503 and refused.headers["Retry-After"] == "1"
+                assert body["ready"] == 0 and body["waiting_for"] == ["replica"], body
+        finally:
+            router.terminate()
+            router.wait(30)
