@@ -25,6 +25,21 @@ FIRST_EPOCH = 1
 # without a placement was closed (or moved and closed) elsewhere (a session opened straight
 # on a scheduler has no placement at all).
 PLACED_HEADER = "X-Custody-Placed"
+# Sent back by a replica with each open it answers: "<scheduler epoch> <n>", the open being
+# that scheduler's n-th. Its registration counts its opens the same way ("opened"), so a
+# router knows exactly when a registration it reads has taken in an open it sent.
+OPENED_HEADER = "X-Custody-Opened"
+
+
+def opened_mark(epoch: str, opened: int) -> str:
+    """The `OPENED_HEADER` value of a scheduler's `opened`-th open."""
+    return f"{epoch} {opened}"
+
+
+def read_opened_mark(value: str | None) -> tuple[str, int] | None:
+    """(epoch, n) of an `OPENED_HEADER` value; None when absent or malformed."""
+    epoch, _, number = (value or "").rpartition(" ")
+    return (epoch, int(number)) if epoch and number.isdigit() else None
 
 
 # Remove a placement only if it is still exactly ARGV[1]: a replica closing a session

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.up import Stack
-from services.router.replicas import ReplicaTable
+from services.router.replicas import Opening, ReplicaTable
 from shared import streams
 from shared.config import Settings
 from shared.placement import Placement
@@ -33,7 +32,7 @@ from tests.services_harness import stack_settings, start_stack
 
 def register(client: redis.Redis, rid: str, **load: int) -> None:
     entry = {"url": "http://r", "executor": True, "running": 0, "queued": 0, "sessions": 0}
-    entry |= load | {"at": time.time(), "tenants": {}}
+    entry |= {"epoch": "e1", "opened": 0, "tenants": {}} | load | {"at": time.time()}
     client.sadd(streams.REPLICAS, rid)
     client.set(streams.Keys(rid).alive, json.dumps(entry))
 
@@ -47,7 +46,7 @@ def test_requests_and_opens_in_flight_across_a_read_end_where_they_count(
         await table.refresh()
         replica = table.live["0"]
         replica.in_flight += 1  # a request sent ...
-        opening = (math.inf, None)
+        opening = Opening(None)
         replica.placed.append(opening)  # ... and an open running
         register(redis_client, "0", running=1)
         await table.refresh()  # read while both are in flight
@@ -77,7 +76,7 @@ def test_an_answered_open_counts_until_it_settles_whatever_the_replica_s_clock(
         table = ReplicaTable(await connect_async(redis_url), period=0.1, settle=0.5)
         register(redis_client, "0")
         await table.refresh()
-        table.live["0"].placed.append((time.monotonic(), "tenant-a"))
+        table.live["0"].placed.append(Opening("tenant-a", time.monotonic()))
         entry = json.loads(redis_client.get(streams.Keys("0").alive))
         entry["at"] = time.time() + 3600  # the replica's clock, an hour ahead
         redis_client.set(streams.Keys("0").alive, json.dumps(entry))
@@ -86,6 +85,38 @@ def test_an_answered_open_counts_until_it_settles_whatever_the_replica_s_clock(
         await asyncio.sleep(0.6)
         await table.refresh()  # the registrations read now have it (none here: 0)
         assert table.live["0"].sessions_of("tenant-a") == 0
+        await table.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_numbered_open_counts_once_from_the_first_registration_that_has_it(
+    redis_url: str, redis_client: redis.Redis
+):
+    """An answered open counted time-only counted twice (in the registration and beside
+    it) for three heartbeats, so an open near a limit was refused though a session was
+    free; numbered by its replica, it leaves the count at the first registration of the
+    same scheduler that counts it, and never before."""
+
+    async def scenario() -> None:
+        table = ReplicaTable(await connect_async(redis_url), period=0.1, settle=3600)
+        register(redis_client, "0", opened=4)
+        await table.refresh()
+        replica = table.live["0"]
+        replica.placed.append(Opening("tenant-a", time.monotonic(), ("e1", 5)))
+        replica.placed.append(Opening("tenant-a", time.monotonic(), ("e0", 9)))
+        register(redis_client, "0", opened=4)  # written before the open: not in it
+        await table.refresh()
+        assert replica.sessions_of("tenant-a") == 2
+        tenants = {"tenant-a": 1}
+        register(redis_client, "0", opened=5, sessions=1, tenants=tenants)
+        await table.refresh()
+        # one counted by the registration, the other (from a scheduler since replaced)
+        # kept until `settle` has passed
+        assert (replica.sessions_of("tenant-a"), replica.sessions) == (2, 2)
+        assert [o.mark for o in replica.placed] == [("e0", 9)]
+        replica.answered(Opening("tenant-a", time.monotonic(), ("e1", 5)))
+        assert replica.sessions == 2  # its answer came after the registration that has it
         await table.client.aclose()
 
     asyncio.run(scenario())

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import time
 
@@ -36,13 +35,14 @@ from services.router.limits import SessionLimits
 from services.router.migration import Mover
 from services.router.proxy import (
     KIND,
+    OPENED,
     PLACING,
     UPSTREAM_TIMES,
     OutcomeUnknown,
     Proxy,
     ReplicaDown,
 )
-from services.router.replicas import Replica, ReplicaTable
+from services.router.replicas import Opening, Replica, ReplicaTable
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
 from shared.tenancy import ApiKeys, Refused
@@ -199,14 +199,15 @@ class Router:
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             return refused
-        opening = (math.inf, tenant)  # counted while it runs, then (below) until every
-        replica.placed.append(opening)  # registration read has it (replicas.py `settle`)
+        opening = Opening(tenant)  # counted while it runs, then (below) until the
+        replica.placed.append(opening)  # registrations read count it (replicas.py)
         try:
             response = await self._open(request, body, sid, replica, received)
         finally:
             replica.placed.remove(opening)
         if response.status == 200:
-            replica.placed.append((time.monotonic(), tenant))
+            home, mark = request.get(OPENED, (replica, None))  # the replica that opened it
+            home.answered(Opening(tenant, time.monotonic(), mark))
         return response
 
     async def _open(

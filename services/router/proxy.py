@@ -11,7 +11,7 @@ from aiohttp import web
 
 from services.router.metrics import RouterMetrics
 from services.router.replicas import Replica
-from shared.placement import PLACED_HEADER
+from shared.placement import OPENED_HEADER, PLACED_HEADER, read_opened_mark
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
@@ -20,6 +20,8 @@ PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 UPSTREAM_TIMES = web.RequestKey("upstream_times", tuple)
 KIND = web.RequestKey("kind", str)  # the request's kind for the overhead histogram
 PLACING = web.RequestKey("placing", bool)  # an open this router places: the replica is told
+# the replica that answered an open, and the open's number there (`OPENED_HEADER`)
+OPENED = web.RequestKey("opened", tuple)
 
 
 class ReplicaDown(Exception):
@@ -70,6 +72,9 @@ class Proxy:
                     request.method, replica.url + request.path_qs, data=body, headers=headers
                 )
                 async with upstream:
+                    mark = read_opened_mark(upstream.headers.get(OPENED_HEADER))
+                    if mark is not None:
+                        request[OPENED] = (replica, mark)
                     if upstream.status in unless:
                         await upstream.read()
                         return None

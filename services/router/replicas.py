@@ -2,13 +2,15 @@
 the registration each live one keeps under its expiring key (address, whether its
 executor is up, its load). Re-read every `period`; between reads the router adds the
 requests it has sent and not yet seen answered, so a burst does not pile onto one
-replica before the next read."""
+replica before the next read, and the opens it sent that no registration read has
+counted yet, so the session limits count each open session once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,23 @@ from shared.retry import Retry
 log = logging.getLogger("custody.router")
 
 
+@dataclass(eq=False)
+class Opening:
+    """An open this router sent to a replica, counted beside its registration until a
+    registration read has it: exactly, when the replica numbered it (`mark`) and the
+    registration of that scheduler counts that many opens; by time (`settle` after it
+    was answered) when the answer had no number or that scheduler has been replaced."""
+
+    tenant: str | None
+    answered: float = math.inf  # on this router's monotonic clock; inf while it runs
+    mark: tuple[str, int] | None = None  # (scheduler epoch, the open's number there)
+
+    def counted_by(self, replica: Replica, settled_before: float) -> bool:
+        if self.mark is not None and self.mark[0] == replica.epoch:
+            return self.mark[1] <= replica.opened
+        return self.answered < settled_before
+
+
 @dataclass
 class Replica:
     id: str
@@ -31,12 +50,13 @@ class Replica:
     running: int
     queued: int
     registered_sessions: int  # open on it when it wrote its registration
+    epoch: str = ""  # its scheduler's, as registered
+    opened: int = 0  # opens that scheduler had answered when it wrote its registration
     draining: bool = False  # an operator drains it: nothing new is placed on it
     in_flight: int = 0  # requests this router sent it that have not ended
     tenants: dict[str, int] = field(default_factory=dict)  # open sessions by key, registered
-    # this router's opens (when answered, on this router's monotonic clock, tenant): inf
-    # while one runs, then counted until a registration written since must have been read
-    placed: list[tuple[float, str | None]] = field(default_factory=list)
+    # this router's opens on it that no registration read has counted yet
+    placed: list[Opening] = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -44,13 +64,20 @@ class Replica:
 
     @property
     def sessions(self) -> int:
-        """Open on it: as registered, plus those this router placed too recently for
-        the registration read to count them (counted twice for a moment, never missed)."""
+        """Open on it: as registered, plus this router's opens the registration read
+        does not count yet (never missed; counted twice only where `Opening` falls back
+        to time)."""
         return self.registered_sessions + len(self.placed)
+
+    def answered(self, opening: Opening) -> None:
+        """Count `opening`, answered by this replica, until a registration read has it:
+        the last one read may have already (written while the answer was on its way)."""
+        if not opening.counted_by(self, settled_before=-math.inf):
+            self.placed.append(opening)
 
     def sessions_of(self, tenant: str) -> int:
         """Open on it for the key whose hash is `tenant`, counted as `sessions` is."""
-        return self.tenants.get(tenant, 0) + sum(t == tenant for _, t in self.placed)
+        return self.tenants.get(tenant, 0) + sum(o.tenant == tenant for o in self.placed)
 
 
 REGISTERED = (  # what a registration read sets; the rest is this router's own count
@@ -59,6 +86,8 @@ REGISTERED = (  # what a registration read sets; the rest is this router's own c
     "running",
     "queued",
     "registered_sessions",
+    "epoch",
+    "opened",
     "tenants",
     "draining",
 )
@@ -70,7 +99,8 @@ class ReplicaTable:
     ) -> None:
         """`period`: between reads; `secret`: the cluster secret registrations must be
         signed with (none: any); `settle`: how long after an open is answered every
-        registration read counts it (a few of the replicas' heartbeats)."""
+        registration read counts an open its answer did not number (a few of the
+        replicas' heartbeats: `Opening`)."""
         self.client, self.period, self.secret, self.settle = client, period, secret, settle
         self.unverified = 0  # registrations read and refused: not signed with the secret
         self._refused: set[str] = set()
@@ -108,6 +138,8 @@ class ReplicaTable:
                     int(entry["running"]),
                     int(entry["queued"]),
                     int(entry["sessions"]),
+                    str(entry["epoch"]),
+                    int(entry["opened"]),
                     tenants={str(k): int(v) for k, v in entry["tenants"].items()},
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -122,10 +154,11 @@ class ReplicaTable:
         if replica is not fresh:
             for name in REGISTERED:
                 setattr(replica, name, getattr(fresh, name))
-            # an open answered `settle` ago is in every registration written since: no
-            # clock of another machine is compared with this one's
-            since = time.monotonic() - self.settle
-            replica.placed = [p for p in replica.placed if p[0] > since]
+            # no clock of another machine is compared with this one's
+            settled_before = time.monotonic() - self.settle
+            replica.placed = [
+                o for o in replica.placed if not o.counted_by(replica, settled_before)
+            ]
         return replica
 
     async def run(self, faults: Counter | None = None) -> None:

@@ -33,7 +33,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import FrontDoor, Progress
-from shared.placement import PLACED_HEADER
+from shared.placement import OPENED_HEADER, PLACED_HEADER
 from shared.tenancy import Refused
 
 DEFAULT_MAX_NEW_TOKENS = 16
@@ -124,8 +124,9 @@ async def open_session(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].open_session)
     session = open_session_within_limits(request, body.session_id, body.timeout)
     session.routed = request.headers.get(PLACED_HEADER) == "1"
+    mark = request.app[FRONT_DOOR].opened_mark  # read before anything else can open
     await request.app[FRONT_DOOR].durable()
-    return web.json_response(session.name)
+    return web.json_response(session.name, headers={OPENED_HEADER: mark})
 
 
 async def close_session(request: web.Request) -> web.Response:

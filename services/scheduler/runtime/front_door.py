@@ -26,7 +26,7 @@ from shared import records_proof, streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
-from shared.placement import Placement
+from shared.placement import Placement, opened_mark
 from shared.tokenizer import Tokenizer
 
 PROOF_WAIT_SECONDS = 10.0  # a move waits this long for the store to apply the records
@@ -132,6 +132,11 @@ class FrontDoor:
 
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
         return self._engine.sessions.open(sid, timeout, tenant)
+
+    @property
+    def opened_mark(self) -> str:
+        """The last open's number, for the router (shared/placement.py `OPENED_HEADER`)."""
+        return opened_mark(self._link.scheduler_epoch, self._engine.sessions.opened)
 
     async def close_session(self, session: Session) -> None:
         """Close `session` (resolved by the edge with `session`)."""

@@ -67,6 +67,7 @@ class Registration:
                 "running": len(engine.running),
                 "queued": len(engine.waiting),
                 "sessions": len(engine.sessions.sessions),
+                "opened": engine.sessions.opened,  # so a router knows which opens it has
                 "tenants": Counter(
                     s.tenant for s in engine.sessions.sessions.values() if s.tenant is not None
                 ),

@@ -71,6 +71,7 @@ class SessionManager:
         # client may be trusted to close what it opened (agents crash, closes get lost)
         self.idle_timeout = idle_timeout
         self.expired = 0  # sessions closed by their idle timeout
+        self.opened = 0  # opens so far: a router counts its opens by this number
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
@@ -123,6 +124,7 @@ class SessionManager:
         owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
         session = Session(sid, owner, timeout, self.clock(), tenant=tenant)
         self.sessions[sid] = session
+        self.opened += 1
         self.dirty.add(sid)
         self._touch(session, session.last_used)
         return session
