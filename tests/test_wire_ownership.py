@@ -14,7 +14,7 @@ from services.session_store.consumer import OwnershipConsumer
 from services.session_store.service import StoreService
 from shared import streams
 from shared.config import Settings
-from shared.messages.envelope import WireError, encode, pack
+from shared.messages.envelope import I4, I8, WireError, array, encode, pack
 from shared.messages.ownership import (
     MESSAGES,
     OWNER,
@@ -47,7 +47,7 @@ def open_record(**slots: object) -> SessionRecord:
         sid="chat",
         timeout=30.0,
         tenant="ab12",
-        history=pack([5, 6, 7], "<i4"),
+        history=array([5, 6, 7], I4),
         cached_len=2,
         **slots,
     )
@@ -58,8 +58,8 @@ MESSAGES_OF_EACH_KIND = [
         epoch="e1",
         seq=1,
         pools=[
-            PoolTable(id=0, name="req", capacity=2, owners=pack([-1, 0, 9], OWNER)),
-            PoolTable(id=1, name="mamba", capacity=1, owners=pack([-1, 0], OWNER)),
+            PoolTable(id=0, name="req", capacity=2, owners=array([-1, 0, 9], OWNER)),
+            PoolTable(id=1, name="mamba", capacity=1, owners=array([-1, 0], OWNER)),
         ],
         owners={9: "request:r1"},
         next_event=40,
@@ -69,7 +69,7 @@ MESSAGES_OF_EACH_KIND = [
         epoch="e1",
         seq=3,
         records=[
-            open_record(row=1, working=4, pages=pack([7, 8], "<i8")),
+            open_record(row=1, working=4, pages=array([7, 8], I8)),
             open_record(),
             SessionRecord(sid="gone", closed=True),
         ],
@@ -85,7 +85,7 @@ def test_each_kind_survives_the_wire(message):
 
 
 def test_the_persisted_record_is_the_typed_one():
-    record = open_record(row=1, working=4, pages=pack([7, 8], "<i8"), executor="x1")
+    record = open_record(row=1, working=4, pages=array([7, 8], I8), executor="x1")
     back = RECORDS.decode(encode_record(record))
     assert back == record and back.tokens().tolist() == [5, 6, 7]
     assert back.kv_pages().tolist() == [7, 8]
@@ -106,14 +106,14 @@ MALFORMED = {
     "truncated message": (encode(events())[:-3], "truncated"),
     "truncated packed array": (altered(events(), slot=b"\x03\x00\x00"), "a packed <i4 array"),
     "arrays of different lengths": (
-        altered(events(), giver=pack([0, 0], OWNER)),
+        altered(events(), giver=pack([0, 0], "<i8")),
         "record arrays of lengths",
     ),
     "records outside the batch": (altered(events(), reasons=["alloc"]), "records numbered outside"),
     "a snapshot table short of its pool": (
         altered(
             MESSAGES_OF_EACH_KIND[0],
-            pools=[{"id": 0, "name": "req", "capacity": 5, "owners": pack([-1, 0], OWNER)}],
+            pools=[{"id": 0, "name": "req", "capacity": 5, "owners": pack([-1, 0], "<i8")}],
         ),
         "snapshot of pool req: 2 owners",
     ),

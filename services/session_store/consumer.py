@@ -40,7 +40,7 @@ from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
 from shared import records_proof, streams
 from shared.messages.cache import CACHE_KIND
-from shared.messages.envelope import WireError, pack, unpack
+from shared.messages.envelope import WIRE_DTYPES, WireError, pack, unpack
 from shared.messages.ownership import (
     MESSAGES,
     OWNER,
@@ -244,7 +244,7 @@ class OwnershipConsumer:
             "next_event": led.next_event,
             "names": led.names,
             "owners": led.owners.names,
-            "tables": [pack(t, OWNER) for t in led.tables],
+            "tables": [pack(t, WIRE_DTYPES[OWNER]) for t in led.tables],
             "violations": [v.as_dict() for v in led.violations[-KEEP_VIOLATIONS:]],
             "found": dict(led.found),
             "double_frees": led.double_frees,
@@ -269,7 +269,7 @@ class OwnershipConsumer:
         led = self.ledger
         self.epoch, self.seq = state["epoch"], state["seq"]
         led.names, led.next_event = state["names"], state["next_event"]
-        led.tables = [unpack(t, OWNER).tolist() for t in state["tables"]]
+        led.tables = [unpack(t, WIRE_DTYPES[OWNER]).tolist() for t in state["tables"]]
         led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
         led.found = Counter(state.get("found") or [v.kind for v in led.violations])

@@ -67,7 +67,7 @@ class IndependentLedger:
 
     def reset(self, snapshot: Snapshot) -> None:
         """Start over from a snapshot (its tables checked as it was decoded)."""
-        self.tables = [p.table().tolist() for p in snapshot.pools]
+        self.tables = [p.owners.tolist() for p in snapshot.pools]
         self.names = [p.name for p in snapshot.pools]
         self.owners.reset(snapshot.owners, self.tables)
         self.next_event = snapshot.next_event

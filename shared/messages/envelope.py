@@ -3,7 +3,7 @@ tag msgspec dispatches on), the producer's `(epoch, seq)` so a consumer applies 
 (a duplicate has a seq it has seen; a gap, one past the next it expects), and integer
 arrays packed as little-endian bytes.
 
-An array field is declared once, by its type (`I4`, `I8`, `F4`): it holds a numpy
+An array field is declared once, by its type (`U1`, `I4`, `I8`, `F4`): it holds a numpy
 array, travels as the bytes of its items (msgpack bin, as `pack` writes them), and is
 decoded back by `decode_hook`, which checks its length.
 
@@ -24,10 +24,11 @@ import numpy.typing as npt
 
 FORMAT_VERSION = 2
 M = TypeVar("M")
+U1 = npt.NDArray[np.uint8]
 I4 = npt.NDArray[np.int32]
 I8 = npt.NDArray[np.int64]
 F4 = npt.NDArray[np.float32]
-WIRE_DTYPES = {I4: "<i4", I8: "<i8", F4: "<f4"}
+WIRE_DTYPES = {U1: "<u1", I4: "<i4", I8: "<i8", F4: "<f4"}
 
 
 class WireError(ValueError):
@@ -70,7 +71,7 @@ def unpack(raw: bytes, dtype: str) -> np.ndarray:
 
 
 def array(values: np.ndarray | Sequence[int] | Sequence[float], kind: type) -> np.ndarray:
-    """`values` as a new array for a field of type `kind` (I4, I8, F4): a copy, so the
+    """`values` as a new array for a field of type `kind` (U1, I4, I8, F4): a copy, so the
     message does not change with the caller's array."""
     return np.asarray(values, dtype=WIRE_DTYPES[kind]).copy()
 
@@ -97,7 +98,7 @@ def decode_hook(kind: type, raw: object) -> np.ndarray:
     return unpack(raw, dtype)
 
 
-def encode(message: Message) -> bytes:
+def encode(message: msgspec.Struct) -> bytes:
     return msgspec.msgpack.encode(message, enc_hook=encode_hook)
 
 

@@ -11,7 +11,7 @@ kind, and the session record both services persist and read back:
 - `Idle`: the scheduler has nothing running; its own counts by owner kind per pool, to be
   compared with the consumer's.
 
-Each checks itself as it is decoded (packed arrays of whole items and of equal lengths,
+Each checks itself as it is decoded (arrays of whole items and of equal lengths,
 events numbered inside the batch, a snapshot's tables as long as their pools), so a
 consumer never meets a message it would half-apply.
 """
@@ -24,27 +24,22 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from shared.messages.envelope import Decoder, Message, WireError, pack, unpack
+from shared.messages.envelope import I4, I8, U1, Arrays, Decoder, Message, WireError, array, encode
 
-OWNER = "<i8"  # owner ids (shared/owners.py), in owner tables and transfers
-TOKEN = "<i4"  # a session's history
-PAGE = "<i8"  # a session's KV pages
+OWNER = I8  # owner ids (shared/owners.py), in owner tables and transfers
 
 
-class PoolTable(msgspec.Struct, kw_only=True):
+class PoolTable(Arrays, kw_only=True):
     """One pool of a snapshot: its owner per slot, slot 0 (the sink) included."""
 
     id: int
     name: str
     capacity: int
-    owners: bytes  # packed OWNER, capacity + 1 of them
+    owners: OWNER  # capacity + 1 of them
 
     def __post_init__(self) -> None:
-        if len(self.table()) != self.capacity + 1:
-            raise WireError(f"snapshot of pool {self.name}: {len(self.table())} owners")
-
-    def table(self) -> np.ndarray:
-        return unpack(self.owners, OWNER)
+        if len(self.owners) != self.capacity + 1:
+            raise WireError(f"snapshot of pool {self.name}: {len(self.owners)} owners")
 
 
 class Snapshot(Message, tag="snapshot"):
@@ -69,20 +64,17 @@ class Transfers(NamedTuple):
     receiver: np.ndarray
 
 
-DTYPES = Transfers(*(np.dtype(d) for d in ("<i4", "<u1", "<i4", OWNER, OWNER)))
-
-
-class Events(Message, tag="events"):
+class Events(Message, Arrays, tag="events"):
     """Transfers in ledger order, flattened to one record per moved slot, so a consumer
     replays them in a tight loop."""
 
     first: int  # ledger number of the batch's first event
     reasons: list[str]  # per event
-    event: bytes  # per record, packed as DTYPES says
-    pool: bytes
-    slot: bytes
-    giver: bytes
-    receiver: bytes
+    event: I4  # per record: the index of its event within the batch
+    pool: U1
+    slot: I4
+    giver: OWNER
+    receiver: OWNER
     owners: dict[int, str] = msgspec.field(default_factory=dict)  # declared since the last
 
     @classmethod
@@ -95,46 +87,33 @@ class Events(Message, tag="events"):
         records: Transfers,
         owners: dict[int, str],
     ) -> Events:
-        event, pool, slot, giver, receiver = (
-            pack(a, dtype) for a, dtype in zip(records, DTYPES, strict=True)
-        )
         return cls(
             epoch=epoch,
             seq=seq,
             first=first,
             reasons=reasons,
-            event=event,
-            pool=pool,
-            slot=slot,
-            giver=giver,
-            receiver=receiver,
+            event=array(records.event, I4),
+            pool=array(records.pool, U1),
+            slot=array(records.slot, I4),
+            giver=array(records.giver, OWNER),
+            receiver=array(records.receiver, OWNER),
             owners=owners,
         )
 
     def __post_init__(self) -> None:
-        """Checked in plain Python where it can be: it runs for every batch shipped and
-        every batch decoded, most of them a few records long."""
-        lengths = []
-        for name, raw, dtype in zip(Transfers._fields, self._packed(), DTYPES, strict=True):
-            n, rest = divmod(len(raw), dtype.itemsize)
-            if rest:
-                raise WireError(f"events: {name} is a packed {dtype.str} array of {len(raw)} bytes")
-            lengths.append(n)
+        """Each array holds whole items (checked as it was decoded); here, that they are
+        as long as each other and that each record names an event of the batch."""
+        lengths = [len(a) for a in self.records()]
         if len(set(lengths)) > 1:
             raise WireError(f"events: record arrays of lengths {lengths}")
-        ev = np.frombuffer(self.event, DTYPES.event)
+        ev = self.event
         if len(ev) and (
             ev[0] < 0 or ev[-1] >= len(self.reasons) or (len(ev) > 1 and (ev[1:] < ev[:-1]).any())
         ):
             raise WireError(f"events: records numbered outside 0..{len(self.reasons) - 1}")
 
-    def _packed(self) -> tuple[bytes, ...]:
-        return (self.event, self.pool, self.slot, self.giver, self.receiver)
-
     def records(self) -> Transfers:
-        """The records as arrays (their lengths were checked on decode)."""
-        packed = zip(self._packed(), DTYPES, strict=True)
-        return Transfers(*(np.frombuffer(raw, dtype) for raw, dtype in packed))
+        return Transfers(self.event, self.pool, self.slot, self.giver, self.receiver)
 
     @property
     def num_events(self) -> int:
@@ -150,7 +129,7 @@ class ChatEntry(msgspec.Struct, array_like=True, frozen=True):
     end: int
 
 
-class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     """A session's durable record: the history always, and its row, working Mamba slot
     and KV pages only while the session itself holds them (then a restarted scheduler
     can take them over), or the disk slot of its blob once the blob is valid. A closed
@@ -161,11 +140,11 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     closed: bool = False
     timeout: float | None = None  # seconds idle before it is closed; None: never
     tenant: str | None = None  # a hash of the opening API key, never the key
-    history: bytes | None = None  # packed TOKEN
+    history: I4 | None = None  # its tokens
     cached_len: int = 0  # positions of the history the slots hold
     row: int | None = None
     working: int | None = None
-    pages: bytes | None = None  # packed PAGE
+    pages: I8 | None = None  # its KV pages
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
     disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
     chat: list[ChatEntry] | None = None  # its conversation; None: raw tokens or empty
@@ -190,14 +169,12 @@ class SessionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
         ends = [entry.end for entry in self.chat or ()]
         if any(b < a for a, b in pairwise([0, *ends])):
             raise WireError(f"the record of session {self.sid} has chat spans out of order")
-        self.tokens()
-        self.kv_pages()
 
     def tokens(self) -> np.ndarray:
-        return unpack(self.history or b"", TOKEN)
+        return array((), I4) if self.history is None else self.history
 
     def kv_pages(self) -> np.ndarray:
-        return unpack(self.pages or b"", PAGE)
+        return array((), I8) if self.pages is None else self.pages
 
 
 class SessionRecords(Message, tag="sessions"):
@@ -224,4 +201,4 @@ RECORDS = Decoder(SessionRecord)  # what a restarted scheduler reads back from t
 
 def encode_record(record: SessionRecord) -> bytes:
     """A record as the session store persists it (decoded with `RECORDS`)."""
-    return msgspec.msgpack.encode(record)
+    return encode(record)

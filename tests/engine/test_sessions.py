@@ -8,9 +8,8 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import Status
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
-from services.scheduler.sessions.migration import arrive
-from shared.messages.envelope import pack
-from shared.messages.ownership import TOKEN, SessionRecord
+from shared.messages.envelope import I4, array
+from shared.messages.ownership import SessionRecord
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 
@@ -351,8 +350,8 @@ def test_an_id_closed_here_does_not_block_a_later_session_of_that_id_arriving():
     sessions.close("x")
     with pytest.raises(SessionError):
         sessions.open("x")  # a client's open of a closed id: still refused
-    record = SessionRecord(sid="x", history=pack(np.arange(1, 6), TOKEN))
-    session = arrive(sessions, record, source="7", epoch=2)
+    record = SessionRecord(sid="x", history=array(np.arange(1, 6), I4))
+    session = sessions.arrive(record, source="7", epoch=2)
     assert session.history.tolist() == [1, 2, 3, 4, 5] and session.epoch == 2
     turn = d.run_turn("x", text(3, 4), max_new=3)
     assert turn.output == reference([1, 2, 3, 4, 5, *text(3, 4)], 3, VOCAB)

@@ -9,7 +9,6 @@ import re
 import time
 from collections.abc import Callable
 
-import numpy as np
 import redis
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
@@ -20,8 +19,8 @@ from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.service import StoreService, build_app
 from shared import streams
 from shared.config import Settings
-from shared.messages.envelope import pack
-from shared.messages.ownership import TOKEN, SessionRecord, encode_record
+from shared.messages.envelope import I4, array
+from shared.messages.ownership import SessionRecord, encode_record
 from tests.engine.driver import Driver
 
 
@@ -136,7 +135,7 @@ async def session_checks(store: StoreService, get: Callable) -> None:
     own replica's."""
     client = store.client
     for replica, sid in (("b", "placed"), ("0", "unplaced")):
-        history = pack(np.array([1, 2, 3] if replica == "b" else [4, 5], np.int32), TOKEN)
+        history = array([1, 2, 3] if replica == "b" else [4, 5], I4)
         record = SessionRecord(sid=sid, history=history)
         client.hset(streams.Keys(replica).session(sid), "record", encode_record(record))
     client.set(streams.placement_key("placed"), "b")

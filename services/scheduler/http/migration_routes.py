@@ -1,5 +1,6 @@
 """The operator routes the router moves a session between replicas with (draining a
-replica, re-homing the sessions of a dead one): sessions/migration.py has the why."""
+replica, re-homing the sessions of a dead one): SessionManager's moves between
+replicas have the why."""
 
 from __future__ import annotations
 

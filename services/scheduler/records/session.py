@@ -78,7 +78,7 @@ class Session:
     closed: bool = False
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
     chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
-    moving: bool = False  # leaving for another replica: no turn starts (sessions/migration.py)
+    moving: bool = False  # leaving for another replica: no turn starts (SessionManager.leave)
     epoch: int = FIRST_EPOCH  # its placement's epoch here (shared/placement.py)
     routed: bool = False  # placed in the directory (by a router): no placement means gone
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from services.scheduler.ownership.events import RawEvent
 from services.scheduler.ownership.ledger import Ledger
-from shared.messages.envelope import encode, pack
+from shared.messages.envelope import array, encode
 from shared.messages.ownership import (
     OWNER,
     Events,
@@ -43,7 +43,7 @@ class EventShipper:
         self.ledger.owners.take_declared()
         pools = [
             PoolTable(
-                id=p.pool_id, name=p.name, capacity=p.capacity, owners=pack(p.owner_view, OWNER)
+                id=p.pool_id, name=p.name, capacity=p.capacity, owners=array(p.owner_view, OWNER)
             )
             for p in self.ledger.by_id
         ]

@@ -21,7 +21,6 @@ from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
-from services.scheduler.sessions import migration
 from shared import records_proof, streams
 from shared.config import Settings
 from shared.messages.envelope import WireError
@@ -152,7 +151,7 @@ class FrontDoor:
             return
         placed = Placement.decode(await self._redis.get(streams.placement_key(session.sid)))
         if placed == Placement(self._outbox.keys.replica, session.epoch):
-            migration.stay(self._engine.sessions, session.sid)
+            self._engine.sessions.stay(session.sid)
 
     async def durable(self) -> None:
         """Until the sessions opened or closed so far are recorded on the ownership
@@ -180,7 +179,7 @@ class FrontDoor:
     async def migrate_out(self, sid: str) -> Session:
         """Stop `sid`'s turns, place its state on disk, and return once its record (the
         one the replica it goes to reads) is persisted by the store."""
-        migration.leave(self._engine.sessions, sid)
+        self._engine.sessions.leave(sid)
         session = await self.place_session(sid, "disk")
         await self.durable()
         await self._records_current(self._outbox.keys)
@@ -210,7 +209,7 @@ class FrontDoor:
             record = RECORDS.decode(raw)
         except WireError as err:
             raise SessionError(f"the record of session {sid} is refused: {err}", "invalid") from err
-        session = migration.arrive(self._engine.sessions, record, source, epoch)
+        session = self._engine.sessions.arrive(record, source, epoch)
         deadline = time.monotonic() + timeout
         while not session.state_ready and time.monotonic() < deadline:
             self._intake.wake.set()
@@ -220,7 +219,7 @@ class FrontDoor:
 
     def migrate_cancel(self, sid: str) -> None:
         """The move of `sid` failed before its placement changed: it stays here."""
-        migration.stay(self._engine.sessions, sid)
+        self._engine.sessions.stay(sid)
 
     async def migrate_done(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here. Refused while the placement
@@ -228,7 +227,7 @@ class FrontDoor:
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
         if placed is not None and placed.names(self._outbox.keys.replica):
             raise SessionError(f"session {sid} is placed on this replica", "busy")
-        migration.left(self._engine.sessions, sid)
+        self._engine.sessions.depart(sid)
         await self.durable()
 
     def abort(self, rids: list[str]) -> None:

@@ -394,6 +394,55 @@ class SessionManager:
                 out.append((session.owner, "mamba", [turn.turn_start.rollback.held]))
         return out
 
+    # ---- moves between replicas ----
+    # The router drives a move, one side at a time; the placement directory is its commit
+    # point (docs/scaleout.md). On the replica it leaves, the session stops taking turns
+    # (`moving`), its state goes to the disk tier and stays there, owned by the session,
+    # until the router has placed it elsewhere (`depart`). On the replica it comes to, it
+    # is opened from the record the other replica persisted, and its blob copied into a
+    # disk slot by an `adopt` move of the next step; a copy that fails leaves it to
+    # re-prefill its history, as after any lost state.
+    def leave(self, sid: str) -> Session:
+        """Stop `sid` taking turns here; its state is to be placed on the disk tier next."""
+        session = self.sessions.get(sid)
+        if session is None or session.closing:
+            self.get(sid)  # raises the right error
+        if session.turn is not None:
+            raise SessionError(f"session {session_name(sid)} has a turn in flight", "busy")
+        session.moving = True
+        return session
+
+    def stay(self, sid: str) -> None:
+        """A move that failed before the placement changed: the session takes turns here
+        again (its state is on disk now, and loads back for its next turn)."""
+        session = self.sessions.get(sid)
+        if session is None or not session.moving:
+            raise SessionError(
+                f"session {session_name(sid)} is not moving away from this replica", "not_found"
+            )
+        session.moving = False
+
+    def arrive(self, record: SessionRecord, source: str, epoch: int) -> Session:
+        """Open the session of `record` (persisted by replica `source`) here at placement
+        `epoch`, and plan the copy of its blob if it names one and a disk slot is free. A
+        copy here of an older epoch was left by a move that never closed it: it is stale,
+        and goes."""
+        if record.closed:
+            raise SessionError(f"session {session_name(record.sid)} is closed", "not_found")
+        here = self.sessions.get(record.sid)
+        if here is not None and here.epoch >= epoch:  # a retried move: it arrived already
+            return here
+        if here is not None:
+            self.depart(record.sid)
+        self.forget_closed(record.sid)  # the directory placed it here anew: it may come
+        session = self.open(record.sid, record.timeout, record.tenant)
+        session.epoch, session.routed = epoch, True
+        session.history = record.tokens().astype(np.int64)
+        session.chat = None if record.chat is None else tuple(record.chat)
+        if record.disk is not None and self.pools.disk.free_count:
+            self.moves.adopt(session, source, record.disk, record.cached_len)
+        return session
+
     # ---- after a restart ----
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back (records.py): the history always,

@@ -22,8 +22,8 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.records.session import Session
-from shared.messages.envelope import pack
-from shared.messages.ownership import PAGE, TOKEN, SessionRecord
+from shared.messages.envelope import I4, I8, array
+from shared.messages.ownership import SessionRecord
 
 log = logging.getLogger("custody.scheduler")
 
@@ -59,7 +59,7 @@ class DurableRecords:
             sid=sid,
             timeout=s.timeout,
             tenant=s.tenant,  # its owner survives a restart (a hash, never a key)
-            history=pack(s.history, TOKEN),
+            history=array(s.history, I4),
             cached_len=s.cached_len,
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
             epoch=s.epoch if s.routed else None,
@@ -69,7 +69,7 @@ class DurableRecords:
         elif s.slots is not None and s.slots.borrowed == 0:
             rec.row = s.slots.row.slot
             rec.working = s.slots.working.slot
-            rec.pages = pack(self.pools.rows.row_pages(rec.row, 0, s.cached_len), PAGE)
+            rec.pages = array(self.pools.rows.row_pages(rec.row, 0, s.cached_len), I8)
         return rec
 
     def take_back(self, session: Session, rec: SessionRecord, state_valid: bool) -> None:
