@@ -53,6 +53,9 @@ class Settings:
     chunk_size: int = 512
     max_step_tokens: int = 2048
     track_interval: int = 64
+    # during a long prefill, a chunk ends (and its state is cached) every this many
+    # positions, for prompts whose junctions nobody can predict; 0: only at junctions
+    state_checkpoint_interval: int = 0
     pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0 or 1
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager
@@ -98,10 +101,15 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("chunk_size", "track_interval"):
+        for name in ("chunk_size", "track_interval", "state_checkpoint_interval"):
             if getattr(self, name) % self.page_size:
                 raise ValueError(f"{name} must be a multiple of page_size ({self.page_size})")
-        for name in ("max_sessions", "max_sessions_per_key", "max_queued_requests"):
+        for name in (
+            "max_sessions",
+            "max_sessions_per_key",
+            "max_queued_requests",
+            "state_checkpoint_interval",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.api_keys.strip() and not self.admin_api_keys.strip():

@@ -145,6 +145,10 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     row: int | None = None
     working: int | None = None
     pages: I8 | None = None  # its KV pages
+    # how many of `pages`, from the first, are the prefix cache's, which the session
+    # borrows (docs/ownership.md, "Shared prefixes"), and the namespace of that prefix
+    shared_pages: int = 0
+    cache_namespace: str = ""
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
     disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
     chat: list[ChatEntry] | None = None  # its conversation; None: raw tokens or empty
@@ -157,7 +161,9 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
         if self.closed:
             rest = (self.timeout, self.tenant, self.history, self.disk, self.chat, *slots)
             rest += (self.epoch,)
-            if self.cached_len or any(x is not None for x in rest):
+            if self.cached_len or self.shared_pages or self.cache_namespace:
+                raise WireError(f"the record of closed session {self.sid} carries more")
+            if any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")
             return
         if self.history is None:
@@ -166,6 +172,11 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
             raise WireError(f"the record of session {self.sid} names some of its slots")
         if self.disk is not None and (self.row is not None or self.disk < 1):
             raise WireError(f"the record of session {self.sid} names a blob {self.disk}")
+        if not 0 <= self.shared_pages <= len(self.kv_pages()):
+            raise WireError(
+                f"the record of session {self.sid} shares {self.shared_pages} of its "
+                f"{len(self.kv_pages())} pages"
+            )
         ends = [entry.end for entry in self.chat or ()]
         if any(b < a for a, b in pairwise([0, *ends])):
             raise WireError(f"the record of session {self.sid} has chat spans out of order")

@@ -6,7 +6,6 @@ returned), a session reuses its whole history, and the report holds every figure
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -36,9 +35,7 @@ def _by_round(runs: multiturn.Runs, mode: str) -> dict[tuple[int, int], Turn]:
 def test_sessions_and_stateless_answer_every_round_alike(
     stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    start = time.monotonic()
     runs = multiturn.sweep(stack.settings.port, WORKLOAD)
-    assert time.monotonic() - start < 60
     sessions, stateless = (_by_round(runs, mode) for mode in MODES)
     every = {(c, r) for c in range(3) for r in (1, 2, 3)}
     assert set(sessions) == set(stateless) == every

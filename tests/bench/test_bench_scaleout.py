@@ -3,7 +3,6 @@ phase): every figure is reported and written, sessions stay on the replica that 
 their state, and the second router really routes at random. Speed is not judged here."""
 
 import json
-import time
 
 import pytest
 
@@ -15,9 +14,7 @@ def test_scaleout_keeps_sessions_on_their_replica_and_reports_every_figure(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
-    start = time.monotonic()
     out = scaleout.run(repeats=1, clients=4, turns=3, rounds=1)
-    assert time.monotonic() - start < 60
     assert out["affinity_hit_rate"] == 1.0 and out["returning_turns"] == 4 * 2
     assert out["affinity_counts_match_placement"]
     assert out["router_overhead_requests"] == 4 * (3 + 2)  # open, turns, close

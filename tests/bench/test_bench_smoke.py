@@ -2,8 +2,6 @@
 divides entries/s by entries/s of the same byte size, and the executor's two sides do
 the same decode work (one cached forward per token, greedy), so give the same tokens."""
 
-import time
-
 import pytest
 import redis
 
@@ -13,9 +11,7 @@ from custody.bench import events
 def test_events_sweep_reports_entries_against_entries_of_the_same_size(
     redis_url: str, redis_client: redis.Redis
 ):
-    start = time.monotonic()
     per = events.sweep(redis_url, (16,), 1, seconds=0.3, raw_seconds=0.2)
-    assert time.monotonic() - start < 60  # two spawned processes dominate; seconds here
     r = per["16"]
     assert r["events_per_entry"] == 16.0 and r["violations"] == 0
     assert r["entries_per_s"] > 0 and r["raw_xadd_entries_per_s"] > 0
@@ -61,9 +57,7 @@ def test_over_capacity_sessions_resume_from_saved_state():
     judged here."""
     from custody.bench import over_capacity
 
-    start = time.monotonic()
     out = over_capacity.run(repeats=1, history=512, factor=3, kv_pages=128, context_len=2048)
-    assert time.monotonic() - start < 60
     for key in ("resumed_share", "ttft_ratio_host_at_4k", "ttft_ratio_disk_at_4k"):
         assert f"{key}_target" in out and isinstance(out[f"{key}_met"], bool)
     assert out["ttft_ratio_vs_prefix_cache_at_4k"] > 0

@@ -31,6 +31,7 @@ class Driver:
         chunk: int | None = None,
         step_tokens: int = 512,
         track_interval: int | None = None,
+        checkpoint_interval: int = 0,
         eos: int | tuple[int, ...] | None = None,
         depth: int = 1,
         host_pages: int = 0,
@@ -58,6 +59,7 @@ class Driver:
                 chunk_size=chunk or 64 * page_size,
                 max_step_tokens=step_tokens,
                 track_interval=track_interval or 4 * page_size,
+                checkpoint_interval=checkpoint_interval,
             ),
         )
         self.model = DataModelExecutor(self.pools, VOCAB, self._sequence)

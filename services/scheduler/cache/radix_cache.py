@@ -44,6 +44,9 @@ class Match:
     node: CacheNode  # the root when nothing matched
     length: int
     pages: np.ndarray  # KV pages of positions [0, length)
+    # positions whose KV the tree holds, state or not: past `length`, a state gap, which
+    # a request closes by ending a chunk at `kv_length` and donating its state there
+    kv_length: int = 0
 
 
 class RadixCache:
@@ -58,6 +61,7 @@ class RadixCache:
         self._kv_lru: LruIndex[CacheNode] = LruIndex(attrgetter("kv_time"))
         self._mamba_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
         self.log: CacheLog | None = None
+        self.states_evicted = 0
 
     def record_events(self) -> CacheLog:
         """Log changes from now on: on an empty tree, so every node is hashed once."""
@@ -69,16 +73,20 @@ class RadixCache:
     # ---- lookups ----
     def match(self, tokens: np.ndarray, limit: int, namespace: str = "") -> Match:
         """Longest prefix of `tokens` in `namespace`, at most `limit` long, with KV and a
-        state at its end. Refreshes KV recency along the path and Mamba recency of the
-        state it uses."""
-        node, best, pos = self.root, self.root, 0
+        state at its end, and how far the KV alone reaches (whole pages, within a node
+        where the prompt leaves the path). Refreshes KV recency along the path and Mamba
+        recency of the state it uses."""
+        node, best, pos, kv_length = self.root, self.root, 0, 0
         while pos < limit:
             child = node.children.get(self._label(namespace, tokens, pos))
-            if child is None or child.end > limit:
+            if child is None:
                 break
-            if self._common(child.key, tokens[pos:]) < len(child.key):
+            common = self._common(child.key, tokens[pos:limit])
+            if common < len(child.key):  # the prompt, or the limit, leaves the path here
+                kv_length = pos + common
                 break
             node, pos = child, child.end
+            kv_length = pos
             if child.mamba:
                 best = child
         path = best.path()
@@ -88,7 +96,7 @@ class RadixCache:
         best.mamba_time = now
         self._index(best)  # of the path, only `best` can be a leaf
         pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
-        return Match(best, best.end, pages)
+        return Match(best, best.end, pages, kv_length)
 
     # ---- insertion ----
     def insert(
@@ -105,19 +113,9 @@ class RadixCache:
         (see PagedKV.adopt_prefix). Returns the end node and the tree's pages for `tokens`.
         Without `donate`, nothing past the existing tree is added (no stateless leaf)."""
         ps = self.page_size
-        if len(tokens) % ps or len(pages) * ps != len(tokens):
-            raise ValueError(f"insert: {len(tokens)} tokens, {len(pages)} pages of {ps}")
-        node, pos, now = self.root, 0, next(self._clock)
-        while pos < len(tokens):
-            child = node.children.get(self._label(namespace, tokens, pos))
-            if child is None:
-                break
-            child.kv_time = now
-            self._index(child)  # a leaf, or the lower half of the split below
-            common = self._common(child.key, tokens[pos:])
-            if common < len(child.key):
-                child = self._split(child, common)
-            node, pos = child, child.end
+        self._check_aligned("insert", tokens, pages)
+        now = next(self._clock)
+        node, pos = self._descend(tokens, namespace, now)
         if pos < len(tokens) and donate is not None:
             leaf = CacheNode(
                 self._new_owner(),
@@ -145,6 +143,63 @@ class RadixCache:
         path = node.path()
         tree_pages = np.concatenate([n.pages for n in path]) if path else self.root.pages
         return node, tree_pages
+
+    def adopt(self, tokens: np.ndarray, pages: np.ndarray, namespace: str) -> CacheNode:
+        """After a restart: the path of `tokens` (page-aligned) in `namespace`, whose KV
+        the free `pages` still hold, for a session that borrowed it before; returned
+        locked for that session. Where the tree has the path already (another session
+        of the same prefix adopted it first), its pages must be these. The part it lacks
+        becomes a tombstone leaf: no state is known there, and it goes with its last lock."""
+        ps = self.page_size
+        self._check_aligned("adopt", tokens, pages)
+        now = next(self._clock)
+        node, pos = self._descend(tokens, namespace, now)
+        held = np.concatenate([n.pages for n in node.path()]) if pos else self.root.pages
+        if not np.array_equal(held, pages[: pos // ps]):
+            raise ValueError(f"adopt: the tree holds other pages for these {pos} positions")
+        if pos < len(tokens):
+            leaf = CacheNode(
+                self._new_owner(),
+                tokens[pos:].copy(),
+                pages[pos // ps :].copy(),
+                node,
+                len(tokens),
+                kv_time=now,
+                namespace=namespace,
+            )
+            try:
+                self.pools.kv_pages.take(leaf.pages, leaf.owner, "rebuild")
+            except BaseException:
+                self.ledger.retire(leaf.owner)
+                raise
+            if self.log is not None:
+                self.log.stored(leaf)
+            node.children[self._label_of(leaf)] = leaf
+            self._index(node)  # no longer a leaf
+            node = leaf
+        self.lock(node)
+        return node
+
+    def _descend(self, tokens: np.ndarray, namespace: str, now: int) -> tuple[CacheNode, int]:
+        """Down the path of `tokens` (page-aligned) as far as the tree holds it, the node
+        it leaves part-way split there; (the last node, its end). Refreshes KV recency."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(self._label(namespace, tokens, pos))
+            if child is None:
+                break
+            child.kv_time = now
+            self._index(child)  # a leaf, or the lower half of the split below
+            common = self._common(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            node, pos = child, child.end
+        return node, pos
+
+    def _check_aligned(self, what: str, tokens: np.ndarray, pages: np.ndarray) -> None:
+        ps = self.page_size
+        if len(tokens) % ps or len(pages) * ps != len(tokens):
+            raise ValueError(f"{what}: {len(tokens)} tokens, {len(pages)} pages of {ps}")
 
     def _split(self, node: CacheNode, at: int) -> CacheNode:
         """Cut `node` after `at` tokens; the new upper half is a tombstone. Neither half
@@ -222,6 +277,7 @@ class RadixCache:
             self._prune(parent)
         else:
             self.pools.mamba.free_one(node.mamba, node.owner, "evict")
+            self.states_evicted += 1
             node.mamba = 0
             self._index(node)
             if self.log is not None:
@@ -243,6 +299,7 @@ class RadixCache:
     def _remove(self, node: CacheNode) -> int:
         if node.mamba:
             self.pools.mamba.free_one(node.mamba, node.owner, "evict")
+            self.states_evicted += 1
             node.mamba = 0
             if self.log is not None:
                 self.log.removed(node)

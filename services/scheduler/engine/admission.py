@@ -10,9 +10,10 @@ from __future__ import annotations
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.room import Room
 from services.scheduler.engine.step import StepPlan
-from services.scheduler.engine.step_builder import StepBudget, pages_to_grow
+from services.scheduler.engine.step_builder import StepBudget, cut_at_checkpoint, pages_to_grow
 from services.scheduler.records.request import Request
 from services.scheduler.records.session import TurnStart
 from services.scheduler.sessions.manager import SessionManager
@@ -25,11 +26,15 @@ class Admission:
         cache: RadixCache,
         sessions: SessionManager,
         room: Room,
-        chunk_size: int,
+        config: EngineConfig,
     ) -> None:
         self.pools, self.cache, self.sessions, self.room = pools, cache, sessions, room
-        self.chunk_size = chunk_size
+        self.chunk_size, self.checkpoint_interval = config.chunk_size, config.checkpoint_interval
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
+        # positions whose KV the cache held at admission, and of those the ones past the
+        # deepest state (a state gap: KV there, no state to resume from; a junction is
+        # then planned, so the next request finds the state)
+        self.kv_matched_tokens = self.state_gap_tokens = 0
 
     def admit(self, req: Request, plan: StepPlan, state: StepBudget) -> int:
         """Take what `req` needs and queue its state ops; 0 (nothing taken) if it does not
@@ -41,7 +46,7 @@ class Admission:
             return 0
         page_size = self.pools.config.page_size
         if session is not None and session.slots is not None:
-            n = min(req.length - session.cached_len, self.chunk_size, state.tokens)
+            n = self._chunk(req, session.cached_len, state)
             need = pages_to_grow(page_size, session.cached_len, n)
             if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
                 return 0
@@ -53,7 +58,9 @@ class Admission:
         if node is not None:
             self.cache.lock(node)
             self.cache.lock_copy(node)  # the copy source survives any eviction below
-        n = min(req.length - match.length, self.chunk_size, state.tokens)
+        gap = match.kv_length - match.length
+        req.checkpoint = match.kv_length if gap > 0 else 0
+        n = self._chunk(req, match.length, state)
         need = pages_to_grow(page_size, match.length, n)  # match: page-aligned
         if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
             if node is not None:
@@ -64,6 +71,8 @@ class Admission:
         self.cache_queries += 1
         self.cache_hits += bool(match.length)
         self.cache_hit_tokens += match.length
+        self.kv_matched_tokens += match.kv_length
+        self.state_gap_tokens += max(gap, 0)
         working = req.slots.state.current.slot
         if node is not None:
             self.pools.kv.borrow(req.slots.row.slot, match.pages)
@@ -79,12 +88,18 @@ class Admission:
         state.take(n, need)
         return n
 
+    def _chunk(self, req: Request, start: int, state: StepBudget) -> int:
+        """Positions `req` computes this step from `start`: a chunk, within the step's
+        budget, ending at a checkpoint it would pass."""
+        n = min(req.length - start, self.chunk_size, state.tokens)
+        return cut_at_checkpoint(req, start, n, self.checkpoint_interval)
+
     def _state_to_device(self, req: Request, state: StepBudget) -> bool:
         """A turn's session state is below the device: on a ready host state, start its
         restore (room for it and the turn's first chunk, made first); else it waits (a
         load or hibernate in flight)."""
         session = req.session
-        n = min(req.length - session.cached_len, self.chunk_size, state.tokens)
+        n = self._chunk(req, session.cached_len, state)
         need = pages_to_grow(self.pools.config.page_size, session.cached_len, n)
         return self.sessions.tiers.bring_to_device(
             session, self.room.make, need + state.pages, MAMBA_SLOTS_PER_REQUEST

@@ -66,9 +66,10 @@ class Completion:
                     ended.append(req)
                     continue
             start = req.turn_start
-            fresh = start is None or (req.chat is not None and start.rollback is None)
-            if row.snapshot_slot and row.prefill and fresh:
-                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md); a
-                # chat turn's too when it has no rollback copy: a re-encoded reply needs it
+            if row.snapshot_slot and row.prefill and (start is None or start.rollback is None):
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md): a
+                # plain request's, and a session turn's that began with no state of its
+                # session (its first), whose prompt other sessions may share (a fleet's
+                # system prompt); the session keeps a lock on the path (docs/ownership.md)
                 self.endings.cache_prefix(req)
         return ended

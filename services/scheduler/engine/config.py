@@ -16,6 +16,7 @@ class EngineConfig:
     chunk_size: int = 256  # prefill tokens of one request per step (multiple of the page)
     max_step_tokens: int = 2048
     track_interval: int = 64  # decode snapshot interval (multiple of the page)
+    checkpoint_interval: int = 0  # a prefill chunk ends every this many positions; 0: none
     max_sessions: int | None = None  # sessions open at once; None: no limit
     idle_timeout: float | None = None  # a session's timeout when its client gave none
 
@@ -28,7 +29,7 @@ class EngineConfig:
             raise ValueError("the KV pool must hold at least one request of context_len")
         if pools.mamba_slots < MAMBA_SLOTS_PER_REQUEST + 1:
             raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
-        for name in ("chunk_size", "track_interval"):
+        for name in ("chunk_size", "track_interval", "checkpoint_interval"):
             if getattr(self, name) % page_size:
                 raise ValueError(f"{name} must be a multiple of the page size {page_size}")
         if self.max_step_tokens < 1 or self.chunk_size < 1:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.borrowers import Borrower, borrow_problems
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.admission import Admission
 from services.scheduler.engine.completion import Completion
@@ -29,7 +30,13 @@ from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.queue import RequestQueue
 from services.scheduler.engine.room import Room
 from services.scheduler.engine.step import StepPlan
-from services.scheduler.engine.step_builder import StepBudget, grow_kv, pages_to_grow, row_plan
+from services.scheduler.engine.step_builder import (
+    StepBudget,
+    cut_at_checkpoint,
+    grow_kv,
+    pages_to_grow,
+    row_plan,
+)
 from services.scheduler.engine.stopping import length_limit
 from services.scheduler.engine.validation import check_prompt_length, check_tokens
 from services.scheduler.ownership.invariants import (
@@ -45,6 +52,7 @@ from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
 from shared.messages.sampling import Top
+from shared.session_ids import session_name
 
 
 class EngineCore:
@@ -67,9 +75,9 @@ class EngineCore:
         self.in_flight = InFlight(pools, self.cache)
         self.room = Room(pools, self.cache, self.sessions)
         self.endings = Endings(
-            pools, self.cache, self.sessions, self.in_flight, self.queue, self.room
+            pools, self.cache, self.sessions, self.in_flight, self.queue, self.room, config
         )
-        self.admission = Admission(pools, self.cache, self.sessions, self.room, config.chunk_size)
+        self.admission = Admission(pools, self.cache, self.sessions, self.room, config)
         self.completion = Completion(
             self.queue,
             self.in_flight,
@@ -263,7 +271,18 @@ class EngineCore:
             self.pools.ledger, claims, idle=self.idle if idle is None else idle
         )
         report.problems += self.cache.problems() + self.pools.kv.integrity_problems()
+        report.problems += borrow_problems(self.cache, self.pools.rows, self._borrowers())
         return report
+
+    def _borrowers(self) -> Iterator[Borrower]:
+        """Every holder of a row that may borrow cached KV: running requests, and
+        sessions between turns."""
+        for r in self.queue.running:
+            yield f"request {r.rid}", r.slots.row.slot, r.slots.borrowed, r.cache_node
+        for s in self.sessions.sessions.values():
+            if s.slots is not None and s.turn is None:
+                name = f"session {session_name(s.sid)}"
+                yield name, s.slots.row.slot, s.slots.borrowed, s.cache_node
 
     # ---- planning ----
     def _fit_running(self, req: Request, chosen: list, state: StepBudget) -> int:
@@ -272,6 +291,7 @@ class EngineCore:
         if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
             return 0  # the token in flight is surely its last
         n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
+        n = cut_at_checkpoint(req, req.planned, n, self.config.checkpoint_interval)
         if n <= 0:
             return 0
         need = pages_to_grow(self.pools.config.page_size, req.planned, n)

@@ -5,8 +5,11 @@ never count."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.queue import RequestQueue
 from services.scheduler.engine.room import Room
@@ -24,10 +27,14 @@ class Endings:
         in_flight: InFlight,
         queue: RequestQueue,
         room: Room,
+        config: EngineConfig,
     ) -> None:
         self.pools, self.cache, self.sessions = pools, cache, sessions
         self.in_flight, self.queue, self.room = in_flight, queue, room
+        self.checkpoint_interval = config.checkpoint_interval
         self.retractions = 0
+        # states cached at a request's junction, and at the periodic checkpoints
+        self.checkpoints: Counter[str] = Counter()
 
     def finish(self, req: Request) -> None:
         """`req` sampled its last token: its state goes to its session, else (or if the
@@ -74,7 +81,9 @@ class Endings:
         self.retractions += 1
 
     def cache_prefix(self, req: Request) -> None:
-        """Donate the latest snapshot, and the KV up to it, to the prefix cache."""
+        """Donate the latest snapshot, and the KV up to it, to the prefix cache. A
+        request's borrowed prefix grows to what the tree holds, under one lock on the
+        deepest node (a session's turn keeps that lock for its session, `save`)."""
         track, ps = req.slots.track, self.pools.config.page_size
         snap = track.latest_snapshot()
         if snap is None or snap.seq_len <= req.slots.borrowed:
@@ -89,6 +98,11 @@ class Endings:
             lambda receiver: track.donate_latest(receiver).slot,
             req.cache_namespace,
         )
+        interval = self.checkpoint_interval
+        if snap.seq_len == req.checkpoint:
+            self.checkpoints["junction"] += 1
+        elif interval and snap.seq_len % interval == 0:
+            self.checkpoints["interval"] += 1
         self.pools.kv.adopt_prefix(row, tree_pages)
         req.slots.borrowed = len(tree_pages) * ps
         self.cache.lock(node)

@@ -35,6 +35,7 @@ def build_engine(
         chunk_size=settings.chunk_size,
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,
+        checkpoint_interval=settings.state_checkpoint_interval,
         max_sessions=settings.session_limit(tiers),
         idle_timeout=settings.session_idle_timeout or None,
     )

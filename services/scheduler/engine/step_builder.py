@@ -23,6 +23,16 @@ def pages_to_grow(page_size: int, length: int, n: int) -> int:
     return pages_for(length + n, page_size) - pages_for(length, page_size)
 
 
+def cut_at_checkpoint(req: Request, start: int, n: int, interval: int) -> int:
+    """`n` positions from `start`, cut so the chunk ends at the first checkpoint it would
+    pass: the request's junction, or (`interval` > 0) a multiple of `interval`. A chunk
+    snapshots its state where it ends on a page, so the state there can be cached."""
+    stops = [req.checkpoint] if start < req.checkpoint else []
+    if interval:
+        stops.append(start - start % interval + interval)
+    return min([n, *(stop - start for stop in stops)])
+
+
 def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
     """One batched KV allocation for the whole step: decodes, then chunks."""
     kv, lens = pools.kv, pools.rows.lens

@@ -66,6 +66,9 @@ class Request:
     cache_node: CacheNode | None = None  # locked cache node whose KV the row borrows
     computed: int = 0
     cached_tokens: int = 0  # positions reused, not recomputed, when it was admitted
+    # a junction: where its prompt leaves the cache's KV past the deepest cached state; a
+    # chunk ends there, and the state there is cached for the next request (0: none)
+    checkpoint: int = 0
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
     chat: ChatTurn | None = None  # a chat turn's conversation

@@ -83,9 +83,43 @@ class LiveState(Collector):
             "faults of the scheduler loop itself, survived by the device-lost path",
             self.loop_faults(),
         )
+        yield from self._prefix()
         yield from self._sessions()
         yield from self._per_stream()
         yield from self._tiers()
+
+    def _prefix(self) -> Iterator:
+        """Prefix reuse that silently does not happen: KV cached but no state there."""
+        admission, engine = self.engine.admission, self.engine
+        matched = CounterMetricFamily(
+            "custody_prefix_tokens",
+            "prompt positions the prefix cache held at admission: their KV (kv_matched), "
+            "and up to the deepest state, the part reused (state_matched)",
+            labels=["kind"],
+        )
+        matched.add_metric(["kv_matched"], admission.kv_matched_tokens)
+        matched.add_metric(["state_matched"], admission.cache_hit_tokens)
+        yield matched
+        yield _counter(
+            "custody_prefix_state_gap_tokens",
+            "positions whose KV was cached with no state there at admission (reuse lost; "
+            "a junction checkpoint is planned, so the next request finds the state)",
+            admission.state_gap_tokens,
+        )
+        taken = CounterMetricFamily(
+            "custody_prefix_checkpoints",
+            "states cached where prefixes diverge (junction) or every "
+            "--state-checkpoint-interval positions (interval)",
+            labels=["kind"],
+        )
+        for kind in ("junction", "interval"):
+            taken.add_metric([kind], engine.endings.checkpoints[kind])
+        yield taken
+        yield _counter(
+            "custody_prefix_states_evicted",
+            "cached Mamba states evicted (a junction's and a chunk end's alike)",
+            engine.cache.states_evicted,
+        )
 
     def _sessions(self) -> Iterator:
         """The sessions: how many are open, and what became of some."""

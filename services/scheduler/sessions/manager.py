@@ -91,7 +91,7 @@ class SessionManager:
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
         self.tiers = TierPolicy(self.moves, self.sessions)
-        self.records = DurableRecords(pools, self.sessions, self.dirty)
+        self.records = DurableRecords(pools, cache, self.sessions, self.dirty)
 
     # ---- client-facing ----
     def open(
@@ -450,7 +450,7 @@ class SessionManager:
         the same one. Records that claim one slot twice (`conflicting_claims`) keep their
         history only: which of them holds the slot's contents cannot be known, and the
         history is the session either way."""
-        doubtful = conflicting_claims(records, state_valid)
+        doubtful = conflicting_claims(records, state_valid, self.pools.config.page_size)
         if doubtful:
             log.error(
                 "%d session records claim slots another record claims too; "

@@ -4,9 +4,12 @@ from those records.
 
 A record carries the history always (and a chat session's conversation), the owner (a
 hash of the API key, never the key) and, only while the session itself holds them (not
-lent to a turn, not borrowing cache pages), its row, working Mamba slot and KV pages:
-only then can a restarted scheduler take them over. A session closed, or closing during
-a turn, is recorded closed at once.
+lent to a turn), its row, working Mamba slot and KV pages: only then can a restarted
+scheduler take them over. The first pages may be the prefix cache's, which the session
+borrows (`shared_pages`): a restarted scheduler, whose cache starts empty, gives them back
+to a cache path of their own, which every session that shared them borrows again
+(docs/ownership.md, "Shared prefixes"). A session closed, or closing during a turn, is
+recorded closed at once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.tier_slots import DiskState
+from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.records.session import Session
 from shared.messages.envelope import I4, I8, array
@@ -32,8 +36,10 @@ class DurableRecords:
     """Writes the records of the sessions it is given and takes their state back from
     records after a restart; `SessionManager` holds it and opens the sessions."""
 
-    def __init__(self, pools: Pools, sessions: dict[str, Session], dirty: set[str]) -> None:
-        self.pools = pools
+    def __init__(
+        self, pools: Pools, cache: RadixCache, sessions: dict[str, Session], dirty: set[str]
+    ) -> None:
+        self.pools, self.cache = pools, cache
         self.sessions = sessions  # the manager's open sessions, by id
         self.dirty = dirty  # sessions whose record changed since the last `take_records`
 
@@ -50,8 +56,8 @@ class DurableRecords:
 
     def _record(self, sid: str) -> SessionRecord:
         """`sid`'s record: the history always; the slots only while the session itself
-        holds them (not lent to a turn, not borrowing cache pages), since only then can a
-        restarted scheduler take them over."""
+        holds them (not lent to a turn), since only then can a restarted scheduler take
+        them over."""
         s = self.sessions.get(sid)
         if s is None or s.closing:
             return SessionRecord(sid=sid, closed=True)
@@ -66,10 +72,13 @@ class DurableRecords:
         )
         if s.disk is not None and s.disk.ready:
             rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
-        elif s.slots is not None and s.slots.borrowed == 0:
+        elif s.slots is not None:
             rec.row = s.slots.row.slot
             rec.working = s.slots.working.slot
             rec.pages = array(self.pools.rows.row_pages(rec.row, 0, s.cached_len), I8)
+            if s.cache_node is not None:
+                rec.shared_pages = s.slots.borrowed // self.pools.config.page_size
+                rec.cache_namespace = s.cache_node.namespace
         return rec
 
     def take_back(self, session: Session, rec: SessionRecord, state_valid: bool) -> None:
@@ -88,41 +97,57 @@ class DurableRecords:
             return
         owner, pools = session.owner, self.pools
         row, working = np.array([rec.row]), np.array([rec.working])
-        pages = rec.kv_pages().copy()
+        pages = rec.kv_pages().astype(np.int64)
+        shared = rec.shared_pages * pools.config.page_size
+        if shared:  # first: a path another record made may already hold these pages
+            tokens = session.history[:shared]
+            session.cache_node = self.cache.adopt(
+                tokens, pages[: rec.shared_pages], rec.cache_namespace
+            )
         pools.req.take(row, owner, "rebuild")
         pools.mamba.take(working, owner, "rebuild")
-        pools.kv_pages.take(pages, owner, "rebuild")
+        pools.kv_pages.take(pages[rec.shared_pages :], owner, "rebuild")
         pools.kv.restore_row(rec.row, pages, rec.cached_len)
         session.slots = handover.SessionSlots(
             owner,
             new_lease(pools.req, owner, rec.row),
             new_lease(pools.mamba, owner, rec.working),
+            borrowed=shared,
         )
         session.cached_len = rec.cached_len
 
 
-def conflicting_claims(records: list[SessionRecord], state_valid: bool) -> set[str]:
+def conflicting_claims(records: list[SessionRecord], state_valid: bool, page_size: int) -> set[str]:
     """The sessions whose records claim a slot (a blob; with `state_valid`, a row, a
-    Mamba slot or a KV page) that another record claims too. The store applies records
-    in order, so this is a fault of its own or a record it kept that it should not
-    have; one such pair must not keep the scheduler from starting."""
-    claimants: defaultdict[tuple[str, int], set[str]] = defaultdict(set)
+    Mamba slot or a KV page) that another record claims too. A shared page may be
+    claimed by many records, if every one of them names it as the same page of the same
+    prefix in the same namespace. The store applies records in order, so this is a
+    fault of its own or a record it kept that it should not have; one such pair must
+    not keep the scheduler from starting."""
+    claims: defaultdict[tuple[str, int], defaultdict[object, set[str]]] = defaultdict(
+        lambda: defaultdict(set)
+    )
     for rec in records:
         if rec.closed:
             continue
         if rec.disk is not None:
-            claimants["disk", rec.disk].add(rec.sid)
+            claims["disk", rec.disk][rec.sid].add(rec.sid)
             continue
         if not state_valid or rec.row is None or rec.working is None:
             continue
-        claimants["req", rec.row].add(rec.sid)
-        claimants["mamba", rec.working].add(rec.sid)
-        for page in rec.kv_pages().tolist():
-            claimants["kv", page].add(rec.sid)
-    return {sid for sids in claimants.values() if len(sids) > 1 for sid in sids}
+        claims["req", rec.row][rec.sid].add(rec.sid)
+        claims["mamba", rec.working][rec.sid].add(rec.sid)
+        tokens = rec.tokens()
+        for i, page in enumerate(rec.kv_pages().tolist()):
+            prefix = tokens[: (i + 1) * page_size].tobytes()
+            how = (rec.cache_namespace, prefix) if i < rec.shared_pages else rec.sid
+            claims["kv", page][how].add(rec.sid)
+    return {sid for by in claims.values() if len(by) > 1 for sids in by.values() for sid in sids}
 
 
 def without_device_state(rec: SessionRecord, disk: bool = False) -> SessionRecord:
     """`rec` without its claims on device slots (and, with `disk`, on its blob)."""
-    rec = msgspec.structs.replace(rec, row=None, working=None, pages=None)
+    rec = msgspec.structs.replace(
+        rec, row=None, working=None, pages=None, shared_pages=0, cache_namespace=""
+    )
     return msgspec.structs.replace(rec, disk=None) if disk else rec
