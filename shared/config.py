@@ -56,6 +56,9 @@ class Settings:
     # during a long prefill, a chunk ends (and its state is cached) every this many
     # positions, for prompts whose junctions nobody can predict; 0: only at junctions
     state_checkpoint_interval: int = 0
+    # cache the state where a request's prompt leaves the cached path (its junction);
+    # false: states only at chunk ends, as engines without junctions keep them
+    junction_checkpoints: bool = True
     pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0 or 1
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager

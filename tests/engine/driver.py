@@ -32,6 +32,7 @@ class Driver:
         step_tokens: int = 512,
         track_interval: int | None = None,
         checkpoint_interval: int = 0,
+        junctions: bool = True,
         eos: int | tuple[int, ...] | None = None,
         depth: int = 1,
         host_pages: int = 0,
@@ -60,6 +61,7 @@ class Driver:
                 max_step_tokens=step_tokens,
                 track_interval=track_interval or 4 * page_size,
                 checkpoint_interval=checkpoint_interval,
+                junctions=junctions,
             ),
         )
         self.model = DataModelExecutor(self.pools, VOCAB, self._sequence)

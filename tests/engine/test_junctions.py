@@ -54,6 +54,20 @@ def test_requests_sharing_a_prefix_reuse_it_whatever_their_suffix(shared):
     d.assert_idle_clean()
 
 
+def test_without_junctions_a_prefix_is_reused_to_the_last_chunk_end_inside_it():
+    """What `--junction-checkpoints false` keeps (the field's behaviour, for comparison):
+    the state only at chunk ends, so a 50-token shared prefix serves 32."""
+    d = engine(junctions=False)
+    prefix = text(50, 1)
+    reqs = []
+    for i in range(4):
+        reqs.append(d.generate(prefix + text(9, 100 + i), max_new=2))
+        d.run()
+    assert [r.cached_tokens for r in reqs[2:]] == [CHUNK, CHUNK]
+    assert d.engine.admission.state_gap_tokens >= 2 * (48 - CHUNK)  # counted, and lost
+    d.assert_idle_clean()
+
+
 def test_a_prefix_whose_length_wobbles_is_reused_from_the_third_request():
     """SGLang #37198: the shared part wobbles by a few tokens around a page boundary."""
     d = engine()

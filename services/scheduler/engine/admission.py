@@ -30,6 +30,7 @@ class Admission:
     ) -> None:
         self.pools, self.cache, self.sessions, self.room = pools, cache, sessions, room
         self.chunk_size, self.checkpoint_interval = config.chunk_size, config.checkpoint_interval
+        self.junctions = config.junctions
         self.cache_queries = self.cache_hits = self.cache_hit_tokens = 0
         # positions whose KV the cache held at admission, and of those the ones past the
         # deepest state (a state gap: KV there, no state to resume from; a junction is
@@ -59,7 +60,7 @@ class Admission:
             self.cache.lock(node)
             self.cache.lock_copy(node)  # the copy source survives any eviction below
         gap = match.kv_length - match.length
-        req.checkpoint = match.kv_length if gap > 0 else 0
+        req.checkpoint = match.kv_length if gap > 0 and self.junctions else 0
         n = self._chunk(req, match.length, state)
         need = pages_to_grow(page_size, match.length, n)  # match: page-aligned
         if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):

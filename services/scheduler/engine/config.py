@@ -17,6 +17,7 @@ class EngineConfig:
     max_step_tokens: int = 2048
     track_interval: int = 64  # decode snapshot interval (multiple of the page)
     checkpoint_interval: int = 0  # a prefill chunk ends every this many positions; 0: none
+    junctions: bool = True  # a chunk ends where a prompt leaves the cached path
     max_sessions: int | None = None  # sessions open at once; None: no limit
     idle_timeout: float | None = None  # a session's timeout when its client gave none
 

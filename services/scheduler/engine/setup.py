@@ -36,6 +36,7 @@ def build_engine(
         max_step_tokens=settings.max_step_tokens,
         track_interval=settings.track_interval,
         checkpoint_interval=settings.state_checkpoint_interval,
+        junctions=settings.junction_checkpoints,
         max_sessions=settings.session_limit(tiers),
         idle_timeout=settings.session_idle_timeout or None,
     )
