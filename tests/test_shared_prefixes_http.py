@@ -1,0 +1,142 @@
+"""Prefix state where prefixes diverge, over HTTP on the built-in model (docs/ownership.md,
+"Shared prefixes"): requests sharing a prefix off every chunk boundary, a prefix whose
+length wobbles, and a fleet of sessions opened on one system prompt each reuse the shared
+part less at most one page from the third on, with outputs equal to a cold run (the same
+model in one process, its cache emptied before each prompt), and the store's
+independent ledger ends clean.
+
+What it cannot see: reuse in a second replica (each replica has its own cache), and
+reuse under memory pressure (tests/engine/test_junctions.py and the engine's state
+machine cover eviction)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from custody.inprocess import InProcess
+from custody.up import Stack
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
+from tests.services_harness import (
+    POOLS,
+    call,
+    capacities,
+    ledger_when_idle,
+    stack_settings,
+    start_stack,
+)
+
+PAGE, CHUNK, OUT = POOLS["page_size"], POOLS["chunk_size"], 4
+GREEDY = {"max_new_tokens": OUT, "ignore_eos": True, "temperature": 0}
+
+
+def text(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+def aligned(n: int) -> int:
+    return n - n % PAGE
+
+
+def cold(prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone on an empty cache, in one process of the same model."""
+    local = InProcess(Settings(**POOLS))
+    params = SamplingParams(max_new_tokens=OUT, ignore_eos=True)
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        cache, pools = local.engine.cache, local.engine.pools
+        cache.evict_kv(pools.kv_pages.capacity)
+        cache.evict_mamba(pools.mamba.capacity)
+        req = local.engine.submit(Request(f"cold{i}", np.asarray(prompt), params))
+        local.run_until_idle()
+        outputs.append(list(req.output))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def redis_client(module_redis_client: redis.Redis) -> redis.Redis:
+    """The module's stack is shared: the database is flushed once, never between tests."""
+    return module_redis_client
+
+
+@pytest.fixture(scope="module")
+def shared_stack(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
+    stack = start_stack(stack_settings(redis_url))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def port(shared_stack: Stack) -> Iterator[int]:
+    """The stack's port, its prefix cache emptied before the test and checked clean after."""
+    port = shared_stack.settings.port
+    assert call(port, "/flush_cache", {}) is True
+    yield port
+    assert call(port, "/flush_cache", {}) is True
+    capacity, deadline = capacities(shared_stack.settings), time.monotonic() + 10
+    while True:
+        view = ledger_when_idle(shared_stack)
+        free = {p: c["free"] for p, c in view["counts"].items()}
+        if free == capacity or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert view["violations"] == [] and view["leaked"] == {}
+    assert free == capacity
+
+
+def generate(port: int, ids: list[int], sid: str | None = None) -> dict:
+    body: dict = {"input_ids": ids, "sampling_params": GREEDY}
+    if sid is not None:
+        body["session_params"] = {"id": sid}
+    return call(port, "/generate", body)
+
+
+def run_in_order(port: int, prompts: list[list[int]]) -> list[dict]:
+    """Each answered before the next is sent, so each finds what the last left."""
+    return [generate(port, p) for p in prompts]
+
+
+@pytest.mark.parametrize("shared", [50, 93, 2 * CHUNK])
+def test_requests_sharing_a_prefix_reuse_it_whatever_their_suffix(port: int, shared: int):
+    prefix = text(shared, 1)
+    prompts = [prefix + text(n, 10 + i) for i, n in enumerate([7, 19, 45, 70, 3, 30])]
+    answers = run_in_order(port, prompts)
+    assert [a["output_ids"] for a in answers] == cold(prompts)
+    for answer in answers[2:]:
+        assert answer["meta_info"]["cached_tokens"] >= aligned(shared)
+
+
+def test_a_prefix_whose_length_wobbles_is_reused_from_the_third_request(port: int):
+    base = text(70, 2)
+    prompts = [base[:n] + text(12, 20 + i) for i, n in enumerate([66, 69, 67, 70, 65, 68])]
+    answers = run_in_order(port, prompts)
+    assert [a["output_ids"] for a in answers] == cold(prompts)
+    for answer in answers[2:]:
+        assert answer["meta_info"]["cached_tokens"] >= aligned(65) - PAGE
+
+
+def test_sessions_opened_on_one_system_prompt_share_it(port: int):
+    """Eight sessions, one system prompt, each its own first message: from the third on,
+    each first turn reuses the system prompt; the second turns resume each session's own
+    state; every output equals a cold run of the session's whole history."""
+    system = text(90, 3)
+    sids = [call(port, "/open_session", {}) for _ in range(8)]
+    firsts = [system + text(9 + i, 30 + i) for i in range(8)]
+    answers = [generate(port, first, sid) for sid, first in zip(sids, firsts, strict=True)]
+    assert [a["output_ids"] for a in answers] == cold(firsts)
+    for answer in answers[2:]:
+        assert answer["meta_info"]["cached_tokens"] >= aligned(len(system))
+    histories = [f + a["output_ids"] for f, a in zip(firsts, answers, strict=True)]
+    more = text(5, 40)
+    seconds = [generate(port, more, sid) for sid in sids]
+    assert [a["output_ids"] for a in seconds] == cold([h + more for h in histories])
+    for history, answer in zip(histories, seconds, strict=True):
+        assert answer["meta_info"]["cached_tokens"] >= len(history) - 1
+    for sid in sids:
+        call(port, "/close_session", {"session_id": sid})
