@@ -1,6 +1,8 @@
 """The clients whose every output is checked: greedy sessions with random turn lengths,
 disconnects mid-stream, over-long inputs, closes, idle timeouts, and plain requests that
-share a prefix. Each finished output is kept with its exact prompt for the teacher-forced
+share a prefix, and sessions whose first turn starts with one of a few system prompts
+(an agent fleet: those sessions borrow the prompt from the prefix cache, docs/ownership.md
+"Shared prefixes"). Each finished output is kept with its exact prompt for the teacher-forced
 replay; a session whose turn did not finish normally is abandoned (closed), so a replay
 never has to guess a history."""
 
@@ -16,6 +18,8 @@ from custody.soak.client import NO_ANSWER, Reply, Stream, call
 from custody.soak.tally import OK, REFUSED, Tally
 
 PREFIX = [(7 * j) % 250 + 1 for j in range(48)]
+# system prompts sessions fork from: lengths off the chunk and page grids, so junctions form
+SYSTEMS = [[(11 * j + s) % 250 + 1 for j in range(n)] for s, n in ((3, 61), (5, 98))]
 CLOSE_PATIENCE = 30.0  # seconds a client keeps retrying a close whose answer was lost
 CLOSED = frozenset({"200", "404"})  # a close of what already ended (expiry, a fault) is a 404
 
@@ -61,6 +65,9 @@ class Greedy:
         """One turn of session `sid`: its history after it, or None when the session's
         history is now uncertain (an abort, a disconnect) and it must be abandoned."""
         new = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        if not history and rng.random() < 0.5:
+            new = [*rng.choice(SYSTEMS), *new]
+            self.tally.note("shared_prefix_first_turn")
         n = rng.randint(1, 24)
         body = {
             "input_ids": new,

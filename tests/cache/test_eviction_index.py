@@ -30,7 +30,13 @@ def kv_qualifies(n: CacheNode) -> bool:
 
 
 def mamba_qualifies(n: CacheNode) -> bool:
+    """A state eviction may take now; a junction's (two or more children) only once no
+    other state qualifies."""
     return n.mamba != 0 and n.copy_lock == 0 and not (not n.children and n.kv_lock > 0)
+
+
+def junction(n: CacheNode) -> bool:
+    return len(n.children) > 1
 
 
 def check_victims(
@@ -62,7 +68,18 @@ class IndexMachine(RuleBasedStateMachine):
         self.h = CacheHarness(page_size=self.page_size, kv_pages=48, mamba_slots=12)
         cache = self.h.cache
         check_victims(cache, cache._kv_lru, kv_qualifies, lambda n: n.kv_time)
-        check_victims(cache, cache._mamba_lru, mamba_qualifies, lambda n: n.mamba_time)
+        check_victims(
+            cache,
+            cache._mamba_lru,
+            lambda n: mamba_qualifies(n) and not junction(n),
+            lambda n: n.mamba_time,
+        )
+        check_victims(
+            cache,
+            cache._junction_lru,
+            lambda n: mamba_qualifies(n) and junction(n),
+            lambda n: n.mamba_time,
+        )
         self.kv_locks: list[CacheNode] = []
         self.copy_locks: list[CacheNode] = []
         self.value = 0

@@ -101,3 +101,21 @@ def test_p7_eviction_frees_donated_slots():
     assert h.cache.evict_mamba(1) == 0
     h.check()
     assert np.all(h.pools.kv_pages.owner_view[1:] == 0)
+
+
+def test_a_junction_s_state_goes_after_every_other_state():
+    """A state where cached prefixes part serves every request that shares the prefix up
+    to it; a leaf's serves one prompt. Least recently used alone took the junction's
+    first here (it was cached first), leaving both branches to resume from nothing."""
+    h = CacheHarness()
+    junction = h.insert([1, 2, 3], 1)
+    first = h.insert([1, 2, 3, 4, 5], 2)
+    second = h.insert([1, 2, 3, 7, 8], 3)
+    other = h.insert([9, 9, 9], 4)
+    assert junction.mamba_time < first.mamba_time
+    assert h.cache.evict_mamba(1) == 1 and junction.mamba != 0 and first.parent is None
+    h.check()
+    # with one branch gone it is a junction no more: least recently used again
+    assert h.cache.evict_mamba(1) == 1 and junction.mamba == 0
+    assert second.mamba != 0 and other.mamba != 0
+    h.check()

@@ -6,7 +6,10 @@ and a deferred copy from the node's state; the node stays copy-locked until that
 has run. Inserting donates the slot holding a request's latest snapshot (ownership
 moves, nothing is copied). KV eviction takes unlocked leaves, least recently used first;
 Mamba eviction takes the least recently used unlocked state anywhere, turning an inner
-node into a tombstone. No unlocked leaf is ever a tombstone.
+node into a tombstone, except that a junction's state (a node where two or more cached
+prefixes part) goes only once no other state can: every request that shares the prefix
+up to the junction resumes from it, a leaf's state serves one prompt. No unlocked leaf is
+ever a tombstone.
 
 Each node belongs to one namespace (shared/messages/cache.py: a key's, a salt's, or
 everyone's), part of the label its parent files it under: a request matches only nodes of
@@ -60,6 +63,7 @@ class RadixCache:
         self.root = CacheNode(self._new_owner(), empty, empty, None, 0, kv_lock=1)
         self._kv_lru: LruIndex[CacheNode] = LruIndex(attrgetter("kv_time"))
         self._mamba_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
+        self._junction_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
         self.log: CacheLog | None = None
         self.states_evicted = 0
 
@@ -264,10 +268,15 @@ class RadixCache:
     def evict_mamba(self, states: int) -> int:
         """Free `states` Mamba states, LRU first; a leaf goes whole. Returns freed."""
         freed = 0
-        while freed < states and (node := self._mamba_lru.oldest()) is not None:
+        while freed < states and (node := self._oldest_state()) is not None:
             self.evict_state(node)
             freed += 1
         return freed
+
+    def _oldest_state(self) -> CacheNode | None:
+        """The state to evict next: the least recently used, junctions' last."""
+        node = self._mamba_lru.oldest()
+        return node if node is not None else self._junction_lru.oldest()
 
     def evict_state(self, node: CacheNode) -> None:
         """Free `node`'s Mamba state: a leaf goes whole, an inner node keeps its KV."""
@@ -294,7 +303,9 @@ class RadixCache:
     def _index(self, node: CacheNode) -> None:
         """Refile `node` in both eviction indexes after a change to it."""
         self._kv_lru.update(node, self._kv_evictable(node))
-        self._mamba_lru.update(node, self._mamba_evictable(node))
+        evictable, junction = self._mamba_evictable(node), len(node.children) > 1
+        self._mamba_lru.update(node, evictable and not junction)
+        self._junction_lru.update(node, evictable and junction)
 
     def _remove(self, node: CacheNode) -> int:
         if node.mamba:
@@ -379,7 +390,9 @@ class RadixCache:
             if n.kv_lock < 0 or n.copy_lock < 0 or over_parent:
                 out.append(f"{n}: lock counts inconsistent with parent {n.parent}")
         out += self._kv_lru.problems(n for n in self.nodes() if self._kv_evictable(n))
-        out += self._mamba_lru.problems(n for n in self.nodes() if self._mamba_evictable(n))
+        states = [n for n in self.nodes() if self._mamba_evictable(n)]
+        out += self._mamba_lru.problems(n for n in states if len(n.children) <= 1)
+        out += self._junction_lru.problems(n for n in states if len(n.children) > 1)
         return out
 
     # ---- helpers ----

@@ -276,11 +276,11 @@ class EngineCore:
 
     def _borrowers(self) -> Iterator[Borrower]:
         """Every holder of a row that may borrow cached KV: running requests, and
-        sessions between turns."""
+        sessions holding their state (between turns, or with a turn still waiting)."""
         for r in self.queue.running:
             yield f"request {r.rid}", r.slots.row.slot, r.slots.borrowed, r.cache_node
         for s in self.sessions.sessions.values():
-            if s.slots is not None and s.turn is None:
+            if s.slots is not None:
                 name = f"session {session_name(s.sid)}"
                 yield name, s.slots.row.slot, s.slots.borrowed, s.cache_node
 
