@@ -95,6 +95,23 @@ def ledger_when_idle(stack: Stack) -> dict:
         time.sleep(0.2)
 
 
+def assert_clean(stack: Stack) -> None:
+    """Idle: no violations, no leaks, and every slot free once the prefix cache is emptied
+    (a plain request and a session's first turn leave their prompt there); the last
+    events may still be on their way to the store, so poll for a while."""
+    assert call(stack.settings.port, "/flush_cache", {}) is True
+    capacity = capacities(stack.settings)
+    deadline = time.monotonic() + 10
+    while True:
+        view = ledger_when_idle(stack)
+        free = {p: c["free"] for p, c in view["counts"].items()}
+        if free == capacity or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert view["violations"] == [] and view["leaked"] == {}
+    assert free == capacity
+
+
 def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict:
     """POST `body` to `path` and SIGKILL the executor while it runs; supervise until the
     reply comes (the executor restarted once) and return it."""

@@ -14,9 +14,9 @@ import pytest
 
 from tests.services_harness import (
     POOLS,
+    assert_clean,
     call,
     capacities,
-    ledger_when_idle,
     one_shot,
     stack_settings,
     start_stack,
@@ -38,21 +38,6 @@ def refused(port: int, body: dict, path: str = "/generate") -> tuple[int, str]:
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())["error"]["message"]
     raise AssertionError("accepted")
-
-
-def assert_clean(stack) -> None:
-    """Idle: no violations, no leaks, and every slot free (the last events may still be on
-    their way to the store, so poll for a while)."""
-    capacity = capacities(stack.settings)
-    deadline = time.monotonic() + 10
-    while True:
-        view = ledger_when_idle(stack)
-        free = {p: c["free"] for p, c in view["counts"].items()}
-        if free == capacity or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert view["violations"] == [] and view["leaked"] == {}
-    assert free == capacity
 
 
 def stream_first_chunk_then_disconnect(port: int, body: dict) -> None:

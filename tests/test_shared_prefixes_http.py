@@ -11,7 +11,6 @@ machine cover eviction)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -23,14 +22,7 @@ from custody.up import Stack
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
-from tests.services_harness import (
-    POOLS,
-    call,
-    capacities,
-    ledger_when_idle,
-    stack_settings,
-    start_stack,
-)
+from tests.services_harness import POOLS, assert_clean, call, stack_settings, start_stack
 
 PAGE, CHUNK, OUT = POOLS["page_size"], POOLS["chunk_size"], 4
 GREEDY = {"max_new_tokens": OUT, "ignore_eos": True, "temperature": 0}
@@ -78,16 +70,7 @@ def port(shared_stack: Stack) -> Iterator[int]:
     port = shared_stack.settings.port
     assert call(port, "/flush_cache", {}) is True
     yield port
-    assert call(port, "/flush_cache", {}) is True
-    capacity, deadline = capacities(shared_stack.settings), time.monotonic() + 10
-    while True:
-        view = ledger_when_idle(shared_stack)
-        free = {p: c["free"] for p, c in view["counts"].items()}
-        if free == capacity or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert view["violations"] == [] and view["leaked"] == {}
-    assert free == capacity
+    assert_clean(shared_stack)
 
 
 def generate(port: int, ids: list[int], sid: str | None = None) -> dict:

@@ -116,28 +116,19 @@ class RadixCache:
         already holds keep the tree's pages; `giver` keeps its own copies of them, to free
         (see PagedKV.adopt_prefix). Returns the end node and the tree's pages for `tokens`.
         Without `donate`, nothing past the existing tree is added (no stateless leaf)."""
-        ps = self.page_size
         self._check_aligned("insert", tokens, pages)
         now = next(self._clock)
         node, pos = self._descend(tokens, namespace, now)
         if pos < len(tokens) and donate is not None:
-            leaf = CacheNode(
-                self._new_owner(),
-                tokens[pos:].copy(),
-                pages[pos // ps :].copy(),
-                node,
-                len(tokens),
-                kv_time=now,
-                mamba_time=now,
-                namespace=namespace,
-            )
-            leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
-            self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
+
+            def fill(leaf: CacheNode) -> None:
+                leaf.mamba = donate(leaf.owner)  # first: if it fails, nothing else has moved
+                leaf.mamba_time = now
+                self.pools.kv_pages.transfer(leaf.pages, giver, leaf.owner, "insert")
+
+            node = self._grow(node, tokens, pages, pos, now, namespace, fill)
             if self.log is not None:
-                self.log.stored(leaf)
-            node.children[self._label_of(leaf)] = leaf
-            self._index(node)  # no longer a leaf
-            node = leaf
+                self.log.stored(node)
         elif donate is not None and node is not self.root and not node.mamba:
             node.mamba = donate(node.owner)
             node.mamba_time = now
@@ -162,27 +153,44 @@ class RadixCache:
         if not np.array_equal(held, pages[: pos // ps]):
             raise ValueError(f"adopt: the tree holds other pages for these {pos} positions")
         if pos < len(tokens):
-            leaf = CacheNode(
-                self._new_owner(),
-                tokens[pos:].copy(),
-                pages[pos // ps :].copy(),
-                node,
-                len(tokens),
-                kv_time=now,
-                namespace=namespace,
-            )
-            try:
+
+            def fill(leaf: CacheNode) -> None:
                 self.pools.kv_pages.take(leaf.pages, leaf.owner, "rebuild")
-            except BaseException:
-                self.ledger.retire(leaf.owner)
-                raise
-            if self.log is not None:
-                self.log.stored(leaf)
-            node.children[self._label_of(leaf)] = leaf
-            self._index(node)  # no longer a leaf
-            node = leaf
+
+            node = self._grow(node, tokens, pages, pos, now, namespace, fill)
         self.lock(node)
         return node
+
+    def _grow(
+        self,
+        parent: CacheNode,
+        tokens: np.ndarray,
+        pages: np.ndarray,
+        pos: int,
+        now: int,
+        namespace: str,
+        fill: Callable[[CacheNode], None],
+    ) -> CacheNode:
+        """A new leaf under `parent` for `tokens[pos:]` and their pages, given what it
+        holds by `fill` before it joins the tree: if `fill` fails, the tree is as it was
+        (and its owner is retired, loudly if `fill` moved anything to it first)."""
+        leaf = CacheNode(
+            self._new_owner(),
+            tokens[pos:].copy(),
+            pages[pos // self.page_size :].copy(),
+            parent,
+            len(tokens),
+            kv_time=now,
+            namespace=namespace,
+        )
+        try:
+            fill(leaf)
+        except BaseException:
+            self.ledger.retire(leaf.owner)
+            raise
+        parent.children[self._label_of(leaf)] = leaf
+        self._index(parent)  # no longer a leaf
+        return leaf
 
     def _descend(self, tokens: np.ndarray, namespace: str, now: int) -> tuple[CacheNode, int]:
         """Down the path of `tokens` (page-aligned) as far as the tree holds it, the node
