@@ -12,9 +12,11 @@ changes the output, which is what they compare)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
+from services.scheduler.sessions.records import conflicting_claims
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 
@@ -180,3 +182,47 @@ def test_the_borrow_rule_sees_a_stray_lock_and_a_borrower_without_one():
     for sid in sids:
         d.engine.sessions.close(sid)
     d.assert_idle_clean()
+
+
+def test_a_record_that_does_not_add_up_costs_its_session_the_state_not_the_start():
+    """Records the store kept wrongly (pages past the pool, a page named twice, more
+    shared pages than the history covers) are each taken back from history only; the
+    rest start as usual. A shared page one record names differently from the others
+    costs every session sharing it the state: which record is right cannot be known."""
+    d = engine()
+    system = text(40, 9)
+    sids = [d.engine.sessions.open().sid for _ in range(6)]
+    histories = {}
+    for i, sid in enumerate(sids):
+        prompt = system + text(6, 900 + i)
+        histories[sid] = prompt + d.run_turn(sid, prompt, max_new=2).output
+    records = {r.sid: r for r in d.engine.sessions.records.all_records()}
+    assert all(records[s].shared_pages for s in sids[2:])
+    bad = msgspec.structs.replace
+    a, b, c, e, kept, kept2 = sids
+    pages = records[a].kv_pages().copy()
+    pages[-1] = 10**6
+    records[a] = bad(records[a], pages=pages)
+    pages = records[b].kv_pages().copy()
+    pages[-1] = pages[-2]
+    records[b] = bad(records[b], pages=pages)
+    records[c] = bad(records[c], history=records[c].tokens()[:4], cached_len=4)
+    pages = records[e].kv_pages().copy()
+    pages[0] = 1000
+    other = bad(records[e], pages=pages)
+    doubtful = conflicting_claims([*records.values(), other], True, PAGE)
+    assert doubtful >= {e, kept, kept2}  # and every other session of that prefix
+    again = Driver(page_size=PAGE, chunk=CHUNK)
+    again.model = d.model
+    again.model.sequence_of = again._sequence
+    again.engine.sessions.rebuild(list(records.values()), state_valid=True)
+    sessions = again.engine.sessions
+    assert [sessions.sessions[s].slots is None for s in sids] == [True] * 3 + [False] * 3
+    assert again.engine.check().ok
+    for sid in (e, kept, kept2):
+        more = text(3, 990)
+        turn = again.run_turn(sid, more, max_new=2)
+        assert turn.output == reference(histories[sid] + more, 2, VOCAB)
+    for sid in sids:
+        sessions.close(sid)
+    again.assert_idle_clean()

@@ -132,7 +132,8 @@ class LiveState(Collector):
         )
         yield _counter(
             "custody_session_records_conflicting",
-            "session records taken back from history only: another record claimed their slots",
+            "session records taken back from history only: their slots did not add up, or "
+            "another record claimed them",
             sessions.conflicting_records,
         )
         redo = "chat replies re-encoded from their text (docs/chat.md)"

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from services.scheduler.allocators import handover
+from services.scheduler.allocators.paged_kv import pages_for
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.cache.radix_cache import RadixCache
@@ -28,6 +29,7 @@ from services.scheduler.ownership.lease import new_lease
 from services.scheduler.records.session import Session
 from shared.messages.envelope import I4, I8, array
 from shared.messages.ownership import SessionRecord
+from shared.owners import OwnerKind, kind_of
 
 log = logging.getLogger("custody.scheduler")
 
@@ -95,15 +97,21 @@ class DurableRecords:
             return
         if not state_valid or rec.row is None or rec.working is None:
             return
+        unusable = self._unusable(rec)
+        if unusable is not None:
+            log.error("session %s: its device state is not taken back (%s)", rec.sid, unusable)
+            return
         owner, pools = session.owner, self.pools
         row, working = np.array([rec.row]), np.array([rec.working])
         pages = rec.kv_pages().astype(np.int64)
         shared = rec.shared_pages * pools.config.page_size
         if shared:  # first: a path another record made may already hold these pages
-            tokens = session.history[:shared]
-            session.cache_node = self.cache.adopt(
-                tokens, pages[: rec.shared_pages], rec.cache_namespace
-            )
+            prefix = session.history[:shared], pages[: rec.shared_pages]
+            try:
+                session.cache_node = self.cache.adopt(*prefix, rec.cache_namespace)
+            except ValueError as err:  # the tree holds other pages for that prefix
+                log.error("session %s: its device state is not taken back (%s)", rec.sid, err)
+                return
         pools.req.take(row, owner, "rebuild")
         pools.mamba.take(working, owner, "rebuild")
         pools.kv_pages.take(pages[rec.shared_pages :], owner, "rebuild")
@@ -116,15 +124,59 @@ class DurableRecords:
         )
         session.cached_len = rec.cached_len
 
+    def _unusable(self, rec: SessionRecord) -> str | None:
+        """Why `rec`'s device slots (well-formed: `malformed`) cannot be taken over as the
+        pools stand, or None: each must be free, a shared page free or the cache's (a path
+        another record of the prefix adopted)."""
+        pools = self.pools
+        own, shared = rec.kv_pages()[rec.shared_pages :], rec.kv_pages()[: rec.shared_pages]
+        for pool, slots in (
+            (pools.req, [rec.row]),
+            (pools.mamba, [rec.working]),
+            (pools.kv_pages, own),
+        ):
+            if (pool.owner_view[np.asarray(slots, dtype=np.int64)] != 0).any():
+                return f"{pool.name} slots held already"
+        held = pools.kv_pages.owner_view[shared]
+        if any(o != 0 and kind_of(int(o)) is not OwnerKind.CACHE for o in held):
+            return "shared pages held by a session or a request"
+        return None
+
+
+def malformed(rec: SessionRecord, pools: Pools) -> str | None:
+    """Why `rec`'s device slots do not add up, or None: slots inside their pools, pages
+    that cover `cached_len` and each named once, a shared prefix within the history. A
+    record the store kept wrongly must cost its session the state, never the scheduler
+    its start."""
+    if rec.closed or rec.row is None or rec.working is None:
+        return None
+    ps, pages = pools.config.page_size, rec.kv_pages().astype(np.int64)
+    if not rec.shared_pages * ps <= rec.cached_len <= len(rec.tokens()):
+        return f"{rec.cached_len} positions of a {len(rec.tokens())}-token history"
+    if len(pages) != pages_for(rec.cached_len, ps):
+        return f"{len(pages)} pages for {rec.cached_len} positions"
+    if len(np.unique(pages)) != len(pages):
+        return "a page named twice"
+    for pool, slots in (
+        (pools.req, [rec.row]),
+        (pools.mamba, [rec.working]),
+        (pools.kv_pages, pages),
+    ):
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) and (slots.min() < 1 or slots.max() > pool.capacity):
+            return f"{pool.name} slots outside the pool"
+    return None
+
 
 def conflicting_claims(records: list[SessionRecord], state_valid: bool, page_size: int) -> set[str]:
     """The sessions whose records claim a slot (a blob; with `state_valid`, a row, a
     Mamba slot or a KV page) that another record claims too. A shared page may be
     claimed by many records, if every one of them names it as the same page of the same
-    prefix in the same namespace. The store applies records in order, so this is a
+    prefix in the same namespace, and a shared prefix's page must be the same page in
+    every record that shares it. The store applies records in order, so this is a
     fault of its own or a record it kept that it should not have; one such pair must
     not keep the scheduler from starting."""
-    claims: defaultdict[tuple[str, int], defaultdict[object, set[str]]] = defaultdict(
+    claims: defaultdict[tuple[str, object], defaultdict[object, set[str]]] = defaultdict(
         lambda: defaultdict(set)
     )
     for rec in records:
@@ -140,8 +192,10 @@ def conflicting_claims(records: list[SessionRecord], state_valid: bool, page_siz
         tokens = rec.tokens()
         for i, page in enumerate(rec.kv_pages().tolist()):
             prefix = tokens[: (i + 1) * page_size].tobytes()
-            how = (rec.cache_namespace, prefix) if i < rec.shared_pages else rec.sid
-            claims["kv", page][how].add(rec.sid)
+            shared = i < rec.shared_pages
+            claims["kv", page][(rec.cache_namespace, prefix) if shared else rec.sid].add(rec.sid)
+            if shared:
+                claims["prefix", (rec.cache_namespace, prefix)][page].add(rec.sid)
     return {sid for by in claims.values() if len(by) > 1 for sids in by.values() for sid in sids}
 
 
