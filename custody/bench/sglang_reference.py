@@ -5,6 +5,9 @@ importing `sglang` itself pulls in the whole server. Their few imports are satis
 the smallest shim: the platform says Triton is unavailable (true on this CPU, so SGLang
 takes its own torch-native path), and the utilities they use are taken from SGLang's
 `utils/common.py` source by name rather than re-implemented.
+
+`custody bench prefix` has no SGLang figures; `prefix_cache_reference` says why, in its
+results.
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ from pathlib import Path
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = f"pip install --no-deps sglang=={SGLANG_VERSION}"
+
+
+# Why SGLang's Mamba radix cache cannot stand beside `custody bench prefix`, installed or
+# not: the hits it would report depend on where states were put, and SGLang's scheduler
+# decides that during the forward, not its cache.
+PREFIX_CACHE_NOT_DRIVEN = (
+    "where SGLang's hybrid prefix cache holds a Mamba state is decided by its scheduler "
+    "during the forward (ScheduleBatch: mamba_last_track_seqlen, mamba_branching_seqlen, "
+    "with the model runner's track buffers, GPU-bound), not by the cache; the cache class "
+    "driven alone on CPU would report the states a replay put there, not SGLang's, so no "
+    "SGLang hit tokens are reported"
+)
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -103,3 +118,21 @@ def load_allocators() -> tuple[type, type]:
     paged = _load("sglang.srt.mem_cache.allocator.paged", alloc_dir / "paged.py")
     mamba = _load("sglang.srt.mem_cache.allocator.mamba", alloc_dir / "mamba.py")
     return mamba.MambaSlotAllocator, paged.PagedTokenToKVPoolAllocator
+
+
+def prefix_cache_reference() -> dict:
+    """`custody bench prefix`'s `sglang_reference` entry: SGLang's Mamba radix cache is
+    not driven, and why (what is installed, and where its states come from)."""
+    try:
+        root = _root()
+    except ReferenceUnavailable:
+        found = (
+            f"SGLang is not installed here ({SGLANG_VERSION}'s wheel, read for this "
+            "benchmark, defines no MambaRadixCache: its Mamba prefix cache is a component "
+            "of UnifiedRadixCache)"
+        )
+    else:
+        sources = (root / "srt" / "mem_cache").rglob("*.py")
+        defined = any("class MambaRadixCache(" in path.read_text() for path in sources)
+        found = f"the installed SGLang {'defines' if defined else 'has no'} MambaRadixCache"
+    return {"driven": False, "reason": f"{found}; {PREFIX_CACHE_NOT_DRIVEN}"}

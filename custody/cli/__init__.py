@@ -28,10 +28,12 @@ BENCHMARK_NAMES = (
     "events",
     "executor",
     "multiturn",
+    "prefix",
     "scaleout",
     "sessions",
 )
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
+ONCE = ("multiturn", "prefix")  # benchmarks whose --repeats defaults to 1 (prefix: its series)
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
 MULTITURN_FLAGS = {
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help=f"repeats per figure (default {REPEATS}; multiturn 1)",
+        help=f"repeats per figure (default {REPEATS}; multiturn and prefix 1)",
     )
     _add_multiturn_arguments(bench)
     demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
@@ -151,7 +153,16 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def benchmarks() -> dict[str, Callable[[int], dict]]:
     """Each benchmark's entry point (repeats -> result with a markdown "table"); imports
     them all, torch included."""
-    from custody.bench import allocators, e2e, events, executor, multiturn, scaleout, sessions
+    from custody.bench import (
+        allocators,
+        e2e,
+        events,
+        executor,
+        multiturn,
+        prefix,
+        scaleout,
+        sessions,
+    )
 
     return {
         "allocators": allocators.run,
@@ -159,6 +170,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "events": events.run,
         "executor": executor.run,
         "multiturn": multiturn.run,
+        "prefix": prefix.run,
         "scaleout": scaleout.run,
         "sessions": sessions.run,
     }
@@ -187,7 +199,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     names = [args.name] if args.name else list(BENCHMARK_NAMES)
     combined = {}
     for name in names:
-        default = 1 if name == "multiturn" else REPEATS
+        default = 1 if name in ONCE else REPEATS
         result = runs[name](default if args.repeats is None else args.repeats)
         combined[name] = {k: v for k, v in result.items() if k != "table"}
         if not args.json:

@@ -112,6 +112,25 @@ def test_sessions_opened_on_one_system_prompt_share_it():
     d.assert_idle_clean()
 
 
+def test_a_first_turn_that_ends_at_its_first_token_still_shares_its_prompt():
+    """A first turn of one token ends on the row of its last prefill chunk; that chunk's
+    state goes to the cache too (the session keeps its own), so the third session on
+    the system prompt reuses it from admission on, less at most one page."""
+    d = engine()
+    system = text(50, 6)  # the last chunk (32..) holds the end of the system prompt
+    cached = []
+    for i in range(4):
+        sid = d.engine.sessions.open().sid
+        first = system + text(9 + i, 400 + i)
+        turn = d.run_turn(sid, first, max_new=1)
+        assert turn.output == reference(first, 1, VOCAB)
+        cached.append(turn.cached_tokens)
+    assert cached[0] == 0 and all(c >= aligned(len(system)) for c in cached[2:])
+    for sid in list(d.engine.sessions.sessions):
+        d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
 def test_periodic_checkpoints_cache_a_state_every_interval():
     d = engine(checkpoint_interval=8)
     long = text(70, 4)

@@ -57,6 +57,14 @@ class Completion:
             req.slots.state.commit(row.mamba_out)
             if row.snapshot_slot:
                 req.slots.track.record(row.snapshot_slot, row.snapshot_len)
+            start = req.turn_start
+            if row.snapshot_slot and row.prefill and (start is None or start.rollback is None):
+                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md): a
+                # plain request's, and a session turn's that began with no state of its
+                # session (its first), whose prompt other sessions may share (a fleet's
+                # system prompt); the session keeps a lock on the path (docs/ownership.md).
+                # Before the token: a turn that ends on this row gives its chunk too.
+                self.endings.cache_prefix(req)
             if row.sample:
                 token = int(sampled[row.rid])
                 req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
@@ -64,12 +72,4 @@ class Completion:
                 if req.finish_reason is not None:
                     self.endings.finish(req)
                     ended.append(req)
-                    continue
-            start = req.turn_start
-            if row.snapshot_slot and row.prefill and (start is None or start.rollback is None):
-                # a chunk's state is reachable at once (scenario P6, docs/scenarios.md): a
-                # plain request's, and a session turn's that began with no state of its
-                # session (its first), whose prompt other sessions may share (a fleet's
-                # system prompt); the session keeps a lock on the path (docs/ownership.md)
-                self.endings.cache_prefix(req)
         return ended
