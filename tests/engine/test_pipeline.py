@@ -100,3 +100,19 @@ def test_outputs_do_not_depend_on_the_pipeline_depth():
         outputs.append([r.output for r in reqs + turns])
         close_all(d)
     assert outputs[0] == outputs[1]
+
+
+def test_a_request_short_of_room_waits_for_its_step_in_flight_instead_of_retracting():
+    """Two requests share a prefix on a pool of one context, so that the cache's pages
+    are all locked by the two of them. The one short of room for its next chunk while its
+    last step is in flight used to retract itself, dropping that step, and be admitted
+    again from the cache where it stood, every step, for ever (the other was retracted
+    and admitted again alike). It now waits for its step, and both finish."""
+    d = Driver(kv_pages=64, mamba_slots=14, rows=6, context=64, chunk=8, step_tokens=24)
+    shared = text(20, 1)
+    prompts = [shared + text(34, 2), shared + text(16, 3)]
+    reqs = [d.generate(prompt, max_new=3) for prompt in prompts]
+    d.run(max_steps=100)
+    for req, prompt in zip(reqs, prompts, strict=True):
+        assert req.output == reference(prompt, 3, VOCAB)
+    d.assert_idle_clean()

@@ -287,7 +287,10 @@ class EngineCore:
     # ---- planning ----
     def _fit_running(self, req: Request, chosen: list, state: StepBudget) -> int:
         """Tokens `req` computes this step, after making KV room (evicting the cache, then
-        retracting the newest unplanned requests); 0 if it cannot run now."""
+        retracting the newest unplanned requests); 0 if it cannot run now. Then `req` is
+        retracted too, unless a step of its own is in flight: it waits for that step, whose
+        work a retract would throw away only to admit it again where it stood (pipelined,
+        with every page locked by requests sharing a prefix, that repeats for ever)."""
         if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
             return 0  # the token in flight is surely its last
         n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
@@ -300,7 +303,8 @@ class EngineCore:
         while not self.room.make(need + state.pages, 0, 0):
             victims = [r for r in reversed(running) if r is not req and id(r) not in planned]
             if not victims:
-                self.endings.retract(req)
+                if not req.inflight:
+                    self.endings.retract(req)
                 return 0
             self.endings.retract(victims[0])
         state.take(n, need)
