@@ -46,19 +46,31 @@ def free_port() -> int:
             return port
 
 
+START_SECONDS = 10  # to answer at all
+LOAD_SECONDS = 600  # to load its append-only file, answering LOADING meanwhile
+
+
 def _spawn(port: int, directory: Path, *extra: str) -> subprocess.Popen:
-    """A redis-server on loopback `port`, its files in `directory`, once it answers PING
-    (killed, with a RuntimeError, when it does not within 10 s)."""
+    """A redis-server on loopback `port`, its files in `directory`, once it answers PING;
+    killed, with a RuntimeError, when it exits, does not answer within START_SECONDS, or
+    is still loading its data after LOAD_SECONDS (a restart after a long run replays a
+    large file: on a loaded machine that took 12 s, and giving up then left the stack
+    without Redis for good)."""
     args = [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory)]
     args += ["--save", "", "--protected-mode", "yes", "--logfile", str(directory / "redis.log")]
     proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    deadline = started + START_SECONDS
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc
+                reply = s.recv(16)
+            if reply.startswith(b"+PONG"):
+                return proc
+            if reply.startswith(b"-LOADING"):
+                deadline = started + LOAD_SECONDS
+            time.sleep(0.05)
         except OSError:
             time.sleep(0.02)
     _terminate(proc)

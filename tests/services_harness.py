@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from custody.inprocess import InProcess
 from custody.soak.campaign import POOLS as CAMPAIGN_POOLS
@@ -30,6 +31,24 @@ def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def metrics(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a service's /metrics, by name and sorted labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric_sum(port: int, name: str) -> float:
+    """A metric's samples added up over their labels; an error if it has none."""
+    values = [v for (n, _), v in metrics(port).items() if n == name]
+    assert values, f"{name} is not exported on :{port}"
+    return sum(values)
 
 
 def health(port: int, timeout: float = 10) -> dict:
@@ -96,9 +115,11 @@ def ledger_when_idle(stack: Stack) -> dict:
 
 
 def assert_clean(stack: Stack) -> None:
-    """Idle: no violations, no leaks, and every slot free once the prefix cache is emptied
-    (a plain request and a session's first turn leave their prompt there); the last
-    events may still be on their way to the store, so poll for a while."""
+    """Idle: the scheduler's integrity check (its idle loop runs check_integrity() each
+    time it falls idle) never failed; the store's ledger has no violations, no leaks, and
+    every slot free once the prefix cache is emptied (a plain request and a session's
+    first turn leave their prompt there); the last events may still be on their way to
+    the store, so poll for a while."""
     assert call(stack.settings.port, "/flush_cache", {}) is True
     capacity = capacities(stack.settings)
     deadline = time.monotonic() + 60  # a store that restarted replays on a loaded machine
@@ -110,6 +131,7 @@ def assert_clean(stack: Stack) -> None:
         time.sleep(0.2)
     assert view["violations"] == [] and view["leaked"] == {}
     assert free == capacity
+    assert metric_sum(stack.settings.port, "custody_invariant_check_failures_total") == 0
 
 
 def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict:

@@ -1,5 +1,6 @@
 """Sessions moving between two replicas, as processes on a real Redis: a drained
-replica's sessions resume from their state on the other; a replica killed whole (its
+replica's sessions (opened on one system prompt, so some borrow it from their replica's
+prefix cache) resume from their state on the other; a replica killed whole (its
 scheduler and executor SIGKILLed) has its sessions re-homed and continued from their
 history; every answer equals one-shot, and neither replica's ledger leaks."""
 
@@ -16,7 +17,7 @@ import redis
 
 from custody.up import Stack
 from shared import streams
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, metric_sum, stack_settings, start_stack
 from tests.test_replicas import OUTPUT, all_turns, home, one_shots, turn
 
 SESSIONS, INPUT = 6, 8
@@ -58,7 +59,8 @@ def play(port: int, sids: list[str], history: dict, rng, turns: int, resumed: bo
 
 
 def ledgers_clean(stack: Stack) -> None:
-    """Both replicas' ledgers, once idle: no violation, nothing leaked."""
+    """Both replicas' ledgers, once idle: no violation, nothing leaked; neither
+    scheduler's integrity check ever failed."""
     deadline = time.monotonic() + 20
     while True:
         views = call(stack.settings.store_port, "/ledger/replicas")["replicas"]
@@ -71,6 +73,9 @@ def ledgers_clean(stack: Stack) -> None:
     assert set(views) == {"0", "1"}
     for view in views.values():
         assert view["violations"] == [] and view["leaked"] == {}, view
+    for replica in views:
+        port = stack.layout[f"scheduler-{replica}"][1].port
+        assert metric_sum(port, "custody_invariant_check_failures_total") == 0, replica
 
 
 def check_one_shot(sids: list[str], history: dict) -> None:
@@ -78,14 +83,31 @@ def check_one_shot(sids: list[str], history: dict) -> None:
     assert [history[sid][-OUTPUT:] for sid in sids] == expected
 
 
+def fork(port: int, sids: list[str], history: dict, rng) -> list[dict]:
+    """Each session's first turn, one after another: one system prompt, its own message."""
+    system = rng.integers(0, 256, 90).tolist()
+    metas = []
+    for sid in sids:
+        first = system + rng.integers(0, 256, INPUT).tolist()
+        reply = patient_turn(port, sid, first)
+        history[sid] = first + reply["output_ids"]
+        metas.append(reply["meta_info"])
+    return metas
+
+
 def test_a_drained_replica_s_sessions_resume_from_their_state_elsewhere(redis_url, redis_client):
+    """Sessions that borrow a cached prefix travel as their record and a blob of every
+    page, borrowed ones included; the replica they reach holds them with no borrowed
+    prefix."""
     stack = start_stack(stack_settings(redis_url, replicas=2))
     try:
         port, rng = stack.settings.port, np.random.default_rng(3)
         sids = [call(port, "/open_session", {}) for _ in range(SESSIONS)]
         history = {sid: [] for sid in sids}
-        play(port, sids, history, rng, 2, resumed=False)
+        firsts = dict(zip(sids, fork(port, sids, history, rng), strict=True))
+        play(port, sids, history, rng, 1, resumed=True)
         on_zero = [s for s, r in placements(redis_client, sids).items() if r == "0"]
+        assert any(firsts[sid]["cached_tokens"] >= 88 for sid in on_zero)  # borrowers move
         drained = call(port, "/admin/drain", {"replica": "0"})
         assert drained == {
             "replica": "0",

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
-from prometheus_client.parser import text_string_to_metric_families
 
 from custody.up import Stack
 from services.router.prefix_feed import PrefixFeed
@@ -22,7 +20,7 @@ from services.router.replicas import Replica, ReplicaTable
 from shared import streams
 from shared.messages.cache import CACHE_KIND, CacheEvents, CacheSnapshot, Stored, chain
 from shared.messages.envelope import encode
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, metrics, stack_settings, start_stack
 
 PROMPT = list(range(40))
 TRACK = 8  # POOLS' track_interval: a cached prefix ends at a multiple of it
@@ -84,17 +82,6 @@ def two(redis_url: str, redis_client: redis.Redis) -> Stack:
     running.stop()
 
 
-def router_metrics(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of the router's /metrics, by name and sorted labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def generate(port: int, ids: list[int]) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     return call(port, "/generate", body)
@@ -106,7 +93,7 @@ def holder_of_blocks(port: int, timeout: float = 10.0) -> str:
     while time.monotonic() < deadline:
         blocks = {
             dict(labels)["replica"]: value
-            for (name, labels), value in router_metrics(port).items()
+            for (name, labels), value in metrics(port).items()
             if name == "custody_router_prefix_blocks" and value > 0
         }
         if blocks:
@@ -124,7 +111,7 @@ def test_requests_sharing_a_prompt_go_to_the_replica_that_caches_it(two: Stack):
     for _ in range(6):
         reply = generate(port, prompt + rng.integers(0, 256, 16).tolist())
         assert reply["meta_info"]["cached_tokens"] >= len(prompt) - TRACK, reply["meta_info"]
-    samples = router_metrics(port)
+    samples = metrics(port)
     routed = {
         (dict(labels)["decision"], dict(labels)["replica"]): value
         for (name, labels), value in samples.items()

@@ -2,12 +2,15 @@
 "Shared prefixes"): requests sharing a prefix off every chunk boundary, a prefix whose
 length wobbles, and a fleet of sessions opened on one system prompt each reuse the shared
 part less at most one page from the third on, with outputs equal to a cold run (the same
-model in one process, its cache emptied before each prompt), and the store's
-independent ledger ends clean.
+model in one process, its cache emptied before each prompt). Sessions that borrow the
+prompt then take each path a session's state takes (hibernation to host, spill to disk
+and back, eviction under pressure, close); every test ends with the scheduler's
+integrity check (check_integrity(), run by its idle loop) and the store's independent
+ledger clean (`assert_clean`).
 
-What it cannot see: reuse in a second replica (each replica has its own cache), and
-reuse under memory pressure (tests/engine/test_junctions.py and the engine's state
-machine cover eviction)."""
+What it cannot see: reuse in a second replica (each replica has its own cache; the
+migration of a borrowing session is in tests/test_migration.py), and interleavings
+these few sequences do not reach (the engine's state machine covers those)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,14 @@ from custody.up import Stack
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
-from tests.services_harness import POOLS, assert_clean, call, stack_settings, start_stack
+from tests.services_harness import (
+    POOLS,
+    assert_clean,
+    call,
+    metric_sum,
+    stack_settings,
+    start_stack,
+)
 
 PAGE, CHUNK, OUT = POOLS["page_size"], POOLS["chunk_size"], 4
 GREEDY = {"max_new_tokens": OUT, "ignore_eos": True, "temperature": 0}
@@ -58,8 +68,11 @@ def redis_client(module_redis_client: redis.Redis) -> redis.Redis:
 
 
 @pytest.fixture(scope="module")
-def shared_stack(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
-    stack = start_stack(stack_settings(redis_url))
+def shared_stack(
+    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """With a disk tier below the host tier, so a session can go anywhere."""
+    stack = start_stack(stack_settings(redis_url, state_dir=tmp_path_factory.mktemp("state")))
     yield stack
     stack.stop()
 
@@ -123,3 +136,62 @@ def test_sessions_opened_on_one_system_prompt_share_it(port: int):
         assert answer["meta_info"]["cached_tokens"] >= len(history) - 1
     for sid in sids:
         call(port, "/close_session", {"session_id": sid})
+
+
+def fleet(
+    port: int, system: list[int], n: int, seed: int, borrowers_from: int = 2
+) -> tuple[list[str], list[list[int]]]:
+    """`n` sessions opened on `system`, each with its own first message; their ids and
+    histories. From the `borrowers_from`th on, each borrows the system prompt from the
+    cache (the first donates it, the second its junction)."""
+    sids = [call(port, "/open_session", {}) for _ in range(n)]
+    firsts = [system + text(9 + i, seed + i) for i in range(n)]
+    answers = [generate(port, first, sid) for sid, first in zip(sids, firsts, strict=True)]
+    assert [a["output_ids"] for a in answers] == cold(firsts)
+    for answer in answers[borrowers_from:]:
+        assert answer["meta_info"]["cached_tokens"] >= aligned(len(system))
+    return sids, [f + a["output_ids"] for f, a in zip(firsts, answers, strict=True)]
+
+
+def second_turns(port: int, sids: list[str], histories: list[list[int]]) -> None:
+    """Each session's next turn resumes from its own state, wherever it was, and equals a
+    cold run of its whole history."""
+    more = text(5, 41)
+    answers = [generate(port, more, sid) for sid in sids]
+    assert [a["output_ids"] for a in answers] == cold([h + more for h in histories])
+    for history, answer in zip(histories, answers, strict=True):
+        assert answer["meta_info"]["cached_tokens"] >= len(history) - 1
+    for sid in sids:
+        call(port, "/close_session", {"session_id": sid})
+
+
+def place(port: int, sid: str, tier: str) -> None:
+    assert call(port, "/place_session", {"session_id": sid, "tier": tier})["tier"] == tier
+
+
+def test_borrowing_sessions_hibernate_to_host_and_disk_and_resume(port: int):
+    """A borrower that leaves the device copies the borrowed pages with its own and gives
+    its lock back; the prompt stays in the cache for the others, and for a new session."""
+    system = text(90, 5)
+    sids, histories = fleet(port, system, 4, 50)
+    place(port, sids[2], "host")
+    place(port, sids[3], "host")
+    place(port, sids[3], "disk")
+    late, late_history = fleet(port, system, 1, 60, borrowers_from=0)
+    place(port, sids[2], "device")
+    second_turns(port, sids + late, histories + late_history)
+
+
+def test_pressure_evicts_around_a_borrowed_prefix_and_never_through_it(port: int):
+    """Plain prompts that together need more pages than the pool holds evict the cache
+    repeatedly while the fleet's sessions sit idle on their borrowed prompt: the locked
+    path survives (each session resumes from its own state), and what does go is counted."""
+    system = text(90, 6)
+    sids, histories = fleet(port, system, 3, 70)
+    evicted = metric_sum(port, "custody_prefix_states_evicted_total")
+    pool_tokens = POOLS["kv_pages"] * PAGE
+    flood = [text(200, 80 + i) for i in range(pool_tokens // 200 + 2)]
+    answers = run_in_order(port, flood)
+    assert [a["output_ids"] for a in answers] == cold(flood)
+    assert metric_sum(port, "custody_prefix_states_evicted_total") > evicted
+    second_turns(port, sids, histories)

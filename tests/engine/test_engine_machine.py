@@ -1,16 +1,20 @@
 """Random interleavings of session turns (finished, aborted, disconnected, retracted,
-over-long), plain requests sharing prefixes, evictions under pressure, closes, session
-expiry, and faults (a refused step with or without its deferred ops run, an executor lost
-with its device state, a scheduler restarted from the session records with the same
-executor or a new one), over
-page sizes 1 and 16, one step at a time and pipelined (the next step planned while one
-is in flight), on pools small enough that retracts and evictions are routine. Where a
-request asks for them, stop tokens end a sixth of the tokens, so requests often end while
-their next step is already in flight.
+over-long), sessions forking from a shared system prompt (borrowing the cache's prefix,
+donating junctions), plain requests sharing prefixes, prompts that need nearly the
+whole pool, evictions under pressure (of junction states too), closes, session expiry,
+and faults (a refused step with or without its deferred ops run, an executor lost with
+its device state, a scheduler restarted from the session records with the same executor
+or a new one), over page sizes 1 and 16, one step at a time and pipelined (the next step
+planned while one is in flight), with periodic checkpoints or without, with a host tier
+below the device or without, on pools small enough that retracts, evictions,
+hibernations and dropped session states are routine. Where a request asks for them,
+stop tokens end a sixth of the tokens, so requests often end while their next step is
+already in flight.
 
 After every step: the busy invariant. At the end: the idle invariant. Throughout: the
 data model checks that every row starts from the state of exactly its own prefix, and
-every finished output equals a one-shot generation over its history."""
+every finished output equals a one-shot generation over its history; a run that cannot
+become idle (two requests waiting on each other) fails."""
 
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ tokens = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24)
 class EngineMachine(RuleBasedStateMachine):
     page_size = 1
     depth = 1
+    checkpoint_every = 0  # periodic checkpoints, in pages; 0: none
+    host_tier = False  # a host tier small enough that hibernations and drops both happen
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,7 +63,10 @@ class EngineMachine(RuleBasedStateMachine):
             chunk=8 * ps if ps > 1 else 8,
             step_tokens=24 if ps == 1 else 48,
             track_interval=ps * 4,
+            checkpoint_interval=ps * self.checkpoint_every,
             depth=self.depth,
+            host_pages=(48 if ps == 1 else 6) if self.host_tier else 0,
+            host_slots=3 if self.host_tier else 0,
         )
         d.engine.sessions.clock = lambda: self.now
         return d
@@ -65,9 +74,14 @@ class EngineMachine(RuleBasedStateMachine):
     # ---- sessions ----
     @precondition(lambda self: len(self.histories) < 4)
     @rule()
-    def open_session(self):
+    def open_session(self) -> None:
+        self._open()
+
+    def _open(self) -> str:
         self.opened += 1  # client-chosen ids keep generated data reproducible
-        self.histories[self.d.engine.sessions.open(f"s{self.opened}", timeout=100).sid] = []
+        sid = self.d.engine.sessions.open(f"s{self.opened}", timeout=100).sid
+        self.histories[sid] = []
+        return sid
 
     @precondition(lambda self: self.histories)
     @rule(
@@ -94,6 +108,15 @@ class EngineMachine(RuleBasedStateMachine):
         assert not busy and not too_long
         self.turns[req.rid] = (req, self.histories[sid] + new)
 
+    @precondition(lambda self: len(self.histories) < 4)
+    @rule(system=st.sampled_from(PREFIXES), own=tokens, max_new=st.integers(1, 6))
+    def fork(self, system, own, max_new):
+        """A session opens on a shared system prompt, as an agent of a fleet does: its
+        first turn borrows whatever of the prompt the cache holds and donates the rest."""
+        sid = self._open()
+        req = self.d.turn(sid, system + own[:8], max_new=max_new)
+        self.turns[req.rid] = (req, system + own[:8])
+
     @precondition(lambda self: self.histories)
     @rule(data=st.data())
     def close_session(self, data):
@@ -114,11 +137,30 @@ class EngineMachine(RuleBasedStateMachine):
         )
         self.plain[req.rid] = req
 
+    @rule(seed=st.integers(0, VOCAB - 1))
+    def crowd(self, seed):
+        """A prompt that needs nearly the whole KV pool: every idle session's state and
+        every unlocked cache path must give way (hibernated, dropped, evicted)."""
+        context = self.d.engine.config.context_len
+        prompt = [(seed + i) % (VOCAB - 1) + 1 for i in range(context - 8)]
+        req = self.d.generate(prompt, max_new=2)
+        self.plain[req.rid] = req
+
     # ---- running ----
     @rule(n=st.integers(1, 6))
     def steps(self, n):
         for _ in range(n):
             self.settle(self.d.step())
+
+    @rule()
+    def run_until_idle(self):
+        """Every request to its end, so sessions often sit idle holding their state
+        (what forks, pressure and the tiers act on)."""
+        for _ in range(1000):
+            if self.d.engine.idle:
+                return
+            self.settle(self.d.step())
+        raise AssertionError("the engine did not become idle")
 
     @precondition(lambda self: self.d.engine.requests)
     @rule(data=st.data())
@@ -242,11 +284,16 @@ class EngineMachine(RuleBasedStateMachine):
         ), report.counts
 
 
-def _machine(page_size: int, depth: int) -> type:
+def _machine(page_size: int, depth: int, checkpoint_every: int, host_tier: bool) -> type:
     machine = type(
         f"EngineMachinePage{page_size}Depth{depth}",
         (EngineMachine,),
-        {"page_size": page_size, "depth": depth},
+        {
+            "page_size": page_size,
+            "depth": depth,
+            "checkpoint_every": checkpoint_every,
+            "host_tier": host_tier,
+        },
     )
     machine.TestCase.settings = settings(
         max_examples=EXAMPLES,
@@ -257,7 +304,9 @@ def _machine(page_size: int, depth: int) -> type:
     return machine
 
 
-TestEnginePage1 = _machine(1, 0).TestCase
-TestEnginePage16 = _machine(16, 0).TestCase
-TestEnginePage1Pipelined = _machine(1, 1).TestCase
-TestEnginePage16Pipelined = _machine(16, 1).TestCase
+# Each option is on in two of the four machines, so every combination of an option with
+# pipelining and with both page sizes runs.
+TestEnginePage1 = _machine(1, 0, checkpoint_every=5, host_tier=False).TestCase
+TestEnginePage16 = _machine(16, 0, checkpoint_every=0, host_tier=True).TestCase
+TestEnginePage1Pipelined = _machine(1, 1, checkpoint_every=0, host_tier=True).TestCase
+TestEnginePage16Pipelined = _machine(16, 1, checkpoint_every=2, host_tier=False).TestCase

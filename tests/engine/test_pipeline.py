@@ -116,3 +116,19 @@ def test_a_request_short_of_room_waits_for_its_step_in_flight_instead_of_retract
     for req, prompt in zip(reqs, prompts, strict=True):
         assert req.output == reference(prompt, 3, VOCAB)
     d.assert_idle_clean()
+
+
+def test_a_request_whose_step_is_in_flight_is_never_retracted_for_another():
+    """Three requests, two sharing a prefix, need more pages than a pool of one context
+    holds. Each time one had its last prefill step in flight (the step that ends it),
+    the request behind it took its pages: its step was thrown away and it was admitted
+    again from the cache, and the three did this to each other in turn for ever. A
+    request with a step in flight is now never a victim, and all three finish."""
+    d = Driver(kv_pages=64, mamba_slots=14, rows=6, context=64, chunk=8, step_tokens=24)
+    a, b = text(24, 4), text(20, 5)
+    prompts = [[*a, 1, 1], [*b, 1, 1, 1, 1], [*a, 1]]
+    reqs = [d.generate(prompt, max_new=n) for prompt, n in zip(prompts, [1, 3, 1], strict=True)]
+    d.run(max_steps=100)
+    for req, prompt in zip(reqs, prompts, strict=True):
+        assert req.output == reference(prompt, req.params.max_new_tokens, VOCAB)
+    d.assert_idle_clean()

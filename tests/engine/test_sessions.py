@@ -357,3 +357,26 @@ def test_an_id_closed_here_does_not_block_a_later_session_of_that_id_arriving():
     turn = d.run_turn("x", text(3, 4), max_new=3)
     assert turn.output == reference([1, 2, 3, 4, 5, *text(3, 4)], 3, VOCAB)
     close_all(d)
+
+
+def test_a_request_that_needs_a_waiting_turn_s_room_takes_it_instead_of_waiting_for_ever():
+    """The head of the queue needs pages held only by a session whose turn waits behind
+    it. The session's state is not in use until its turn is admitted, so pressure moves
+    it off the device (here: drops it) as an idle session's; the turn then re-prefills
+    from the cache. Before this rule the two waited for each other for ever."""
+    d = Driver(page_size=1, kv_pages=64, mamba_slots=14, rows=6, context=64, chunk=8)
+    sid = d.engine.sessions.open("s").sid
+    first = list(range(1, 31))
+    out = d.run_turn(sid, first, max_new=3).output
+    shared = list(range(100, 130))
+    d.generate(shared, max_new=1)
+    d.run()
+    assert d.pools.kv_pages.free_count < 6  # the session and the cached prompt fill the pool
+    head = d.generate(shared + [7] * 6, max_new=1)
+    turn = d.turn(sid, [9, 9, 9, 9], max_new=2)
+    d.run(max_steps=200)
+    assert head.output == reference(shared + [7] * 6, 1, VOCAB)
+    assert turn.output == reference(first + out + [9, 9, 9, 9], 2, VOCAB)
+    assert d.engine.sessions.states_dropped == 1
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()

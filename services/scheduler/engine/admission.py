@@ -49,7 +49,7 @@ class Admission:
         if session is not None and session.slots is not None:
             n = self._chunk(req, session.cached_len, state)
             need = pages_to_grow(page_size, session.cached_len, n)
-            if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0):
+            if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0, keep=session):
                 return 0
             req.slots = self.sessions.restore(req, plan.ops)
             state.take(n, need)

@@ -287,10 +287,13 @@ class EngineCore:
     # ---- planning ----
     def _fit_running(self, req: Request, chosen: list, state: StepBudget) -> int:
         """Tokens `req` computes this step, after making KV room (evicting the cache, then
-        retracting the newest unplanned requests); 0 if it cannot run now. Then `req` is
-        retracted too, unless a step of its own is in flight: it waits for that step, whose
-        work a retract would throw away only to admit it again where it stood (pipelined,
-        with every page locked by requests sharing a prefix, that repeats for ever)."""
+        retracting the newest unplanned requests with no step in flight); 0 if it cannot
+        run now. Then `req` is retracted too, unless a step of its own is in flight: it
+        waits for that step. A request with a step in flight is never the victim: that
+        step's work (often the one that ends it) would be thrown away only to admit it
+        again where it stood, and pipelined, with pages locked by requests sharing a
+        prefix, requests then retract each other in turn for ever. Waiting is safe: a step
+        in flight always comes back, and its requests are victims again after it."""
         if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
             return 0  # the token in flight is surely its last
         n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
@@ -301,7 +304,11 @@ class EngineCore:
         planned = {id(r) for r, _ in chosen}
         running = self.queue.running
         while not self.room.make(need + state.pages, 0, 0):
-            victims = [r for r in reversed(running) if r is not req and id(r) not in planned]
+            victims = [
+                r
+                for r in reversed(running)
+                if r is not req and id(r) not in planned and not r.inflight
+            ]
             if not victims:
                 if not req.inflight:
                     self.endings.retract(req)

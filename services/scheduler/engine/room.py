@@ -1,7 +1,10 @@
 """Making room in the pools for what a step needs, under memory pressure: evict from the
-prefix cache first, then move idle sessions' state off the device, least recently used
-first (hibernated to the host tier, or dropped if the tiers cannot take it: then their
-next turn re-prefills their history). Retracting running requests is the
+prefix cache first, then move off the device the state of sessions no turn is running
+on (idle ones, and those whose turn still waits), least recently used first (hibernated
+to the host tier, or dropped if the tiers cannot take it: then their next turn
+re-prefills their history). A waiting turn's session counts: else a request that needs
+its room waits for ever at the head of the queue, in front of the turn that cannot start
+before it. Retracting running requests is the
 core's last resort, since only it knows which requests the step has planned.
 
 A session's state is worth far more than a cache entry (its next turn costs only its new
@@ -21,6 +24,7 @@ import logging
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.owners import OwnerKind
+from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionManager
 
 log = logging.getLogger("custody.engine")
@@ -32,10 +36,17 @@ class Room:
     def __init__(self, pools: Pools, cache: RadixCache, sessions: SessionManager) -> None:
         self.pools, self.cache, self.sessions = pools, cache, sessions
 
-    def make(self, pages: int, mamba: int, rows: int, drop_sessions: bool = True) -> bool:
+    def make(
+        self,
+        pages: int,
+        mamba: int,
+        rows: int,
+        drop_sessions: bool = True,
+        keep: Session | None = None,
+    ) -> bool:
         """Make `pages` KV pages, `mamba` slots and `rows` rows free; False (having
         dropped no session state) if that cannot be done. Without `drop_sessions`, only
-        the cache gives way."""
+        the cache gives way; `keep` is the session whose turn the room is for."""
         pools, cache = self.pools, self.cache
         wanted = ((pools.kv_pages, pages), (pools.mamba, mamba), (pools.req, rows))
 
@@ -51,7 +62,7 @@ class Room:
         evict()
         if not short():
             return True
-        if not drop_sessions or not self._sessions_could_cover(wanted):
+        if not drop_sessions or not self._sessions_could_cover(wanted, keep):
             return False
         while short():
             log.info(
@@ -63,13 +74,13 @@ class Room:
                 rows,
                 pools.req.free_count,
             )
-            if not self.sessions.evict_idle():
+            if not self.sessions.evict_idle(keep):
                 return False
             evict()
         return True
 
-    def _sessions_could_cover(self, wanted: tuple) -> bool:
-        held, borrowed = self.sessions.idle_state_held()
+    def _sessions_could_cover(self, wanted: tuple, keep: Session | None) -> bool:
+        held, borrowed = self.sessions.idle_state_held(keep)
         from_cache = {
             "kv": self.cache.reclaimable_pages(borrowed),
             "mamba": self.pools.mamba.held_by_kind()[OwnerKind.CACHE],

@@ -88,6 +88,14 @@ class Session:
         return session_name(self.sid)
 
     @property
+    def state_in_use(self) -> bool:
+        """A turn runs on the state. A turn still waiting for admission has not taken it:
+        pressure may move or drop it as it would an idle session's (the turn then starts
+        from the tier it reached, or re-prefills), or a waiting request that needs the
+        room could wait for ever behind one that cannot run before it."""
+        return self.turn is not None and self.turn.slots is not None
+
+    @property
     def state_tier(self) -> str | None:
         """Where its state is between turns; None: nowhere (its next turn re-prefills)."""
         if self.slots is not None:

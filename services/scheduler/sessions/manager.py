@@ -259,12 +259,13 @@ class SessionManager:
             gone.append(sid)
         return gone
 
-    def evict_idle(self) -> bool:
-        """Device pressure: the least recently used session with no turn in flight leaves
-        the device: hibernated to the host tier (tier_policy.py), or, if the tiers below
-        cannot take it, its state is dropped (its next turn re-prefills its history).
-        False if no session holds device state it could give up."""
-        victim = self.tiers.idle_on_device()
+    def evict_idle(self, keep: Session | None = None) -> bool:
+        """Device pressure: the least recently used session whose state no turn uses,
+        other than `keep`, leaves the device: hibernated to the host tier
+        (tier_policy.py), or, if the tiers below cannot take it, its state is dropped (its
+        next turn re-prefills its history). False if no session holds device state it
+        could give up."""
+        victim = self.tiers.idle_on_device(keep)
         if victim is None:
             return False
         if self.tiers.host_room(victim.cached_len, keep=victim):
@@ -275,17 +276,22 @@ class SessionManager:
         self.states_dropped += 1
         return True
 
-    def idle_state_held(self) -> tuple[dict[str, int], list[CacheNode]]:
-        """What dropping every idle session's state would give back: the slots they own
-        per pool, and the cache nodes they borrow from (each one lock)."""
+    def idle_state_held(
+        self, keep: Session | None = None
+    ) -> tuple[dict[str, int], list[CacheNode]]:
+        """What dropping the state of every session but `keep` that no turn uses would
+        give back: the slots they own per pool, and the cache nodes they borrow from
+        (each one lock)."""
         held = {"kv": 0, "mamba": 0, "req": 0}
         borrowed = []
         for s in self.sessions.values():
-            if s.turn is None and s.slots is not None:
+            if s.state_in_use or s is keep:
+                continue
+            if s.slots is not None:
                 held["kv"] += len(self.pools.kv_pages.owned_by(s.owner))
                 held["mamba"] += len(self.pools.mamba.owned_by(s.owner))
                 held["req"] += len(self.pools.req.owned_by(s.owner))
-            if s.turn is None and s.cache_node is not None:
+            if s.cache_node is not None:
                 borrowed.append(s.cache_node)
         return held, borrowed
 

@@ -36,11 +36,14 @@ class TierPolicy:
         self.pools = moves.pools
         self.placing: dict[str, str] = {}  # session id -> the tier an operator asked for
 
-    def idle_on_device(self) -> Session | None:
-        """The least recently used session holding device state with no turn in flight:
-        the one to leave the device under pressure. Not one whose restore has yet to run:
-        a hibernate of the same step would copy what the restore has not written."""
-        return self._lru(lambda s: s.slots is not None and s.slots.ready and s.turn is None)
+    def idle_on_device(self, keep: Session | None = None) -> Session | None:
+        """The least recently used session holding device state no turn uses (a waiting
+        turn's is recently used, so idle sessions' go first), other than `keep`: the one
+        to leave the device under pressure. Not one whose restore has yet to run: a
+        hibernate of the same step would copy what the restore has not written."""
+        return self._lru(
+            lambda s: s.slots is not None and s.slots.ready and not s.state_in_use and s is not keep
+        )
 
     def host_room(self, tokens: int, keep: Session | None = None) -> bool:
         """Free host room for a state of `tokens` positions by spilling (or, with the disk
