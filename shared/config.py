@@ -17,6 +17,9 @@ from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
 
 ROUTER_POLICIES = ("prefix", "random")
+# never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
+# a password)
+SECRET_SETTINGS = frozenset({"api_keys", "admin_api_keys", "cluster_secret", "redis_url"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,15 @@ class Settings:
     # fault drills only: each tier move sleeps this long half-way (a spill between its
     # write and its rename), so a drill's kill lands during one
     tier_move_delay_seconds: float = 0.0
+
+    def public(self) -> dict[str, object]:
+        """Every setting but the secret ones, as JSON values (SGLang's server args)."""
+        shown: dict[str, object] = {}
+        for f in fields(self):
+            if f.name not in SECRET_SETTINGS:
+                value = getattr(self, f.name)
+                shown[f.name] = str(value) if isinstance(value, Path) else value
+        return shown
 
     def check(self) -> None:
         for name in (

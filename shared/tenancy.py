@@ -22,6 +22,7 @@ from aiohttp import web
 OPERATOR_PATHS = frozenset(
     {
         "/flush_cache",
+        "/reset_prefix_cache",
         "/place_session",
         "/admin/migrate_out",
         "/admin/migrate_in",

@@ -22,7 +22,7 @@ from services.scheduler.http.openai_routes import finish
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
-from shared.config import Settings
+from shared.config import SECRET_SETTINGS, Settings
 from tests.services_harness import (
     POOLS,
     assert_clean,
@@ -64,6 +64,13 @@ def test_every_endpoint(stack):
     assert (
         info["context_length"] == POOLS["context_len"] and info["page_size"] == POOLS["page_size"]
     )
+    server = call(port, "/get_server_info")
+    assert server == call(port, "/server_info")
+    assert server["context_len"] == POOLS["context_len"] and server["version"]
+    assert server["internal_states"] == [{"requests": 0, "queued_requests": 0}]
+    assert not SECRET_SETTINGS & set(server)
+    assert call(port, "/v1/models")["data"][0]["root"] == "custody"
+    assert call(port, "/reset_prefix_cache", {}) is True
     sid = call(port, "/open_session", {"session_id": "api"})
     first = call(
         port,

@@ -111,10 +111,13 @@ def test_a_streamed_request_is_refused_before_its_200_headers(stack, path, body,
 
 
 def test_an_explicit_limit_past_the_context_names_both_numbers(stack):
+    """/generate refuses as SGLang's tokenizer manager does (input + budget past the
+    context, in its words); the OpenAI routes as vLLM's (reaching it)."""
     port = stack.settings.port
     prompt = [7] * 1000
-    message = refusal(port, "/generate", generate(prompt, max_new_tokens=24))
-    assert all(str(n) in message for n in ("max_new_tokens 24", "1000", f"{CONTEXT}"))
+    message = refusal(port, "/generate", generate(prompt, max_new_tokens=CONTEXT - 999))
+    said = (f"total of {CONTEXT + 1} tokens", "1000 tokens from the input", f"{CONTEXT} tokens")
+    assert all(part in message for part in said), message
     message = refusal(port, "/v1/completions", {"prompt": prompt, "max_tokens": 24})
     assert "max_tokens 24" in message and "1000" in message
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": CONTEXT - 1}
@@ -125,23 +128,32 @@ def test_an_explicit_limit_past_the_context_names_both_numbers(stack):
     edge = [7] * (CONTEXT - 5)
     cut = call(port, "/generate", {"input_ids": edge, "sampling_params": {"ignore_eos": True}})
     assert cut["meta_info"]["completion_tokens"] == 5
-    # a session turn: the history counts
+    view = ledger_when_idle(stack)
+    assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_a_session_turn_past_its_room_gets_fewer_tokens_on_generate_and_a_400_on_openai(stack):
+    """SGLang checks a turn's budget against its new input only, then clamps it to the
+    room the history leaves: the 10th turn of a long session asking for more than that
+    room ends with finish_reason length. The OpenAI route counts the history and refuses,
+    naming it."""
+    port = stack.settings.port
     sid = call(port, "/open_session", {"session_id": "overrun"})
-    first = call(
-        port,
-        "/generate",
-        {**generate([3] * 900, max_new_tokens=20, ignore_eos=True), "session_params": {"id": sid}},
-    )
-    history = 900 + len(first["output_ids"])
-    turn = {
-        **generate([4] * 10, max_new_tokens=CONTEXT - history - 10),
-        "session_params": {"id": sid},
-    }
-    message = refusal(port, "/generate", turn)
-    assert f"{history} of session history + 10 new" in message
-    assert f"max_new_tokens {CONTEXT - history - 10}" in message
-    turn["sampling_params"]["max_new_tokens"] = CONTEXT - history - 11
-    assert call(port, "/generate", turn)["meta_info"]["prompt_tokens"] == history + 10
+    history = 0
+    for i in range(9):
+        body = generate([3 + i] * 100, max_new_tokens=8, ignore_eos=True)
+        history += 100 + len(
+            call(port, "/generate", body | {"session_params": {"id": sid}})["output_ids"]
+        )
+    room = CONTEXT - history - 10
+    text = {"prompt": [4] * 10, "max_tokens": room + 5, "session_id": sid}
+    message = refusal(port, "/v1/completions", text)
+    assert f"{history} of session history + 10 new" in message and "max_tokens" in message
+    turn = generate([4] * 10, max_new_tokens=room + 50, ignore_eos=True)
+    tenth = call(port, "/generate", turn | {"session_params": {"id": sid}})
+    assert tenth["meta_info"]["prompt_tokens"] == history + 10
+    assert tenth["meta_info"]["completion_tokens"] == room
+    assert tenth["meta_info"]["finish_reason"]["type"] == "length"
     call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(stack)
     assert view["violations"] == [] and view["leaked"] == {}
@@ -200,6 +212,8 @@ def test_openapi_document_covers_every_route(stack):
         ("GET", "/admin/idle_sessions"),
         ("GET", "/metrics"),
         ("GET", "/get_model_info"),
+        ("GET", "/get_server_info"),
+        ("GET", "/server_info"),
         ("GET", "/openapi.json"),
         ("GET", "/v1/models"),
         ("POST", "/open_session"),
@@ -208,6 +222,7 @@ def test_openapi_document_covers_every_route(stack):
         ("POST", "/abort_request"),
         ("GET", "/flush_cache"),
         ("POST", "/flush_cache"),
+        ("POST", "/reset_prefix_cache"),
         ("POST", "/generate"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),

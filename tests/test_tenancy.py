@@ -154,13 +154,14 @@ def test_server_made_rids_are_random_128_bit(keyed):
     assert status == 400
 
 
-def test_operator_routes_need_an_operator_key(keyed):
+@pytest.mark.parametrize("path", ["/flush_cache", "/reset_prefix_cache"])
+def test_operator_routes_need_an_operator_key(keyed, path):
     port = keyed.settings.port
-    assert post(port, "/flush_cache", {}, None)[0] == 401
-    assert post(port, "/flush_cache", {}, "nope")[0] == 401
-    status, body, _ = post(port, "/flush_cache", {}, "alpha")
+    assert post(port, path, {}, None)[0] == 401
+    assert post(port, path, {}, "nope")[0] == 401
+    status, body, _ = post(port, path, {}, "alpha")
     assert status == 403 and body["error"]["type"] == "permission_error"
-    status, body, _ = post(port, "/flush_cache", {}, "root")
+    status, body, _ = post(port, path, {}, "root")
     assert status == 200 and body is True
 
 

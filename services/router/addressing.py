@@ -10,7 +10,7 @@ from aiohttp import web
 from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
 
 SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
-FANOUT_ROUTES = frozenset({"/flush_cache"})
+FANOUT_ROUTES = frozenset({"/flush_cache", "/reset_prefix_cache"})
 
 
 def error(status: int, message: str, kind: str, retry: bool = False) -> web.Response:

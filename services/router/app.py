@@ -8,7 +8,7 @@ replica that should answer it.
   within a bounded load (`prefix`), else the least loaded (`load`), choice.py; a body
   the router cannot read goes by load, and that replica answers it with its own 400.
 - `/abort_request` by rid goes where that rid was sent; `abort_all`, an unknown rid and
-  `/flush_cache` go to every ready replica (`fanout`).
+  `/flush_cache` and `/reset_prefix_cache` go to every ready replica (`fanout`).
 
 API keys are checked here as each replica checks them (the same `ApiKeys`,
 shared/tenancy.py), and passed on, so a replica still knows the caller. A session placed

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from services.scheduler.engine.validation import output_budget
+from services.scheduler.engine.validation import openai_output_budget, sglang_output_budget
 from services.scheduler.http.app_keys import FRONT_DOOR
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.records.session import Session
@@ -35,7 +35,7 @@ def prompt_tokens(request: web.Request, text: str, session: Session | None) -> l
     return request.app[FRONT_DOOR].tokenizer.encode(text, starts)
 
 
-def token_limit(
+def openai_token_limit(
     request: web.Request,
     session: Session | None,
     new_tokens: int,
@@ -43,8 +43,21 @@ def token_limit(
     requested: int | None,
     default: int,
 ) -> int:
-    """A request's max_new_tokens (see `output_budget`); a session turn's prompt is the
-    session's history plus its new input."""
+    """An OpenAI route's max_tokens (see `openai_output_budget`); a session turn's prompt
+    is the session's history plus its new input."""
     history = 0 if session is None else session.history.size
     context_len = request.app[FRONT_DOOR].context_len
-    return output_budget(history, new_tokens, requested, default, context_len, field)
+    return openai_output_budget(history, new_tokens, requested, default, context_len, field)
+
+
+def sglang_token_limit(
+    request: web.Request,
+    session: Session | None,
+    new_tokens: int,
+    requested: int | None,
+    default: int,
+) -> int:
+    """/generate's max_new_tokens (see `sglang_output_budget`)."""
+    history = 0 if session is None else session.history.size
+    context_len = request.app[FRONT_DOOR].context_len
+    return sglang_output_budget(history, new_tokens, requested, default, context_len)

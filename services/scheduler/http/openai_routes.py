@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
-from services.scheduler.http.bodies import prompt_tokens, read_body, token_limit
+from services.scheduler.http.bodies import openai_token_limit, prompt_tokens, read_body
 from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
@@ -104,7 +104,7 @@ async def respond(
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     params = body.engine_params(
-        token_limit(request, session, len(tokens), field, requested, default)
+        openai_token_limit(request, session, len(tokens), field, requested, default)
     )
     jobs = [Job(c.server, tokens, p) for c, p in zip(claims, choice_params(params, n), strict=True)]
     if not body.stream:
@@ -164,7 +164,8 @@ def streamer(request: web.Request, reply: Reply, sse: EventStream, index: int) -
 async def models(request: web.Request) -> web.Response:
     door = request.app[FRONT_DOOR]
     card = {"id": door.settings.model_name, "object": "model", "created": 0}
-    card |= {"owned_by": "custody", "max_model_len": door.context_len}
+    root = str(door.settings.model) if door.settings.model else door.settings.model_name
+    card |= {"owned_by": "custody", "root": root, "max_model_len": door.context_len}
     return web.json_response({"object": "list", "data": [card]})
 
 

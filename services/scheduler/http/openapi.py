@@ -33,6 +33,15 @@ class Doc:
 
 
 BOOLEAN = {"type": "boolean"}
+SERVER_INFO = {
+    "type": "object",
+    "required": ["version", "internal_states", "context_len"],
+    "properties": {
+        "version": {"type": "string"},
+        "internal_states": {"type": "array", "items": {"type": "object"}},
+        "context_len": {"type": "integer"},
+    },
+}
 ROUTES = {
     ("GET", "/health"): Doc(
         "Readiness (503 until a request would be served at once), and the executor's epoch",
@@ -44,6 +53,11 @@ ROUTES = {
     ("GET", "/liveness"): Doc("The process is up", reply=replies.Alive),
     ("GET", "/metrics"): Doc("Prometheus metrics", reply={"type": "string"}, media="text/plain"),
     ("GET", "/get_model_info"): Doc("The model and the pools", reply=replies.ModelInfo),
+    ("GET", "/get_server_info"): Doc(
+        "Every setting but the secret ones, the version and internal state (SGLang)",
+        reply=SERVER_INFO,
+    ),
+    ("GET", "/server_info"): Doc("The same as /get_server_info (SGLang)", reply=SERVER_INFO),
     ("GET", "/openapi.json"): Doc("This document", reply={"type": "object"}),
     ("POST", "/open_session"): Doc(
         "Open a streaming session; answers its id", "open_session", {"type": "string"}
@@ -75,6 +89,7 @@ ROUTES = {
     ),
     ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
     ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
+    ("POST", "/reset_prefix_cache"): Doc("The same as /flush_cache (vLLM)", reply=BOOLEAN),
     ("POST", "/generate"): Doc(
         "Generate (SGLang); a list of texts or of id lists is a batch",
         "generate",

@@ -78,6 +78,7 @@ class Model(Struct):
     object: str
     created: int
     owned_by: str
+    root: str  # the checkpoint it serves (vLLM's field)
     max_model_len: int
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
+from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -18,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
-from services.scheduler.http.bodies import prompt_tokens, read_body, token_limit
+from services.scheduler.http.bodies import prompt_tokens, read_body, sglang_token_limit
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, run_all, run_generation
@@ -102,6 +103,15 @@ async def model_info(request: web.Request) -> web.Response:
             "max_running_requests": s.max_running_requests,
         }
     )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """SGLang's /get_server_info: its settings (none secret), version and internal state
+    (benchmark clients read `internal_states`)."""
+    door = request.app[FRONT_DOOR]
+    state = {"requests": len(door.running_ids()), "queued_requests": door.queued}
+    body = door.settings.public() | {"version": version("custody"), "internal_states": [state]}
+    return web.json_response(body)
 
 
 IDLE_LISTED = 100  # the most sessions /admin/idle_sessions lists
@@ -214,15 +224,10 @@ async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
 def engine_params(
     request: web.Request, body: Any, session: Session | None, tokens: int
 ) -> SamplingParams:
-    """A /generate request's parameters, its output budget cut to the context's room."""
+    """A /generate request's parameters, its output budget as SGLang sets it."""
     sampling = body.sampling()
-    limit = token_limit(
-        request,
-        session,
-        tokens,
-        "sampling_params.max_new_tokens",
-        sampling.max_new_tokens,
-        DEFAULT_MAX_NEW_TOKENS,
+    limit = sglang_token_limit(
+        request, session, tokens, sampling.max_new_tokens, DEFAULT_MAX_NEW_TOKENS
     )
     return sampling.engine_params(limit, body.return_logprob, body.top_logprobs_num)
 
@@ -263,12 +268,15 @@ ROUTES = (
     ("GET", "/liveness", liveness),
     ("GET", "/metrics", metrics),
     ("GET", "/get_model_info", model_info),
+    ("GET", "/get_server_info", server_info),
+    ("GET", "/server_info", server_info),
     ("POST", "/open_session", open_session),
     ("POST", "/close_session", close_session),
     ("POST", "/place_session", place_session),
     ("POST", "/abort_request", abort_request),
     ("GET", "/flush_cache", flush_cache),
     ("POST", "/flush_cache", flush_cache),
+    ("POST", "/reset_prefix_cache", flush_cache),
     ("POST", "/generate", generate),
     ("GET", "/admin/idle_sessions", idle_sessions),
 )
