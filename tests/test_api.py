@@ -114,6 +114,48 @@ def test_every_endpoint(stack):
     assert view["violations"] == [] and view["leaked"] == {}
 
 
+def test_a_prefill_only_request_caches_its_prompt_and_a_turn_appends_its_input(stack):
+    """max_new_tokens 0 (SGLang's prefill-only request, which its frontend sends to warm
+    a prefix): the prompt is computed and cached, nothing is generated; on a session it
+    is a turn that appends its input, and the next turn resumes from there."""
+    port = stack.settings.port
+    assert call(port, "/flush_cache", {}) is True
+    prompt = list(range(3, 83))
+    warm = call(port, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}})
+    assert warm["output_ids"] == [] and warm["text"] == ""
+    assert warm["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert warm["meta_info"]["completion_tokens"] == 0
+    body = {
+        "input_ids": [*prompt, 9, 9],
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+    }
+    again = call(port, "/generate", body)
+    assert again["meta_info"]["cached_tokens"] >= len(prompt) - POOLS["page_size"]
+    assert again["output_ids"] == one_shot([*prompt, 9, 9], 4)
+    streamed = sse_events(
+        port,
+        "/generate",
+        {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}, "stream": True},
+    )
+    assert (
+        streamed[-1]["output_ids"] == []
+        and streamed[-1]["meta_info"]["finish_reason"]["length"] == 0
+    )
+    sid = call(port, "/open_session", {})
+    turn = {
+        "input_ids": [7] * 30,
+        "sampling_params": {"max_new_tokens": 0},
+        "session_params": {"id": sid},
+    }
+    assert call(port, "/generate", turn)["output_ids"] == []
+    turn |= {"input_ids": [8] * 5, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    second = call(port, "/generate", turn)
+    assert second["meta_info"]["prompt_tokens"] == 35 and second["meta_info"]["cached_tokens"] == 30
+    assert second["output_ids"] == one_shot([7] * 30 + [8] * 5, 4)
+    call(port, "/close_session", {"session_id": sid})
+    assert_clean(stack)
+
+
 def test_the_cache_is_not_flushed_while_requests_run(stack):
     """As SGLang: a 400, and nothing flushed; GET works as POST does."""
     port = stack.settings.port

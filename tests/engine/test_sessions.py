@@ -66,7 +66,7 @@ def test_s2_a_turn_rejected_before_it_runs_changes_nothing():
     t1 = d.run_turn(sid, text(8, 1))
     before = d.pools.ledger.events.next_seq
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        d.turn(sid, text(4, 2), max_new=0)
+        d.turn(sid, text(4, 2), max_new=-1)
     with pytest.raises(InvalidRequest, match="context length 256"):
         d.turn(sid, text(300, 3))
     assert d.pools.ledger.events.next_seq == before

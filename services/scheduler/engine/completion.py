@@ -8,7 +8,7 @@ from services.scheduler.engine.endings import Endings
 from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.queue import RequestQueue
 from services.scheduler.engine.step import StepPlan
-from services.scheduler.engine.stopping import finish_reason
+from services.scheduler.engine.stopping import finish_reason, length_limit
 from services.scheduler.records.request import Request
 from services.scheduler.sessions.manager import SessionManager
 from shared.messages.sampling import Top
@@ -69,7 +69,9 @@ class Completion:
                 token = int(sampled[row.rid])
                 req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
                 req.finish_reason = finish_reason(req, token, self.eos_token_ids, self.context_len)
-                if req.finish_reason is not None:
-                    self.endings.finish(req)
-                    ended.append(req)
+            elif row.end == req.length:  # a prefill-only request, its prompt computed
+                req.finish_reason = length_limit(req, self.context_len)
+            if req.finish_reason is not None:
+                self.endings.finish(req)
+                ended.append(req)
         return ended

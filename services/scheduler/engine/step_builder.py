@@ -67,7 +67,9 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     if snap_len > max(start, req.slots.track.latest_len):
         slot = req.slots.track.begin_snapshot() or 0
     read, write = req.slots.state.advance()
-    params, sample = req.params, end == req.length + future
+    # the last prompt position samples the first output token, unless none is wanted (a
+    # prefill-only request: max_new_tokens 0)
+    params, sample = req.params, end == req.length + future and req.params.max_new_tokens > 0
     wire = StepRow.of(
         np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,

@@ -58,6 +58,11 @@ class Limits:
     def max_tokens(self) -> Any:
         return Annotated[int, Meta(ge=1, lt=self.context_len)]
 
+    @property
+    def max_new_tokens(self) -> Any:
+        """SGLang's budget: 0 is a prefill-only request (its prompt cached, no output)."""
+        return Annotated[int, Meta(ge=0, lt=self.context_len)]
+
     def check_input(self, field: str, ids: object) -> None:
         if isinstance(ids, list) and len(ids) >= self.context_len:
             raise ValueError(

@@ -137,7 +137,7 @@ def sampling_schema(limits: st.Limits) -> type:
         default, cut to the room the context leaves; an explicit one that does not fit
         beside the prompt is refused."""
 
-        max_new_tokens: limits.max_tokens | None = None
+        max_new_tokens: limits.max_new_tokens | None = None
         temperature: st.Temperature = 0.0
         top_p: st.TopP = 1.0
         top_k: TopK = -1

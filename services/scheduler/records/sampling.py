@@ -40,9 +40,9 @@ class SamplingParams:
         return penalties != NO_PENALTIES
 
     def validate(self, vocab_size: int) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise InvalidRequest(
-                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+                f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}"
             )
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequest(f"temperature must lie in [0, 100], got {self.temperature!r}")
