@@ -1,16 +1,20 @@
 """Text <-> token ids. The built-in model is byte-level (ids 0-255 are bytes, then BOS
-and EOS); a checkpoint with a `tokenizer.json` uses it through the `tokenizers` package.
-A checkpoint without one runs ids-only: token ids work, text is refused naming the file
-(its vocabulary is not bytes, so guessing would feed the model nonsense); `--tokenizer
-byte` opts in to the byte tokenizer anyway. No torch here: the scheduler tokenizes."""
+and EOS, written `<|bos|>` and `<|eos|>`); a checkpoint with a `tokenizer.json` uses it
+through the `tokenizers` package. A checkpoint without one runs ids-only: token ids work,
+text is refused naming the file (its vocabulary is not bytes, so guessing would feed the
+model nonsense); `--tokenizer byte` opts in to the byte tokenizer anyway. No torch here:
+the scheduler tokenizes."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 BYTE_VOCAB, BYTE_BOS, BYTE_EOS = 258, 256, 257
+BYTE_SPECIALS = {"<|bos|>": BYTE_BOS, "<|eos|>": BYTE_EOS}
+_BYTE_SPECIAL = re.compile("(" + "|".join(map(re.escape, BYTE_SPECIALS)) + ")")
 TOKENIZER_KINDS = ("auto", "byte")
 
 
@@ -41,15 +45,24 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes; it has no post-processor, so it adds no special tokens."""
+    """UTF-8 bytes. The two special tokens' strings in raw text are those tokens, as a
+    Hugging Face tokenizer matches its own (so the files `export_byte_tokenizer` writes
+    encode exactly as this does, and a client that learns the EOS id by encoding its
+    string, as lm-eval does, gets it); it has no post-processor, so it adds none."""
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(text.encode("utf-8"))
+        ids: list[int] = []
+        for i, piece in enumerate(_BYTE_SPECIAL.split(text)):
+            if i % 2:
+                ids.append(BYTE_SPECIALS[piece])
+            else:
+                ids += piece.encode("utf-8")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    special_tokens: tuple[str, ...] = ()
+    special_tokens: tuple[str, ...] = tuple(BYTE_SPECIALS)
 
     def encode_plain(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

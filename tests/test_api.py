@@ -156,6 +156,47 @@ def test_a_prefill_only_request_caches_its_prompt_and_a_turn_appends_its_input(s
     assert_clean(stack)
 
 
+def test_the_tokenizer_routes_tokenize_as_the_server_does(stack):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer
+    uses them: it learns the EOS id by encoding the EOS string, and renders chats with the
+    template it is given."""
+    port = stack.settings.port
+    info = call(port, "/tokenizer_info")
+    assert info["eos_token"] == "<|eos|>" and info["bos_token"] == "<|bos|>"
+    assert (
+        info["model_max_length"] == POOLS["context_len"]
+        and "<|assistant|>" in info["chat_template"]
+    )
+    eos = call(port, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos == {
+        "count": 1,
+        "max_model_len": POOLS["context_len"],
+        "tokens": [257],
+        "token_strs": None,
+    }
+    text = "héllo <|eos|>!"
+    tokens = call(port, "/tokenize", {"prompt": text})["tokens"]
+    assert tokens == [*"héllo ".encode(), 257, ord("!")]
+    assert call(port, "/detokenize", {"tokens": tokens}) == {"prompt": "héllo !"}
+    chat = call(port, "/tokenize", {"messages": [{"role": "user", "content": "hi <|eos|>"}]})
+    assert (
+        bytes(chat["tokens"]).decode() == "<|user|>\nhi <|eos|>\n<|assistant|>\n"
+    )  # content: text
+    for bad in (
+        {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+        {"prompt": "x", "return_token_strs": True},
+        {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+    ):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            call(port, "/tokenize", bad)
+        assert refused.value.code == 400
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        call(port, "/detokenize", {"tokens": [258]})
+    assert refused.value.code == 400
+    files = call(port, "/get_model_info")["tokenizer_path"]
+    assert (Path(files) / "tokenizer.json").exists()
+
+
 def test_the_cache_is_not_flushed_while_requests_run(stack):
     """As SGLang: a 400, and nothing flushed; GET works as POST does."""
     port = stack.settings.port
@@ -283,7 +324,7 @@ def bad_inputs() -> list[tuple[str, bytes]]:
     ]
     rng = random.Random(7)
     fields = {
-        "max_new_tokens": [0, -1, 10**9, 1.5, "5", True, [], {}],
+        "max_new_tokens": [-1, 10**9, 1.5, "5", True, [], {}],
         "temperature": [-1, 101, "hot", None, [], float("nan")],
         "top_p": [0, -0.5, 1.5, "all", []],
         "top_k": [0, -2, 10**6, 2.5, "k"],

@@ -57,7 +57,11 @@ def test_s1_s2_s9_inheritance_rejections_and_append_only(stack):
     assert t1["meta_info"]["cached_tokens"] == 0
     code, message = refused(
         port,
-        {"input_ids": [6], "session_params": {"id": sid}, "sampling_params": {"max_new_tokens": -1}},
+        {
+            "input_ids": [6],
+            "session_params": {"id": sid},
+            "sampling_params": {"max_new_tokens": -1},
+        },
     )
     assert code == 400 and "max_new_tokens" in message
     code, message = refused(port, {"input_ids": [7] * 2000, "session_params": {"id": sid}})

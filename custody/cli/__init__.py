@@ -92,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --faults: when a silent replica is dead (default 3)",
     )
     soak.add_argument("--json", action="store_true")
+    tokenizer = sub.add_parser("tokenizer", help="the built-in model's tokenizer as files")
+    actions = tokenizer.add_subparsers(dest="action", required=True)
+    export = actions.add_parser(
+        "export", help="write tokenizer.json and tokenizer_config.json (for --tokenizer DIR)"
+    )
+    export.add_argument("directory", type=Path)
+    export.add_argument(
+        "--context-len",
+        type=int,
+        default=Settings.context_len,
+        help=f"the model_max_length written (default {Settings.context_len})",
+    )
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)
     return parser
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, then hand over to the subcommand's handler (which imports what it needs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"bench": _bench, "demo": _demo, "soak": _soak, "up": _up}
+    handlers = {"bench": _bench, "demo": _demo, "soak": _soak, "tokenizer": _tokenizer, "up": _up}
     return handlers[args.command](parser, args)
 
 
@@ -126,6 +138,15 @@ def _up(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as err:
         parser.error(str(err))
     return up.run(settings)
+
+
+def _tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from services.scheduler.text.tokenizer_files import export_byte_tokenizer
+
+    if args.context_len < 2:
+        parser.error("--context-len must be >= 2")
+    print(export_byte_tokenizer(args.directory, args.context_len))
+    return 0
 
 
 def _soak(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,13 +1,14 @@
 """The HTTP application: its middlewares (JSON errors, keys and tenancy), what its
-handlers carry (`app_keys.py`), and the route table of the SGLang and OpenAI routes, with
+handlers carry (`app_keys.py`), and the route table of the SGLang, OpenAI and tokenizer
+routes, with
 /openapi.json documenting them all."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from services.scheduler.http import migration_routes, openai_routes, routes
-from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http import migration_routes, openai_routes, routes, tokenizer_routes
+from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY, TOKENIZER_DIR
 from services.scheduler.http.errors import errors
 from services.scheduler.http.openapi import add_openapi_route
 from services.scheduler.http.schemas import request_schemas
@@ -16,6 +17,7 @@ from services.scheduler.http.tenancy import middleware as tenancy_middleware
 from services.scheduler.runtime.front_door import FrontDoor
 from services.scheduler.text.chat_template import ChatTemplate
 from services.scheduler.text.chat_tokens import ChatEncoder
+from services.scheduler.text.tokenizer_files import tokenizer_files
 from shared.http_limits import MAX_BODY
 
 
@@ -26,7 +28,11 @@ def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:
     schemas = request_schemas(door.vocab_size, door.context_len)
     app[FRONT_DOOR], app[SCHEMAS], app[TENANCY] = door, schemas, tenancy
     app[CHAT] = ChatEncoder(ChatTemplate.load(door.settings.model), door.tokenizer)
-    for method, path, handler in routes.ROUTES + openai_routes.ROUTES + migration_routes.ROUTES:
+    tokenizer_dir = tokenizer_files(door.settings, door.context_len)
+    if tokenizer_dir is not None:
+        app[TOKENIZER_DIR] = tokenizer_dir
+    tables = (routes, openai_routes, tokenizer_routes, migration_routes)
+    for method, path, handler in (route for table in tables for route in table.ROUTES):
         app.router.add_route(method, path, handler)
     add_openapi_route(app, schemas)
     return app

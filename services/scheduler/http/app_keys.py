@@ -1,7 +1,10 @@
 """What the application carries for its handlers: the scheduler's front door, the body
-schemas of this deployment, the key and tenancy policy, and the chat template."""
+schemas of this deployment, the key and tenancy policy, the chat template, and where its
+tokenizer's files are (`/get_model_info`'s `tokenizer_path`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from aiohttp import web
 
@@ -14,3 +17,4 @@ FRONT_DOOR = web.AppKey("front_door", FrontDoor)
 SCHEMAS = web.AppKey("schemas", RequestSchemas)
 TENANCY = web.AppKey("tenancy", Tenancy)
 CHAT = web.AppKey("chat", ChatEncoder)
+TOKENIZER_DIR = web.AppKey("tokenizer_dir", Path)

@@ -98,6 +98,14 @@ ROUTES = {
         batch="generate_batch",
     ),
     ("GET", "/v1/models"): Doc("The served model (OpenAI)", reply=replies.ModelList),
+    ("POST", "/tokenize"): Doc(
+        "A text or a conversation as the server tokenizes it (vLLM)", "tokenize", replies.Tokens
+    ),
+    ("POST", "/detokenize"): Doc("Token ids as text (vLLM)", "detokenize", replies.Detokenized),
+    ("GET", "/tokenizer_info"): Doc(
+        "The tokenizer's special tokens, length and chat template (vLLM)",
+        reply=replies.TokenizerInfo,
+    ),
     ("POST", "/v1/completions"): Doc(
         "Complete a prompt (OpenAI)", "completions", replies.Completion, replies.Completion
     ),

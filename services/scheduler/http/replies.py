@@ -66,6 +66,7 @@ class Placed(Struct):
 
 class ModelInfo(Struct):
     model_path: str
+    tokenizer_path: str | None  # tokenizer files any `--tokenizer DIR` client can load
     context_length: int
     page_size: int
     kv_pages: int
@@ -80,6 +81,29 @@ class Model(Struct):
     owned_by: str
     root: str  # the checkpoint it serves (vLLM's field)
     max_model_len: int
+
+
+class Tokens(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None  # vLLM's field; custody does not return token strings
+
+
+class Detokenized(Struct):
+    prompt: str
+
+
+class TokenizerInfo(Struct):
+    """The special tokens by name (as tokenizer_config.json names them; more than these
+    three where the checkpoint has more), the length and the chat template."""
+
+    tokenizer_class: str
+    model_max_length: int
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
 
 
 class ModelList(Struct):

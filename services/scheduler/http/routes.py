@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY
+from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY, TOKENIZER_DIR
 from services.scheduler.http.bodies import prompt_tokens, read_body, sglang_token_limit
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
@@ -93,9 +93,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def model_info(request: web.Request) -> web.Response:
     s = request.app[FRONT_DOOR].settings
+    tokenizer_dir = request.app.get(TOKENIZER_DIR)
     return web.json_response(
         {
             "model_path": str(s.model) if s.model else "builtin",
+            "tokenizer_path": None if tokenizer_dir is None else str(tokenizer_dir),
             "context_length": s.context_len,
             "page_size": s.page_size,
             "kv_pages": s.kv_pages,

@@ -25,6 +25,7 @@ from msgspec import Meta, Struct
 from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
+from services.scheduler.http.schemas_tokenizer import tokenizer_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from shared.session_ids import SESSION_ID
 from shared.streams import REPLICA_ID
@@ -57,6 +58,8 @@ class RequestSchemas:
     migrate: type
     completions: type
     chat_completions: type
+    tokenize: Any
+    detokenize: type
 
     def all(self) -> list[Any]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -123,6 +126,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         MigrateRequest,
         completions,
         chat,
+        *tokenizer_schemas(limits),
     )
 
 

@@ -21,9 +21,11 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_SPECIALS
+
 # The built-in byte-level model's format: each message as `<|role|>\n{content}\n`, then
-# `<|assistant|>\n` when a reply is asked for. Its tokenizer has no special tokens, so
-# these markers are plain bytes.
+# `<|assistant|>\n` when a reply is asked for. These markers are plain bytes (its only
+# special tokens are `<|bos|>` and `<|eos|>`).
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message.role }}|>\n"
@@ -119,7 +121,10 @@ class ChatTemplate:
     @classmethod
     def load(cls, model_dir: Path | None) -> ChatTemplate:
         if model_dir is None:
-            return cls(DEFAULT_TEMPLATE, {})
+            names = {i: text for text, i in BYTE_SPECIALS.items()}
+            return cls(
+                DEFAULT_TEMPLATE, {"bos_token": names[BYTE_BOS], "eos_token": names[BYTE_EOS]}
+            )
         return cls(*read_template(Path(model_dir)))
 
     def render(
