@@ -27,10 +27,12 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from redis.exceptions import RedisError
 
+T = TypeVar("T")
 DEPENDENCY_FAULTS: tuple[type[Exception], ...] = (
     RedisError,  # redis-py's own ConnectionError and TimeoutError are RedisErrors
     ConnectionError,
@@ -143,3 +145,15 @@ class Retry:
 
     def wait_sync(self, err: Exception) -> None:
         time.sleep(self.failed(err))
+
+
+def when_up(action: Callable[[], T], retry: Retry) -> T:
+    """`action()` once it succeeds, waiting out dependency faults: a service's start-up
+    meets a Redis that is restarting as its loops do. (Exiting instead, the service would
+    be restarted by its supervisor into the same wait, and each time it would count as a
+    crash.) Any other exception is a fault of the start-up itself: raised."""
+    while True:
+        try:
+            return action()
+        except DEPENDENCY_FAULTS as err:
+            retry.wait_sync(err)

@@ -35,7 +35,7 @@ from shared.config import Settings
 from shared.messages.envelope import WireError, encode
 from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
 from shared.redis_client import connect
-from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults
+from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults, when_up
 from shared.service_main import start
 
 log = logging.getLogger("custody.executor")
@@ -59,7 +59,8 @@ FAULTS = background_faults()
 class ExecutorService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.client = connect(settings.redis_url)
+        starting = Retry("executor_start", log)  # no metrics yet: logged, not counted
+        self.client = when_up(lambda: connect(settings.redis_url), starting)
         self.keys = streams.Keys(settings.replica)
         self.epoch = secrets.token_hex(8)
         self.name = f"executor-{self.epoch}"
@@ -102,7 +103,8 @@ class ExecutorService:
         self._next: list = []  # steps read with the answer to the last, not yet run
         self._answer: tuple[bytes, bytes | None] | None = None  # run, not known written
         self._recovering = False  # after a Redis fault: read the pending steps first
-        streams.ensure_group(self.client, self.keys.forward, streams.EXECUTOR_GROUP)
+        group = self.keys.forward, streams.EXECUTOR_GROUP
+        when_up(lambda: streams.ensure_group(self.client, *group), starting)
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
         """For fault drills: what a step's tier moves are while they run ({}: done). A

@@ -21,6 +21,7 @@ from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
 from shared.placement import Placement
 from shared.redis_client import connect
+from shared.retry import Retry, when_up
 from shared.service_main import start
 
 log = logging.getLogger("custody.session_store")
@@ -31,9 +32,10 @@ MAX_THREADS = 64
 
 class StoreService:
     def __init__(self, settings: Settings) -> None:
-        self.client = connect(settings.redis_url)
+        starting = Retry("store_start", log)  # no metrics yet: logged, not counted
+        self.client = when_up(lambda: connect(settings.redis_url), starting)
         self.replica = settings.replica  # the store's own: what /ledger shows unasked
-        self.replicas = ReplicaConsumers(self.client, settings.replica)
+        self.replicas = when_up(lambda: ReplicaConsumers(self.client, settings.replica), starting)
         self.registry = CollectorRegistry()
         self.registry.register(LedgerMetrics(self.replicas))
 
