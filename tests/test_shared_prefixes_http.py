@@ -117,27 +117,6 @@ def test_a_prefix_whose_length_wobbles_is_reused_from_the_third_request(port: in
         assert answer["meta_info"]["cached_tokens"] >= aligned(65) - PAGE
 
 
-def test_sessions_opened_on_one_system_prompt_share_it(port: int):
-    """Eight sessions, one system prompt, each its own first message: from the third on,
-    each first turn reuses the system prompt; the second turns resume each session's own
-    state; every output equals a cold run of the session's whole history."""
-    system = text(90, 3)
-    sids = [call(port, "/open_session", {}) for _ in range(8)]
-    firsts = [system + text(9 + i, 30 + i) for i in range(8)]
-    answers = [generate(port, first, sid) for sid, first in zip(sids, firsts, strict=True)]
-    assert [a["output_ids"] for a in answers] == cold(firsts)
-    for answer in answers[2:]:
-        assert answer["meta_info"]["cached_tokens"] >= aligned(len(system))
-    histories = [f + a["output_ids"] for f, a in zip(firsts, answers, strict=True)]
-    more = text(5, 40)
-    seconds = [generate(port, more, sid) for sid in sids]
-    assert [a["output_ids"] for a in seconds] == cold([h + more for h in histories])
-    for history, answer in zip(histories, seconds, strict=True):
-        assert answer["meta_info"]["cached_tokens"] >= len(history) - 1
-    for sid in sids:
-        call(port, "/close_session", {"session_id": sid})
-
-
 def fleet(
     port: int, system: list[int], n: int, seed: int, borrowers_from: int = 2
 ) -> tuple[list[str], list[list[int]]]:
@@ -167,6 +146,14 @@ def second_turns(port: int, sids: list[str], histories: list[list[int]]) -> None
 
 def place(port: int, sid: str, tier: str) -> None:
     assert call(port, "/place_session", {"session_id": sid, "tier": tier})["tier"] == tier
+
+
+def test_sessions_opened_on_one_system_prompt_share_it(port: int):
+    """Eight sessions, one system prompt, each its own first message: from the third on,
+    each first turn reuses the system prompt; the second turns resume each session's own
+    state; every output equals a cold run of the session's whole history."""
+    sids, histories = fleet(port, text(90, 3), 8, 30)
+    second_turns(port, sids, histories)
 
 
 def test_borrowing_sessions_hibernate_to_host_and_disk_and_resume(port: int):
