@@ -117,6 +117,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "regex": (None,),
     "ebnf": (None,),
     "structural_tag": (None,),
+    "stop_regex": (None, "", []),
 }
 
 
@@ -138,7 +139,15 @@ OPENAI_UNIMPLEMENTED = (
     "guided_choice",
     "guided_grammar",
 )
-SGLANG_UNIMPLEMENTED = ("logit_bias", "min_new_tokens", "n", "json_schema", "regex", "ebnf")
+SGLANG_UNIMPLEMENTED = (
+    "logit_bias",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "stop_regex",
+)
 
 
 def refuse_unimplemented(body: Any, names: tuple[str, ...], prefix: str = "") -> None:

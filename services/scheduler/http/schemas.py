@@ -161,6 +161,7 @@ def sampling_schema(limits: st.Limits) -> type:
         json_schema: st.neutral_only("json_schema") = None
         regex: st.neutral_only("regex") = None
         ebnf: st.neutral_only("ebnf") = None
+        stop_regex: st.neutral_only("stop_regex") = None
 
         def __post_init__(self) -> None:
             if self.top_k == 0:
@@ -202,11 +203,23 @@ def generate_schema(limits: st.Limits) -> type:
         stream: bool = False
         return_logprob: bool = False
         top_logprobs_num: st.TopLogprobs = 0  # with return_logprob: output_top_logprobs
+        # SGLang's input logprobs from this position: not implemented, so refused where it
+        # would change the reply (with return_logprob), never silently ignored
+        logprob_start_len: int | None = None
 
         def __post_init__(self) -> None:
             if (self.text is None) == (self.input_ids is None):
                 raise ValueError("give exactly one of text (a string) and input_ids (token ids)")
             limits.check_input("input_ids", self.input_ids)
+            self.refuse_input_logprobs()
+
+        def refuse_input_logprobs(self) -> None:
+            if self.return_logprob and self.logprob_start_len not in (None, -1):
+                raise ValueError(
+                    "logprob_start_len is not implemented by custody (got "
+                    f"{self.logprob_start_len}): with return_logprob it asks for input "
+                    "logprobs; leave it out or send -1"
+                )
 
         def sampling(self) -> Sampling:
             return self.sampling_params or Sampling()

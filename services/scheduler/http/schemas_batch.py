@@ -59,6 +59,7 @@ def batch_schema(single: type, limits: st.Limits) -> type:
                 raise ValueError("rid must be a list with one id per item")
             for i, ids in enumerate(self.input_ids or ()):
                 limits.check_input(f"input_ids[{i}]", ids)
+            self.refuse_input_logprobs()
 
         def inputs(self) -> list:
             return self.text if self.input_ids is None else self.input_ids
