@@ -188,18 +188,8 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_refused_unless_neutra
         ("/generate", generate([1], logit_bias={"5": -100}), "sampling_params.logit_bias"),
         ("/generate", generate([1], min_new_tokens=3), "sampling_params.min_new_tokens"),
         ("/generate", generate([1], stop_regex=["a+"]), "sampling_params.stop_regex"),
-        (
-            "/generate",
-            {**generate([1]), "return_logprob": True, "logprob_start_len": 0},
-            "logprob_start_len",
-        ),
-        (
-            "/generate",
-            {"input_ids": [[1], [2]], "return_logprob": True, "logprob_start_len": 3},
-            "logprob_start_len",
-        ),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, "logit_bias"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
         (
             "/v1/chat/completions",
             {**chat, "response_format": {"type": "json_object"}},

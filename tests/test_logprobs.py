@@ -7,6 +7,7 @@ numbers are the raw logits' whatever the sampling parameters. One stack per modu
 from __future__ import annotations
 
 import json
+import urllib.error
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,129 @@ def test_chat_logprobs_match_transformers_streamed_and_not(bpe_stack, ref):
     assert plain.choices[0].logprobs is None
     raw = json.loads(plain.model_dump_json())
     assert raw["choices"][0]["logprobs"] is None
+
+
+# ---- input (prompt) logprobs: SGLang's logprob_start_len, OpenAI's echo ----
+
+LONG = [(7 * i + 3) % 400 for i in range(40)]  # spans pages, so a prefix can be cached
+
+
+def prompt_log_softmax(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at every prompt position (row p scores prompt[p + 1])."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+
+
+def check_inputs(expected: torch.Tensor, prompt: list[int], start: int, meta: dict, k: int):
+    """SGLang's input fields from `start`: the first logprob null, each later position's
+    transformers' (and its top `k`, when asked)."""
+    entries = meta["input_token_logprobs"]
+    assert [tok for _, tok, _ in entries] == prompt[start:]
+    assert entries[0][0] is None
+    for p, (lp, tok, _) in enumerate(entries[1:], start + 1):
+        assert abs(lp - float(expected[p - 1, tok])) < TOL, p
+    if k:
+        tops = meta["input_top_logprobs"]
+        assert len(tops) == len(entries) and tops[0] is None
+        for p, top in enumerate(tops[1:], start + 1):
+            check_top(expected[p - 1], [(t, lp) for lp, t, _ in top])
+
+
+def test_generate_input_logprobs_match_transformers_cold_and_warm(bpe_stack, ref):
+    """Input logprobs from 0 and from a later position, then again with the prompt's
+    prefix cached: the cache is reused only up to the start (its logits are computed
+    again), and the numbers do not change."""
+    _, model = ref
+    port, expected = bpe_stack.settings.port, prompt_log_softmax(model, LONG)
+    body = {"input_ids": LONG, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    for start in (0, 23, 39, 40):
+        asked = body | {"logprob_start_len": start, "top_logprobs_num": K}
+        cold = call(port, "/generate", asked | {"rid": f"cold-{start}"})["meta_info"]
+        if start == len(LONG):  # at the end: nothing listed
+            assert cold["input_token_logprobs"] == [] == cold["input_top_logprobs"]
+            continue
+        check_inputs(expected, LONG, start, cold, K)
+        warm = call(port, "/generate", asked)["meta_info"]
+        assert warm["cached_tokens"] <= start
+        check_inputs(expected, LONG, start, warm, K)
+    plain = call(port, "/generate", body)["meta_info"]
+    assert plain["input_token_logprobs"] == [] and plain["cached_tokens"] > 0
+    assert "input_top_logprobs" not in plain
+
+
+def test_generate_input_logprobs_streamed_prefill_only_and_batched(bpe_stack, ref):
+    _, model = ref
+    port, expected = bpe_stack.settings.port, prompt_log_softmax(model, LONG)
+    body = {"input_ids": LONG, "return_logprob": True, "logprob_start_len": 5}
+    only = call(port, "/generate", body | {"sampling_params": {"max_new_tokens": 0}})
+    assert only["output_ids"] == [] and only["meta_info"]["finish_reason"]["type"] == "length"
+    check_inputs(expected, LONG, 5, only["meta_info"], 0)
+    stream = body | {"stream": True, "sampling_params": {"max_new_tokens": 3}}
+    events = [e for e in sse_events(port, "/generate", stream) if e != "[DONE]"]
+    for event in events:  # cumulative: every chunk carries the input's
+        check_inputs(expected, LONG, 5, event["meta_info"], 0)
+    batch = {"input_ids": [LONG, LONG[:20]], "return_logprob": True}
+    replies = call(port, "/generate", batch | {"logprob_start_len": [0, 7]})
+    check_inputs(expected, LONG, 0, replies[0]["meta_info"], 0)
+    check_inputs(expected, LONG[:20], 7, replies[1]["meta_info"], 0)
+
+
+def test_a_session_turn_s_input_logprobs_start_after_the_state_it_resumes(bpe_stack, ref):
+    """A turn resumes its session's state: its input logprobs start no earlier than its
+    new input (the history is not computed again), and are those of the whole
+    conversation."""
+    _, model = ref
+    port = bpe_stack.settings.port
+    sid = call(port, "/open_session", {"capacity_of_str_len": 1000})
+    first = {"input_ids": LONG[:20], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    out = call(port, "/generate", first | {"session_params": {"id": sid}})
+    history = LONG[:20] + out["output_ids"]
+    turn = {"input_ids": LONG[20:], "return_logprob": True, "logprob_start_len": 0}
+    turn |= {"sampling_params": {"max_new_tokens": 2}, "session_params": {"id": sid}}
+    meta = call(port, "/generate", turn)["meta_info"]
+    whole = history + LONG[20:]
+    check_inputs(prompt_log_softmax(model, whole), whole, len(history), meta, 0)
+    assert meta["cached_tokens"] >= len(LONG[:20])
+    call(port, "/close_session", {"session_id": sid})
+
+
+def test_logprob_start_len_past_the_input_is_a_400(bpe_stack):
+    body = {"input_ids": LONG[:5], "return_logprob": True, "logprob_start_len": 6}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        call(bpe_stack.settings.port, "/generate", body)
+    assert err.value.code == 400 and "logprob_start_len 6" in err.value.read().decode()
+
+
+def test_completion_echo_gives_the_prompt_s_logprobs_then_the_output_s(bpe_stack, ref):
+    """OpenAI's echo: the prompt's tokens first (the first logprob null), then the
+    generated ones; max_tokens 0 with echo scores the prompt alone (lm-eval's
+    loglikelihood request), streamed or not."""
+    tokenizer, model = ref
+    oai, expected = client(bpe_stack), prompt_log_softmax(model, LONG)
+    args = {"model": bpe_stack.settings.model_name, "prompt": LONG, "echo": True}
+    args |= {"temperature": 0, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    prompt_text = tokenizer.decode(LONG)
+    scored = oai.completions.create(**args, max_tokens=0).choices[0]
+    assert scored.text == prompt_text
+    lps = scored.logprobs
+    assert lps.tokens == [tokenizer.decode([t]) for t in LONG]
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    for p in range(1, len(LONG)):
+        assert abs(lps.token_logprobs[p] - float(expected[p - 1, LONG[p]])) < TOL
+        assert len(lps.top_logprobs[p]) <= 3
+    ids = greedy(model, LONG, 3)
+    whole = oai.completions.create(**args, max_tokens=3).choices[0]
+    assert whole.text == prompt_text + tokenizer.decode(ids)
+    assert whole.logprobs.tokens == lps.tokens + [tokenizer.decode([t]) for t in ids]
+    assert whole.logprobs.token_logprobs[: len(LONG)] == lps.token_logprobs
+    assert whole.logprobs.text_offset[len(LONG)] == len(prompt_text)
+    chunks = [c.choices[0] for c in oai.completions.create(**args, max_tokens=3, stream=True)]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert len(streamed) == len(whole.logprobs.token_logprobs)
+
+
+def test_max_tokens_0_without_echo_is_a_400(bpe_stack):
+    oai = client(bpe_stack)
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
+        oai.completions.create(model=bpe_stack.settings.model_name, prompt=LONG, max_tokens=0)

@@ -26,7 +26,7 @@ from shared.messages.forward import (
     decode_step,
     decode_step_head,
 )
-from shared.messages.sampling import Penalties
+from shared.messages.sampling import Penalties, RowScores
 from tests.engine.driver import Driver
 from tests.test_scheduler_loop import plain, started
 
@@ -80,6 +80,21 @@ def test_penalties_and_top_logprobs_survive_the_round_trip():
     assert plain.top_counts.tobytes() == b"" and plain.top == [((), ())]
 
 
+def test_input_scores_survive_the_round_trip():
+    """A row scoring positions of its input, and the result's scores of it."""
+    step = a_step()
+    row = step.rows[0]
+    row.scored_from, row.scored = row.start, np.array(row.tokens[1:], dtype="<i4")
+    back = decode_step(encode(step)).rows[0]
+    assert (back.scored_from, back.scored.tolist()) == (row.start, row.tokens[1:].tolist())
+    top = [([5, 1], [-0.5, -1.25]), ([2], [-3.0])]
+    scores = [RowScores.of("a", [-0.5, -3.0], top)]
+    result = StepResult.of("exec", 4, "sched", [], scores=scores)
+    got = decode_result(encode(result)).scores[0]
+    assert got.logprobs.tolist() == [-0.5, -3.0]
+    assert [(i.tolist(), lp.tolist()) for i, lp in got.top] == top
+
+
 def raw_of(message: msgspec.Struct) -> dict:
     return msgspec.msgpack.decode(encode(message))
 
@@ -111,6 +126,12 @@ def broken_steps() -> dict[str, tuple[dict, str]]:
     case("owners against copies", "0 owners for 1 copies", ("copy_owners",), b"")
     cut = {"output": b"\0" * 5}
     case("truncated penalised ids", "packed <i4 array of 5", ("rows", 0, "penalties"), cut)
+    case(
+        "scored past the row",
+        "3 scored positions from 0 outside 2..3",
+        ("rows", 0, "scored"),
+        b"\0" * 12,
+    )
     return cases
 
 

@@ -39,13 +39,13 @@ from services.executor.compiled_decode import CompiledDecode
 from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
-from services.executor.sampling import sample, top_logprobs
+from services.executor.sampling import sample, score_inputs, top_logprobs
 from services.executor.tiers import no_tiers
 from services.executor.tiers.checks import TierMoveRefused
 from services.executor.tiers.mover import TierMover
 from shared.deferred_ops import DeferredOps, DeferredOpsError
 from shared.messages.forward import StepRow
-from shared.messages.sampling import MAX_TOP_LOGPROBS, Top
+from shared.messages.sampling import MAX_TOP_LOGPROBS, RowScores, Top
 from shared.messages.tiers import TierMove
 
 log = logging.getLogger("custody.executor")
@@ -73,6 +73,7 @@ class Sampled:
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
     top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
+    scores: list[RowScores] = field(default_factory=list)  # of the rows scoring inputs
 
 
 class ModelRunner:
@@ -120,22 +121,27 @@ class ModelRunner:
 
     def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
         sampling = [r for r in rows if r.sample]
-        logits = self._logits(rows)
+        logits, scores = self._logits(rows)
+        if not sampling:  # a step of prefill chunks that sample nothing
+            return Sampled([], [], scores=scores)
         tokens, logprobs = sample(logits, sampling)
         return Sampled(
             tokens.tolist(),
             logprobs.tolist(),
             logits.float().cpu() if keep_logits else None,
             top=top_logprobs(logits, sampling),
+            scores=scores,
         )
 
-    def _logits(self, rows: list[StepRow]) -> torch.Tensor:
-        """Logits [sampling rows, vocab], in row order. With the compiled decode path, the
-        one-token rows go through it and the rest (prefill chunks) eagerly: rows never
-        interact, so a step may be split between the two."""
-        fast = [i for i, r in enumerate(rows) if len(r.tokens) == 1] if self.compiled else []
+    def _logits(self, rows: list[StepRow]) -> tuple[torch.Tensor | None, list[RowScores]]:
+        """Logits [sampling rows, vocab], in row order (None: no row samples), and the
+        input log probabilities of the rows that score positions. With the compiled
+        decode path, the one-token rows that score nothing go through it and the rest
+        (prefill chunks) eagerly: rows never interact, so a step may be split."""
+        fast = self._compiled_rows(rows)
         slow = sorted(set(range(len(rows))) - set(fast))
         parts: list[torch.Tensor] = []
+        scores: list[RowScores] = []
         order: list[int] = []  # the row of each part's logits, in the parts' order
         if fast:
             logits = self._compiled_logits([rows[i] for i in fast])
@@ -144,12 +150,26 @@ class ModelRunner:
             order += [fast[j] for j in keep]
         if slow:
             batch = ForwardBatch([rows[i] for i in slow], self.device)
-            parts.append(self.model.lm_head(self.model(batch, self.pools)[batch.last_positions]))
+            hidden = self.model(batch, self.pools)
+            parts.append(self.model.lm_head(hidden[batch.last_positions]))
             order += [i for i in slow if rows[i].sample]
+            scores = [
+                score_inputs(self.model.lm_head, hidden[batch.span(j)], rows[i])
+                for j, i in enumerate(slow)
+                if len(rows[i].scored)
+            ]
+        if not order:
+            return None, scores
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         if order != sorted(order):
             logits = logits[sorted(range(len(order)), key=order.__getitem__)]
-        return logits
+        return logits, scores
+
+    def _compiled_rows(self, rows: list[StepRow]) -> list[int]:
+        """The rows the compiled decode path runs: one token, nothing scored."""
+        if self.compiled is None:
+            return []
+        return [i for i, r in enumerate(rows) if len(r.tokens) == 1 and not len(r.scored)]
 
     def _compiled_logits(self, rows: list[StepRow]) -> torch.Tensor:
         """The compiled path; if it fails, the step fails (it may have written state) and
@@ -250,9 +270,11 @@ class ModelRunner:
             raise BatchRefused(
                 f"KV indices outside {page_size}..{kv_rows - 1} (page 0 is the padding sink)"
             )
-        tokens = np.concatenate([r.tokens for r in rows] + _penalty_ids(rows))
+        tokens = np.concatenate(
+            [r.tokens for r in rows] + [r.scored for r in rows] + _penalty_ids(rows)
+        )
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-            raise BatchRefused(f"token ids (fed or penalised) outside [0, {vocab})")
+            raise BatchRefused(f"token ids (fed, scored or penalised) outside [0, {vocab})")
         new = np.concatenate([r.kv_indices[r.start :] for r in rows])
         if len(np.unique(new)) != len(new):
             raise BatchRefused("two positions of this step write the same KV index")

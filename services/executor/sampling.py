@@ -1,6 +1,7 @@
 """Next-token choice per row: vLLM's penalties, then greedy, or temperature with top-k,
 min-p and top-p, seeded so a row's draw at a given position is reproducible; and the log
-probabilities of the raw logits (whatever the sampling parameters, vLLM's default).
+probabilities of the raw logits (whatever the sampling parameters, vLLM's default), of
+the sampled token and, for a row that scores its input, of each next input token.
 
 No sampling parameter can make the distribution empty or non-finite: a temperature
 below GREEDY_BELOW is greedy (dividing by it would overflow), logits are shifted by their
@@ -19,12 +20,13 @@ step before sampled) is unknown to the scheduler; it is counted here as an outpu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from shared.messages.forward import StepRow
-from shared.messages.sampling import Penalties, Top
+from shared.messages.sampling import Penalties, RowScores, Top
 
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy
 
@@ -60,16 +62,44 @@ def sample(logits: torch.Tensor, rows: list[StepRow]) -> tuple[torch.Tensor, tor
 def top_logprobs(logits: torch.Tensor, rows: list[StepRow]) -> list[Top]:
     """Per row the `row.top_logprobs` most likely ids under the raw logits' log-softmax,
     most likely first, with their log probabilities (masked ids, -inf, are left out)."""
-    ks = [max(0, min(row.top_logprobs, logits.shape[-1])) for row in rows]
+    return _top(torch.log_softmax(logits.float(), -1), [row.top_logprobs for row in rows])
+
+
+def _top(logprobs: torch.Tensor, wanted: list[int]) -> list[Top]:
+    """Per row of `logprobs` [R, V] its `wanted[r]` most likely ids and their values."""
+    ks = [max(0, min(k, logprobs.shape[-1])) for k in wanted]
     if not any(ks):
-        return [((), ())] * len(rows)
-    values, ids = torch.topk(torch.log_softmax(logits.float(), -1), max(ks), dim=-1)
+        return [((), ())] * len(ks)
+    values, ids = torch.topk(logprobs, max(ks), dim=-1)
     values, ids = values.cpu(), ids.cpu()
     top: list[Top] = []
     for j, k in enumerate(ks):
         keep = torch.isfinite(values[j, :k])
         top.append((ids[j, :k][keep].tolist(), values[j, :k][keep].tolist()))
     return top
+
+
+SCORED_PER_PASS = 256  # positions whose logits exist at once: a vocabulary of 131k is 128 MiB
+
+
+def score_inputs(
+    lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, row: StepRow
+) -> RowScores:
+    """A row's input log probabilities: `hidden` [len(row.tokens), H] are its positions'
+    last hidden states; each scored position's logits (the same raw log-softmax as the
+    output's) give the log probability of the token after it, and its top alternatives
+    when the row asks for them. Logits are made a slice of positions at a time."""
+    first = row.scored_from - row.start
+    targets = torch.as_tensor(row.scored, dtype=torch.long, device=hidden.device)
+    chosen: list[torch.Tensor] = []
+    top: list[Top] = []
+    for i in range(0, len(targets), SCORED_PER_PASS):
+        at = hidden[first + i : first + min(i + SCORED_PER_PASS, len(targets))]
+        logprobs = torch.log_softmax(lm_head(at).float(), -1)
+        chosen.append(logprobs.gather(1, targets[i : i + len(at), None])[:, 0])
+        if row.top_logprobs:
+            top += _top(logprobs, [row.top_logprobs] * len(at))
+    return RowScores.of(row.rid, torch.cat(chosen).cpu().tolist(), top)
 
 
 def penalise(logits: torch.Tensor, row: StepRow) -> torch.Tensor:

@@ -252,6 +252,7 @@ class ExecutorService:
             result.logprobs,
             failed_moves=result.failed_moves,
             top=result.top,
+            scores=result.scores,
         )
         return encode(reply)
 

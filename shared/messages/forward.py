@@ -29,7 +29,7 @@ from shared.messages.envelope import (
     array,
     empty,
 )
-from shared.messages.sampling import Penalties, Top, pack_top, unpack_top
+from shared.messages.sampling import Penalties, RowScores, Top, pack_top, unpack_top
 from shared.messages.tiers import TierMove
 
 Ints = np.ndarray | Sequence[int]  # or a host torch tensor: anything np.asarray takes
@@ -56,6 +56,10 @@ class StepRow(Arrays, kw_only=True):
     penalties: Penalties | None = None  # None: no penalty (sampling.py)
     top_logprobs: int = 0  # the top log probabilities wanted at the sampled position
     future: bool = False  # tokens[0] stands for the token the step before samples
+    # Input log probabilities: position scored_from + i is scored by the log probability
+    # of scored[i], the token after it (RowScores in the result); empty: none.
+    scored_from: int = 0
+    scored: I4 = msgspec.field(default_factory=empty(I4))
     # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
     # the session store checks each write against its own ledger.
     owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
@@ -67,6 +71,12 @@ class StepRow(Arrays, kw_only=True):
         n, kv = len(self.tokens), len(self.kv_indices)
         if kv != self.start + n:
             raise WireError(f"row {self.rid}: {kv} KV indices for {n} tokens from {self.start}")
+        scored = len(self.scored)
+        if scored and not self.start <= self.scored_from <= self.end - scored:
+            raise WireError(
+                f"row {self.rid}: {scored} scored positions from {self.scored_from} outside "
+                f"{self.start}..{self.end - 1}"
+            )
 
     @classmethod
     def of(
@@ -78,6 +88,7 @@ class StepRow(Arrays, kw_only=True):
         *,
         rid: str = "",
         mamba_out: int = 0,
+        scored: Ints = (),
         **facts: Any,
     ) -> StepRow:
         """A row from its arrays; `mamba_out` 0 updates the state in place. `facts`:
@@ -89,6 +100,7 @@ class StepRow(Arrays, kw_only=True):
             kv_indices=array(kv_indices, I4),
             mamba_slot=mamba_slot,
             mamba_out=mamba_out or mamba_slot,
+            scored=array(scored, I4),
             **facts,
         )
 
@@ -209,7 +221,8 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     state it copied; False: the forward did not run, the sources of its copies hold what
     they held, and its destinations may not. `failed_moves`: the indices (in
     `Step.moves`) of tier moves that did not happen while the step ran on (a blob that
-    failed its checksum, a disk that refused a write); their destinations hold nothing."""
+    failed its checksum, a disk that refused a write); their destinations hold nothing.
+    `scores`: the input log probabilities of the rows that scored positions."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
@@ -221,6 +234,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     top_counts: I4 = msgspec.field(default_factory=empty(I4))
     top_ids: I4 = msgspec.field(default_factory=empty(I4))
     top_logprobs: F4 = msgspec.field(default_factory=empty(F4))
+    scores: list[RowScores] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         n, lp = len(self.tokens), len(self.logprobs)
@@ -243,6 +257,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
         ops_ran: bool = False,
         failed_moves: list[int] | None = None,
         top: Sequence[Top] = (),
+        scores: Sequence[RowScores] = (),
     ) -> StepResult:
         counts, top_ids, top_logprobs = pack_top(top)
         return cls(
@@ -258,6 +273,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
             top_counts=counts,
             top_ids=top_ids,
             top_logprobs=top_logprobs,
+            scores=list(scores),
         )
 
     @property

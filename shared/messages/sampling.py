@@ -1,5 +1,6 @@
 """What sampling adds to the forward wire (forward.py): a row's penalties with the token
-ids they count, and a result's top log probabilities, packed.
+ids they count, a result's top log probabilities, packed, and the input log
+probabilities of the rows that scored their positions (`RowScores`).
 
 Penalties need the tokens a request has seen, and nothing keeps them between steps: each
 sampling row that is penalised carries them (the distinct prompt ids for the repetition
@@ -83,3 +84,33 @@ def unpack_top(n: np.ndarray, flat_ids: np.ndarray, flat_lps: np.ndarray, rows: 
         (flat_ids[end - k : end], flat_lps[end - k : end])
         for k, end in zip(n.tolist(), ends.tolist(), strict=True)
     ]
+
+
+class RowScores(Arrays, kw_only=True):
+    """The input log probabilities of one row that scored positions (StepRow.scored):
+    per scored position the raw logits' log-softmax at the token after it, and the
+    row's `top_logprobs` most likely ids there (packed as `pack_top` packs them, one
+    entry per position)."""
+
+    rid: str
+    logprobs: F4
+    top_counts: I4 = msgspec.field(default_factory=empty(I4))
+    top_ids: I4 = msgspec.field(default_factory=empty(I4))
+    top_logprobs: F4 = msgspec.field(default_factory=empty(F4))
+
+    def __post_init__(self) -> None:
+        """Cut or disagreeing arrays are refused as they are decoded."""
+        unpack_top(self.top_counts, self.top_ids, self.top_logprobs, len(self.logprobs))
+
+    @classmethod
+    def of(cls, rid: str, logprobs: Sequence[float], top: Sequence[Top] = ()) -> RowScores:
+        counts, ids, lps = pack_top(top)
+        return cls(
+            rid=rid, logprobs=array(logprobs, F4), top_counts=counts, top_ids=ids, top_logprobs=lps
+        )
+
+    @property
+    def top(self) -> list[Top]:
+        """Per scored position its top ids and their log probabilities (empty where
+        none were asked for)."""
+        return unpack_top(self.top_counts, self.top_ids, self.top_logprobs, len(self.logprobs))

@@ -52,9 +52,10 @@ class Admission:
             if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0, keep=session):
                 return 0
             req.slots = self.sessions.restore(req, plan.ops)
+            req.score_inputs(len(session.history))  # its new input: the history is not computed
             state.take(n, need)
             return n
-        match = self.cache.match(req.sequence, req.length - 1, req.cache_namespace)
+        match = self.cache.match(req.sequence, req.reusable, req.cache_namespace)
         node = match.node if match.length else None
         if node is not None:
             self.cache.lock(node)
@@ -84,6 +85,7 @@ class Admission:
             plan.ops.clear(working, req.slots.owner.id)
         req.cache_node = node
         req.computed = req.cached_tokens = match.length
+        req.score_inputs(match.length)
         if session is not None:
             req.turn_start = TurnStart(0, None)
         state.take(n, need)

@@ -11,7 +11,7 @@ from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.stopping import finish_reason, length_limit
 from services.scheduler.records.request import Request
 from services.scheduler.sessions.manager import SessionManager
-from shared.messages.sampling import Top
+from shared.messages.forward import StepResult
 
 
 class Completion:
@@ -32,19 +32,16 @@ class Completion:
         )
         self.eos_token_ids, self.context_len = eos_token_ids, context_len
 
-    def apply(
-        self,
-        plan: StepPlan,
-        sampled: dict[str, int],
-        logprobs: dict[str, float] | None = None,
-        failed_moves: set[int] | None = None,
-        top: dict[str, Top] | None = None,
-    ) -> list[Request]:
-        """Apply the executor's result of `plan` (`failed_moves`: indices of its tier moves
-        that did not happen; `top`: the top log probabilities of the rows that asked);
-        returns the requests that ended."""
+    def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply the executor's result of `plan` (run, not refused); returns the requests
+        that ended."""
         self.in_flight.pop_oldest(plan)
-        self.sessions.moves.landed(plan.tier, failed_moves or set())
+        self.sessions.moves.landed(plan.tier, set(result.failed_moves))
+        rids = result.rids
+        sampled = dict(zip(rids, result.tokens.tolist(), strict=True))
+        logprobs = dict(zip(rids, result.logprobs.tolist(), strict=True))
+        top = dict(zip(rids, result.top, strict=True))
+        scores = {s.rid: s for s in result.scores}
         ended = []
         for row in plan.rows:
             if row.dropped:
@@ -54,6 +51,9 @@ class Completion:
                 raise RuntimeError(f"{row.rid}: rows completed out of order")
             req.inflight.pop(0)
             req.computed = row.end
+            if len(row.wire.scored):
+                got = scores[row.rid]
+                req.record_scores(row.wire.scored_from, got.logprobs.tolist(), got.top)
             req.slots.state.commit(row.mamba_out)
             if row.snapshot_slot:
                 req.slots.track.record(row.snapshot_slot, row.snapshot_len)
@@ -67,7 +67,7 @@ class Completion:
                 self.endings.cache_prefix(req)
             if row.sample:
                 token = int(sampled[row.rid])
-                req.record(token, (logprobs or {}).get(row.rid), (top or {}).get(row.rid))
+                req.record(token, logprobs[row.rid], top[row.rid])
                 req.finish_reason = finish_reason(req, token, self.eos_token_ids, self.context_len)
             elif row.end == req.length:  # a prefill-only request, its prompt computed
                 req.finish_reason = length_limit(req, self.context_len)

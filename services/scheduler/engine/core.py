@@ -38,7 +38,11 @@ from services.scheduler.engine.step_builder import (
     row_plan,
 )
 from services.scheduler.engine.stopping import length_limit
-from services.scheduler.engine.validation import check_prompt_length, check_tokens
+from services.scheduler.engine.validation import (
+    check_logprob_start,
+    check_prompt_length,
+    check_tokens,
+)
 from services.scheduler.ownership.invariants import (
     IntegrityReport,
     InvariantGuard,
@@ -51,7 +55,6 @@ from services.scheduler.sessions.manager import SessionManager
 from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
-from shared.messages.sampling import Top
 from shared.session_ids import session_name
 
 
@@ -99,6 +102,7 @@ class EngineCore:
         req.params.validate(self.config.vocab_size)
         self._check_rid(req.rid)
         check_prompt_length(len(req.prompt), self.config.context_len)
+        check_logprob_start(req.params.logprob_start, len(req.prompt))
         return self._queue(req)
 
     def submit_turn(
@@ -117,6 +121,7 @@ class EngineCore:
         tokens = check_tokens(new_tokens, self.config.vocab_size)
         params.validate(self.config.vocab_size)
         self._check_rid(rid)
+        check_logprob_start(params.logprob_start, len(session.history) + len(tokens))
         turn = self.sessions.begin_turn(
             session,
             tokens,
@@ -177,17 +182,14 @@ class EngineCore:
         self.in_flight.add(plan)
         return plan
 
-    def complete_step(
-        self,
-        plan: StepPlan,
-        sampled: dict[str, int],
-        logprobs: dict[str, float] | None = None,
-        failed_moves: set[int] | None = None,
-        top: dict[str, Top] | None = None,
-    ) -> list[Request]:
-        """Apply the executor's result of `plan` (completion.py); returns the requests
-        that ended."""
-        return self.completion.apply(plan, sampled, logprobs, failed_moves, top)
+    def complete_step(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply a run of `plan` whose sampling rows drew `sampled` (the engine tests'
+        executor: no log probabilities); returns the requests that ended."""
+        rids = list(sampled)
+        result = StepResult.of(
+            "", plan.step_id, "", rids, list(sampled.values()), [0.0] * len(rids)
+        )
+        return self.complete(plan, result)
 
     def complete(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Apply the executor's reply to `plan`, run or refused: the one step driver of
@@ -196,14 +198,7 @@ class EngineCore:
         that ended."""
         if result.error is not None:
             return self.step_refused(plan, result.error, result.ops_ran)
-        rids = result.rids
-        return self.completion.apply(
-            plan,
-            dict(zip(rids, result.tokens.tolist(), strict=True)),
-            dict(zip(rids, result.logprobs.tolist(), strict=True)),
-            set(result.failed_moves),
-            dict(zip(rids, result.top, strict=True)),
-        )
+        return self.completion.apply(plan, result)
 
     def step_refused(self, plan: StepPlan, error: str, ops_ran: bool = False) -> list[Request]:
         """The executor refused `plan` (faults.py); returns the requests that ended."""

@@ -70,6 +70,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     # the last prompt position samples the first output token, unless none is wanted (a
     # prefill-only request: max_new_tokens 0)
     params, sample = req.params, end == req.length + future and req.params.max_new_tokens > 0
+    scored = req.scored(start, end)
     wire = StepRow.of(
         np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,
@@ -88,6 +89,8 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         penalties=penalties(req) if sample and params.penalised else None,
         top_logprobs=params.top_logprobs,
         future=future,
+        scored_from=scored.start,
+        scored=req.prompt[scored.start + 1 : scored.stop + 1],
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,

@@ -26,6 +26,16 @@ def check_prompt_length(length: int, context_len: int) -> None:
         )
 
 
+def check_logprob_start(start: int, length: int) -> None:
+    """Input logprobs may start anywhere in the prompt of `length` tokens (at its end:
+    none); past it is a 400, as in SGLang."""
+    if start > length:
+        raise InvalidRequest(
+            f"logprob_start_len {start} is past the input's {length} tokens (a session "
+            "turn's input includes its history): ask for at most that"
+        )
+
+
 def _prompt_fits(history: int, new: int, context_len: int) -> str:
     """How the prompt is named in refusals; a 400 if it leaves no room for an output."""
     prompt = history + new

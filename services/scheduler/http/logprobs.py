@@ -40,15 +40,39 @@ def _top(req: Request, i: int) -> list[tuple[int, float]]:
 
 
 def sglang(tokenizer: Tokenizer, req: Request, end: int | None = None) -> dict:
-    """SGLang's `meta_info` fields: `output_token_logprobs` [[logprob, id, text]] and,
-    when `top_logprobs_num` asked for them, `output_top_logprobs`, per position."""
+    """SGLang's `meta_info` fields: `input_token_logprobs` and `output_token_logprobs`
+    [[logprob, id, text]] per position and, when `top_logprobs_num` asked for them,
+    `input_top_logprobs` and `output_top_logprobs`."""
     text, end = TokenTexts(tokenizer), len(req.output) if end is None else end
     pairs = list(zip(req.logprobs[:end], req.output[:end], strict=False))
-    meta: dict = {"output_token_logprobs": [[lp, tok, text(tok)] for lp, tok in pairs]}
+    meta: dict = sglang_inputs(text, req)
+    meta["output_token_logprobs"] = [[lp, tok, text(tok)] for lp, tok in pairs]
     if req.params.top_logprobs:
         meta["output_top_logprobs"] = [
             [[lp, tok, text(tok)] for tok, lp in _top(req, i)] for i in range(end)
         ]
+    return meta
+
+
+def sglang_inputs(text: TokenTexts, req: Request) -> dict:
+    """`input_token_logprobs` (the first position's logprob null, as SGLang's) and, when
+    asked for, `input_top_logprobs` (null at the first position): empty lists when no
+    input logprobs were asked for (no `logprob_start_len`)."""
+    inputs = req.prompt[req.scored_from :].tolist() if req.scored_from >= 0 else []
+    meta: dict = {
+        "input_token_logprobs": [
+            [lp, tok, text(tok)] for lp, tok in zip(req.input_logprobs, inputs, strict=True)
+        ]
+    }
+    if req.params.top_logprobs:
+        meta["input_top_logprobs"] = (
+            [
+                None if top is None else [[lp, t, text(t)] for t, lp in zip(*top, strict=True)]
+                for top in req.input_top
+            ]
+            if inputs
+            else []
+        )
     return meta
 
 
@@ -78,17 +102,24 @@ class SglangStream:
         self.text, self.top = TokenTexts(tokenizer), top
         self.tokens: list[bytes] = []
         self.tops: list[bytes] = []
+        self.inputs: dict[str, msgspec.Raw] = {}
 
     def fields(self, req: Request, start: int, end: int) -> dict[str, msgspec.Raw]:
         """The fields for output positions [start, end), encoded (a chunk's JSON
-        splices them in as they are)."""
+        splices them in as they are); the input's, known once the prompt is computed,
+        in every chunk from `start` 0 (each cumulative chunk, an incremental stream's
+        first)."""
+        if not self.inputs:
+            inputs = sglang_inputs(self.text, req)
+            self.inputs = {k: msgspec.Raw(msgspec.json.encode(v)) for k, v in inputs.items()}
         for i in range(len(self.tokens), end):
             tok = req.output[i]
             self.tokens.append(msgspec.json.encode([req.logprobs[i], tok, self.text(tok)]))
             if self.top:
                 top = [[lp, t, self.text(t)] for t, lp in _top(req, i)]
                 self.tops.append(msgspec.json.encode(top))
-        out = {"output_token_logprobs": _array(self.tokens[start:end])}
+        out = dict(self.inputs) if start == 0 else {}
+        out["output_token_logprobs"] = _array(self.tokens[start:end])
         if self.top:
             out["output_top_logprobs"] = _array(self.tops[start:end])
         return out
@@ -118,6 +149,34 @@ def completion(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def echoed_prompt(tokenizer: Tokenizer, req: Request) -> dict:
+    """/v1/completions' `choice.logprobs` of an echoed prompt (its tokens after any
+    session history), as vLLM gives them: the first token's logprob and alternatives
+    null, each other's as an output token's; offsets from 0."""
+    text, offset = TokenTexts(tokenizer), 0
+    tokens, offsets, tops = [], [], []
+    for i, tok in enumerate(req.prompt[req.scored_from :].tolist()):
+        offsets.append(offset)
+        tokens.append(text(tok))
+        offset += len(tokens[-1])
+        lp, top = req.input_logprobs[i], req.input_top[i] if req.input_top else ((), ())
+        listed = None if top is None else {text(t): x for t, x in zip(*top, strict=True)}
+        tops.append(None if lp is None else listed | {text(tok): lp})
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(req.input_logprobs),
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def joined(first: dict, then: dict, shift: int) -> dict:
+    """Two `choice.logprobs` end to end, `then`'s offsets moved by `shift` characters."""
+    offsets = first["text_offset"] + [x + shift for x in then["text_offset"]]
+    keys = ("tokens", "token_logprobs", "top_logprobs")
+    return {key: first[key] + then[key] for key in keys} | {"text_offset": offsets}
 
 
 def openai(

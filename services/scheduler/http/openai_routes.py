@@ -22,6 +22,7 @@ from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, run_all, run_generation
+from services.scheduler.http.logprobs import echoed_prompt, joined
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import CACHE_SALT
 from services.scheduler.records.request import ChatTurn, Request
@@ -29,6 +30,7 @@ from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, Sampli
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tenancy import Refused
+from shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
@@ -62,9 +64,7 @@ class Reply:
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
-    def choice(
-        self, text: str, reason: str | None, logprobs: dict | None = None, index: int = 0
-    ) -> dict:
+    def choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
         """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked."""
         if not self.chat:
             return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
@@ -85,8 +85,10 @@ async def respond(
     chat: bool,
     session: Session | None,
     turn: ChatTurn | None = None,
+    echo: str | None = None,
 ) -> web.StreamResponse:
-    """Answer a completion or chat completion; `session`: the turn's, resolved once."""
+    """Answer a completion or chat completion; `session`: the turn's, resolved once;
+    `echo`: the prompt's text, when each choice's text begins with it."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
@@ -103,19 +105,25 @@ async def respond(
     reply = Reply(claims[0].shown, chat, body.stream, served)
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    history = 0 if session is None else session.history.size
     params = body.engine_params(
-        openai_token_limit(request, session, len(tokens), field, requested, default)
+        openai_token_limit(request, session, len(tokens), field, requested, default), history
     )
     jobs = [Job(c.server, tokens, p) for c, p in zip(claims, choice_params(params, n), strict=True)]
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
+        shift = len(echo or "")
         choices = [
-            reply.choice(output_text(r), finish(r), openai_logprobs(door.tokenizer, r, chat), i)
+            reply.choice(
+                *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=shift), finish(r), i
+            )
             for i, r in enumerate(done)
         ]
         return web.json_response(reply.body(choices, usage=usage(done)))
     sse = EventStream(request)
-    jobs = [replace(job, progress=streamer(request, reply, sse, i)) for i, job in enumerate(jobs)]
+    jobs = [
+        replace(job, progress=streamer(request, reply, sse, i, echo)) for i, job in enumerate(jobs)
+    ]
     done = await run_choices(request, jobs, session, turn)
     if body.include_usage():
         await sse.send(reply.body([], usage=usage(done)))
@@ -145,17 +153,47 @@ async def run_choices(
     ]
 
 
-def streamer(request: web.Request, reply: Reply, sse: EventStream, index: int) -> Progress:
+def echoed(
+    tokenizer: Tokenizer,
+    r: Request,
+    head: str | None,
+    text: str,
+    chat: bool,
+    start: int = 0,
+    end: int | None = None,
+    offset: int = 0,
+) -> tuple[str, dict | None]:
+    """A choice's (or chunk's) text and the logprobs of output tokens [start, end), the
+    first `offset` characters into the choice's text; with `head` (the echoed prompt),
+    the prompt's text and logprobs come first."""
+    lps = openai_logprobs(tokenizer, r, chat, start, end, offset)
+    if head is None:
+        return text, lps
+    if lps is not None:
+        lps = joined(echoed_prompt(tokenizer, r), lps, 0)
+    return head + text, lps
+
+
+def streamer(
+    request: web.Request, reply: Reply, sse: EventStream, index: int, echo: str | None
+) -> Progress:
     """The chunks of choice `index`: its new text, and the logprobs of the tokens that
-    arrived since its chunk before."""
+    arrived since its chunk before; with `echo`, the first chunk begins with the prompt
+    (its text and logprobs), as vLLM's does."""
     tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
+    head = echo
 
     async def progress(r: Request) -> None:
+        nonlocal head
         chunk = cursor.next(r)
         if chunk is not None:
             sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
-            lps = openai_logprobs(tokenizer, r, reply.chat, chunk.start, chunk.end, sent)
-            choice = reply.choice(chunk.delta, finish(r) if r.done else None, lps, index)
+            offset = sent + len(echo or "")
+            text, lps = echoed(
+                tokenizer, r, head, chunk.delta, reply.chat, chunk.start, chunk.end, offset
+            )
+            head = None
+            choice = reply.choice(text, lps, finish(r) if r.done else None, index)
             await sse.send(reply.body([choice]))
 
     return progress
@@ -173,7 +211,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].completions)
     prompt, session = body.prompt, named_session(request, body.session_id)  # its one lookup
     tokens = prompt_tokens(request, prompt, session) if isinstance(prompt, str) else prompt
-    return await respond(request, body, tokens, False, session)
+    echo = None
+    if body.echo:
+        echo = (
+            prompt if isinstance(prompt, str) else request.app[FRONT_DOOR].tokenizer.decode(prompt)
+        )
+    return await respond(request, body, tokens, False, session, echo=echo)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -30,7 +30,11 @@ class MetaInfo(Struct):
     completion_tokens: int
     cached_tokens: int
     # with return_logprob: [logprob, token id, token text] per output token, and per
-    # output token its top_logprobs_num alternatives (when asked) in the same shape
+    # output token its top_logprobs_num alternatives (when asked) in the same shape; the
+    # input's from logprob_start_len (empty without it), the first position's logprob
+    # and alternatives null
+    input_token_logprobs: list[tuple[float | None, int, str]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str]] | None] | None = None
     output_token_logprobs: list[tuple[float, int, str]] | None = None
     output_top_logprobs: list[list[tuple[float, int, str]]] | None = None
 

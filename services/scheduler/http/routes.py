@@ -203,8 +203,8 @@ async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
     inputs = body.input_ids or [prompt_tokens(request, text, None) for text in body.text]
     claims = [request.app[TENANCY].claim(request, rid) for rid in body.rid or [None] * len(inputs)]
     jobs = [
-        Job(claim.server, ids, engine_params(request, body, None, len(ids)))
-        for claim, ids in zip(claims, inputs, strict=True)
+        Job(claim.server, ids, engine_params(request, body, None, len(ids), i))
+        for i, (claim, ids) in enumerate(zip(claims, inputs, strict=True))
     ]
     logprobs = body.return_logprob
     if not body.stream:
@@ -224,14 +224,17 @@ async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
 
 
 def engine_params(
-    request: web.Request, body: Any, session: Session | None, tokens: int
+    request: web.Request, body: Any, session: Session | None, tokens: int, item: int = 0
 ) -> SamplingParams:
-    """A /generate request's parameters, its output budget as SGLang sets it."""
+    """A /generate request's parameters (of a batch's `item`), its output budget as
+    SGLang sets it."""
     sampling = body.sampling()
     limit = sglang_token_limit(
         request, session, tokens, sampling.max_new_tokens, DEFAULT_MAX_NEW_TOKENS
     )
-    return sampling.engine_params(limit, body.return_logprob, body.top_logprobs_num)
+    return sampling.engine_params(
+        limit, body.return_logprob, body.top_logprobs_num, body.logprob_start(item)
+    )
 
 
 def streamer(

@@ -27,6 +27,7 @@ MinP = Annotated[float, Meta(ge=0, le=1)]
 RepetitionPenalty = Annotated[float, Meta(gt=0, description="1: off; > 1 discourages")]
 Penalty = Annotated[float, Meta(ge=-2, le=2, description="0: off; > 0 discourages")]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+LogprobStart = Annotated[int, Meta(ge=-1, le=2**31 - 1)]  # SGLang's -1: no input logprobs
 # msgspec cannot bound an int past int64: the upper bound is documented here and checked
 # by `check_seed`.
 Seed = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": SEED_MAX})]
@@ -130,7 +131,6 @@ def neutral_only(name: str) -> Any:
 OPENAI_UNIMPLEMENTED = (
     "logit_bias",
     "response_format",
-    "echo",
     "best_of",
     "suffix",
     "min_tokens",

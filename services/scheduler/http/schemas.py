@@ -170,8 +170,13 @@ def sampling_schema(limits: st.Limits) -> type:
             st.refuse_unimplemented(self, st.SGLANG_UNIMPLEMENTED, "sampling_params.")
 
         def engine_params(
-            self, max_new_tokens: int, logprobs: bool = False, top_logprobs: int = 0
+            self,
+            max_new_tokens: int,
+            logprobs: bool = False,
+            top_logprobs: int = 0,
+            logprob_start: int = -1,
         ) -> SamplingParams:
+            """`logprob_start`: the input logprobs' first position (-1: none)."""
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
                 temperature=self.temperature,
@@ -181,6 +186,7 @@ def sampling_schema(limits: st.Limits) -> type:
                 no_stop_trim=self.no_stop_trim,
                 logprobs=logprobs,
                 top_logprobs=top_logprobs if logprobs else 0,
+                logprob_start=logprob_start if logprobs else -1,
                 **st.extension_params(self),
             )
 
@@ -202,24 +208,20 @@ def generate_schema(limits: st.Limits) -> type:
         cache_salt: st.CacheSalt | None = None
         stream: bool = False
         return_logprob: bool = False
-        top_logprobs_num: st.TopLogprobs = 0  # with return_logprob: output_top_logprobs
-        # SGLang's input logprobs from this position: not implemented, so refused where it
-        # would change the reply (with return_logprob), never silently ignored
-        logprob_start_len: int | None = None
+        # with return_logprob: output_top_logprobs, and input_top_logprobs
+        top_logprobs_num: st.TopLogprobs = 0
+        # with return_logprob: input logprobs from this position of the input (-1: none)
+        logprob_start_len: st.LogprobStart | None = None
 
         def __post_init__(self) -> None:
             if (self.text is None) == (self.input_ids is None):
                 raise ValueError("give exactly one of text (a string) and input_ids (token ids)")
             limits.check_input("input_ids", self.input_ids)
-            self.refuse_input_logprobs()
 
-        def refuse_input_logprobs(self) -> None:
-            if self.return_logprob and self.logprob_start_len not in (None, -1):
-                raise ValueError(
-                    "logprob_start_len is not implemented by custody (got "
-                    f"{self.logprob_start_len}): with return_logprob it asks for input "
-                    "logprobs; leave it out or send -1"
-                )
+        def logprob_start(self, item: int = 0) -> int:
+            """Where `item`'s input logprobs start (-1: none asked for)."""
+            start = self.logprob_start_len
+            return -1 if start is None or not self.return_logprob else start
 
         def sampling(self) -> Sampling:
             return self.sampling_params or Sampling()

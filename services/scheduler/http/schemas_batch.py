@@ -49,6 +49,8 @@ def batch_schema(single: type, limits: st.Limits) -> type:
         text: Annotated[list[st.Text], BatchOf] | None = None
         input_ids: Annotated[list[limits.input_ids], BatchOf] | None = None
         rid: Annotated[list[Rid], BatchOf] | None = None
+        # one start for every item, or one per item (SGLang's two forms)
+        logprob_start_len: st.LogprobStart | Annotated[list[st.LogprobStart], BatchOf] | None = None
 
         def __post_init__(self) -> None:
             if (self.text is None) == (self.input_ids is None):
@@ -59,7 +61,15 @@ def batch_schema(single: type, limits: st.Limits) -> type:
                 raise ValueError("rid must be a list with one id per item")
             for i, ids in enumerate(self.input_ids or ()):
                 limits.check_input(f"input_ids[{i}]", ids)
-            self.refuse_input_logprobs()
+            starts = self.logprob_start_len
+            if isinstance(starts, list) and len(starts) != len(self.inputs()):
+                raise ValueError("logprob_start_len must be one number, or a list of one per item")
+
+        def logprob_start(self, item: int = 0) -> int:
+            starts = self.logprob_start_len
+            if isinstance(starts, list):
+                return starts[item] if self.return_logprob else -1
+            return super().logprob_start(item)
 
         def inputs(self) -> list:
             return self.text if self.input_ids is None else self.input_ids

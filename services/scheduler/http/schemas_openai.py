@@ -62,7 +62,6 @@ class OpenAIRequest(Struct, kw_only=True):
     # not implemented: refused unless neutral (schema_types.NEUTRAL)
     logit_bias: neutral_only("logit_bias") = None
     response_format: neutral_only("response_format") = None
-    echo: neutral_only("echo") = None
     best_of: neutral_only("best_of") = None
     suffix: neutral_only("suffix") = None
     min_tokens: neutral_only("min_tokens") = None
@@ -83,8 +82,13 @@ class OpenAIRequest(Struct, kw_only=True):
         """None: no logprobs; else how many top alternatives per output token."""
         return None
 
-    def engine_params(self, max_new_tokens: int) -> SamplingParams:
-        """Each route's struct adds vLLM's extensions (`openai_schemas`)."""
+    def echo_logprobs(self) -> bool:
+        """The prompt's log probabilities are wanted (completions' echo with logprobs)."""
+        return False
+
+    def engine_params(self, max_new_tokens: int, history: int = 0) -> SamplingParams:
+        """Each route's struct adds vLLM's extensions (`openai_schemas`); `history`: the
+        session history the input follows (an echo's logprobs start after it)."""
         wanted = self.wanted_logprobs()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -94,6 +98,7 @@ class OpenAIRequest(Struct, kw_only=True):
             logprobs=wanted is not None,
             stop=stop_strings(self.stop),
             top_logprobs=wanted or 0,
+            logprob_start=history if self.echo_logprobs() else -1,
             **extension_params(self),
         )
 
@@ -171,15 +176,23 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
         """A prompt as text or as token ids."""
 
         prompt: Text | limits.input_ids
-        max_tokens: MaxTokens | None = None
+        # 0 only with echo: the prompt's log probabilities alone (a scoring request)
+        max_tokens: limits.max_new_tokens | None = None
         logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+        echo: bool | None = None  # the prompt before the output, its logprobs with them
 
         def __post_init__(self) -> None:
             super().__post_init__()
             limits.check_input("prompt", self.prompt)
+            if self.max_tokens == 0 and not self.echo:
+                raise ValueError("max_tokens 0 asks for nothing unless echo is true")
 
         def wanted_logprobs(self) -> int | None:
             return self.logprobs
+
+        def echo_logprobs(self) -> bool:
+            """The prompt's log probabilities are computed: echo with logprobs."""
+            return bool(self.echo) and self.logprobs is not None
 
     class ChatCompletionRequest(Extended, kw_only=True):
         """A conversation for the chat template; sessions: docs/chat.md."""
@@ -190,9 +203,11 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
         max_completion_tokens: MaxTokens | None = None
         logprobs: bool | None = None
         top_logprobs: TopLogprobs | None = None
+        echo: neutral_only("echo") = None  # vLLM's chat echo: not implemented
 
         def __post_init__(self) -> None:
             super().__post_init__()
+            refuse_unimplemented(self, ("echo",))
             if self.top_logprobs and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs: true")
 

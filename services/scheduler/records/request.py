@@ -11,7 +11,7 @@ which the next step feeds as a future token (the executor fills it in).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -75,6 +75,10 @@ class Request:
     cache_namespace: str = ""  # whose cached prefixes it may match and feed (radix_cache.py)
     logprobs: list[float] = field(default_factory=list)  # the model's, per output token
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked
+    # the input's: of prompt positions scored_from.. (-1: none asked), set at admission
+    scored_from: int = -1
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[Top | None] = field(default_factory=list)  # when top_logprobs asks
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)
     inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
     text: OutputText | None = None  # the output as text (set by the engine with a tokenizer)
@@ -88,6 +92,15 @@ class Request:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def reusable(self) -> int:
+        """The most positions the prefix cache may serve: all but the last (a match must
+        leave a token to compute the next one's logits from), and with input logprobs
+        none from their first position on (its logits must be computed), as SGLang."""
+        limit = self.length - 1
+        start = self.params.logprob_start
+        return limit if start < 0 else min(limit, start)
 
     @property
     def planned(self) -> int:
@@ -112,6 +125,35 @@ class Request:
         if self.params.top_logprobs:
             ids, lps = top if top is not None else ((), ())
             self.top_logprobs.append(([int(i) for i in ids], [float(x) for x in lps]))
+
+    def score_inputs(self, first: int) -> None:
+        """At admission: the input log probabilities run from `params.logprob_start`, or
+        from `first` if later (where the positions computed begin, or a session turn's
+        new input: its state is resumed, the history not computed again). The first
+        listed position has none (SGLang's null: the logits before it are not computed);
+        each later one is scored by the position before it. A re-admission after a
+        retract computes them all again."""
+        start = self.params.logprob_start
+        if start < 0:
+            return
+        self.scored_from = max(start, first)
+        n = len(self.prompt) - self.scored_from
+        self.input_logprobs = [None] * n
+        self.input_top = [None] * n if self.params.top_logprobs else []
+
+    def scored(self, start: int, end: int) -> range:
+        """The positions of [start, end) whose logits score the next prompt token."""
+        if self.scored_from < 0:
+            return range(0)
+        return range(max(start, self.scored_from), min(end, len(self.prompt) - 1))
+
+    def record_scores(self, first: int, logprobs: Sequence[float], top: Sequence[Top]) -> None:
+        """The input log probabilities of positions first.. (their next tokens')."""
+        at = first + 1 - self.scored_from
+        self.input_logprobs[at : at + len(logprobs)] = [float(x) for x in logprobs]
+        if self.input_top:
+            picked = [([int(i) for i in ids], [float(x) for x in lps]) for ids, lps in top]
+            self.input_top[at : at + len(picked)] = picked
 
     def committed_output(self) -> list[int]:
         """The output as it enters a session's history: a stop token is trimmed unless

@@ -31,7 +31,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    top_logprobs: int = 0  # the top log probabilities kept per output token
+    top_logprobs: int = 0  # the top log probabilities kept per output (and input) token
+    # with logprobs: the input's log probabilities from this position of the prompt
+    # (SGLang's logprob_start_len, OpenAI's echo); -1: none (Request.score_inputs)
+    logprob_start: int = -1
 
     @property
     def penalised(self) -> bool:
