@@ -32,6 +32,9 @@ install_prometheus
 # torch first, pinned to the CPU build, so no later requirement pulls a CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test]'
+# SGLang's wheel without its dependencies: its streaming-session kit runs against custody
+# (tests/peers/), and its allocators are the benchmarks' reference
+.venv/bin/pip install -q --no-deps sglang==0.5.23
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"

@@ -90,7 +90,7 @@ def score_inputs(
     output's) give the log probability of the token after it, and its top alternatives
     when the row asks for them. Logits are made a slice of positions at a time."""
     first = row.scored_from - row.start
-    targets = torch.as_tensor(row.scored, dtype=torch.long, device=hidden.device)
+    targets = torch.tensor(row.scored, dtype=torch.long, device=hidden.device)
     chosen: list[torch.Tensor] = []
     top: list[Top] = []
     for i in range(0, len(targets), SCORED_PER_PASS):
