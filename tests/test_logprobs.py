@@ -290,3 +290,31 @@ def test_max_tokens_0_without_echo_is_a_400(bpe_stack):
     oai = client(bpe_stack)
     with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
         oai.completions.create(model=bpe_stack.settings.model_name, prompt=LONG, max_tokens=0)
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(bpe_stack, ref):
+    """OpenAI's batched prompt forms (token id lists, texts): each prompt's `n` choices,
+    indexed in prompt order; usage counts each prompt once. lm-evaluation-harness sends
+    its loglikelihood requests as `prompt: [[ids]]` with echo."""
+    tokenizer, model = ref
+    oai, name = client(bpe_stack), bpe_stack.settings.model_name
+    prompts = [LONG[:12], LONG[12:30]]
+    args = {"model": name, "max_tokens": 2, "temperature": 0, "n": 2}
+    out = oai.completions.create(prompt=prompts, **args)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.text == tokenizer.decode(greedy(model, prompts[c.index // 2], 2))
+    assert out.usage.prompt_tokens == 12 + 18 and out.usage.completion_tokens == 8
+    texts = oai.completions.create(prompt=["Grüße", "Köln"], **args | {"n": 1})
+    assert [c.index for c in texts.choices] == [0, 1]
+    scored = oai.completions.create(
+        prompt=prompts, model=name, max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    for c in scored.choices:
+        prompt = prompts[c.index]
+        expected = prompt_log_softmax(model, prompt)
+        got = c.logprobs.token_logprobs
+        assert len(got) == len(prompt) + 1 and got[0] is None
+        assert all(
+            abs(got[p] - float(expected[p - 1, prompt[p]])) < TOL for p in range(1, len(prompt))
+        )

@@ -10,7 +10,7 @@ each turn prefills only its new tokens and has the tokens of the stateless reque
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -36,18 +36,32 @@ if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
+ID_PREFIX = {False: "cmpl-", True: "chatcmpl-"}  # of the reply's id: its first choice's
 
 
-def usage(reqs: list[Request]) -> dict:
-    """Of all choices: the prompt counted once (as OpenAI counts it), the completions
-    summed; `cached_tokens` is the fewest prompt tokens any choice reused."""
-    prompt, completion = len(reqs[0].prompt), sum(len(r.output) for r in reqs)
+def usage(reqs: list[Request], n: int) -> dict:
+    """Of all choices (`n` per prompt): each prompt counted once (as OpenAI counts it),
+    the completions summed; `cached_tokens`: per prompt the fewest any of its choices
+    reused, summed."""
+    by_prompt = [reqs[i : i + n] for i in range(0, len(reqs), n)]
+    prompt = sum(len(group[0].prompt) for group in by_prompt)
+    completion = sum(len(r.output) for r in reqs)
+    cached = sum(min(r.cached_tokens for r in group) for group in by_prompt)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": min(r.cached_tokens for r in reqs)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request, tokenized; `echo`: the text each of its choices begins
+    with (completions' echo), else None."""
+
+    tokens: list[int]
+    echo: str | None = None
 
 
 def finish(req: Request) -> str:
@@ -81,14 +95,13 @@ class Reply:
 async def respond(
     request: web.Request,
     body: OpenAIRequest,
-    tokens: list[int],
+    prompts: list[Prompt],
     chat: bool,
     session: Session | None,
     turn: ChatTurn | None = None,
-    echo: str | None = None,
 ) -> web.StreamResponse:
-    """Answer a completion or chat completion; `session`: the turn's, resolved once;
-    `echo`: the prompt's text, when each choice's text begins with it."""
+    """Answer a completion or chat completion: `n` choices per prompt, each its own
+    request, indexed in prompt order; `session`: the turn's, resolved once."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
@@ -98,35 +111,49 @@ async def respond(
     n = body.n or 1
     if body.cache_salt is not None:
         request[CACHE_SALT] = body.cache_salt
-    if n > 1 and session is not None:
-        raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
-    claims = [request.app[TENANCY].claim(request, None, "chatcmpl-" if chat else "cmpl-")]
-    claims += [request.app[TENANCY].claim(request, None) for _ in range(n - 1)]
-    reply = Reply(claims[0].shown, chat, body.stream, served)
+    if n * len(prompts) > 1 and session is not None:
+        raise InvalidRequest(
+            "n > 1 or a batch of prompts cannot continue a session: a session turn has one reply"
+        )
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     history = 0 if session is None else session.history.size
-    params = body.engine_params(
-        openai_token_limit(request, session, len(tokens), field, requested, default), history
-    )
-    jobs = [Job(c.server, tokens, p) for c, p in zip(claims, choice_params(params, n), strict=True)]
+    planned = [
+        (prompt, params)
+        for prompt in prompts
+        for params in choice_params(
+            body.engine_params(
+                openai_token_limit(request, session, len(prompt.tokens), field, requested, default),
+                history,
+            ),
+            n,
+        )
+    ]
+    tenancy = request.app[TENANCY]
+    claims = [tenancy.claim(request, None, ID_PREFIX[chat])]
+    claims += [tenancy.claim(request, None) for _ in planned[1:]]
+    reply = Reply(claims[0].shown, chat, body.stream, served)
+    jobs = [Job(c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
+    echoes = [prompt.echo for prompt, _ in planned]
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
-        shift = len(echo or "")
         choices = [
             reply.choice(
-                *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=shift), finish(r), i
+                *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")),
+                finish(r),
+                i,
             )
-            for i, r in enumerate(done)
+            for i, (r, echo) in enumerate(zip(done, echoes, strict=True))
         ]
-        return web.json_response(reply.body(choices, usage=usage(done)))
+        return web.json_response(reply.body(choices, usage=usage(done, n)))
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(request, reply, sse, i, echo)) for i, job in enumerate(jobs)
+        replace(job, progress=streamer(request, reply, sse, i, echo))
+        for i, (job, echo) in enumerate(zip(jobs, echoes, strict=True))
     ]
     done = await run_choices(request, jobs, session, turn)
     if body.include_usage():
-        await sse.send(reply.body([], usage=usage(done)))
+        await sse.send(reply.body([], usage=usage(done, n)))
     await sse.send("[DONE]")
     return sse.response
 
@@ -209,14 +236,15 @@ async def models(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].completions)
-    prompt, session = body.prompt, named_session(request, body.session_id)  # its one lookup
-    tokens = prompt_tokens(request, prompt, session) if isinstance(prompt, str) else prompt
-    echo = None
-    if body.echo:
-        echo = (
-            prompt if isinstance(prompt, str) else request.app[FRONT_DOOR].tokenizer.decode(prompt)
-        )
-    return await respond(request, body, tokens, False, session, echo=echo)
+    session = named_session(request, body.session_id)  # its one lookup
+    decode = request.app[FRONT_DOOR].tokenizer.decode
+    prompts = []
+    for prompt in body.prompts():
+        text = isinstance(prompt, str)
+        tokens = prompt_tokens(request, prompt, session) if text else prompt
+        echo = (prompt if text else decode(prompt)) if body.echo else None
+        prompts.append(Prompt(tokens, echo))
+    return await respond(request, body, prompts, False, session)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -225,10 +253,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
     if sid is None:
         tokens = encoder.tokens(messages, True, body.tools)
-        return await respond(request, body, tokens, True, None)
+        return await respond(request, body, [Prompt(tokens)], True, None)
     session = own_session(request, sid)  # the one lookup of its session
     tokens, turn = plan_turn(encoder, session, messages, body.tools, output_text)
-    return await respond(request, body, tokens, True, session, turn)
+    return await respond(request, body, [Prompt(tokens)], True, session, turn)
 
 
 ROUTES = (

@@ -3,8 +3,9 @@
 Every optional field may be null, as in OpenAI's own schema; a null is the default.
 vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
 penalties) are honoured. Fields that would change the output and that custody does not
-implement (`logit_bias`, `response_format`, `echo`...) are refused unless neutral;
-others (`user`, `tool_choice`...) are ignored. `n` (1..16) choices are each their own request.
+implement (`logit_bias`, `response_format`, chat's `echo`...) are refused unless
+neutral; others (`user`, `tool_choice`...) are ignored. `n` (1..16) choices are each their
+own request, and so is each prompt of a completions batch.
 """
 
 # No `from __future__ import annotations`: the structs of `openai_schemas` are defined
@@ -35,6 +36,7 @@ from services.scheduler.http.schema_types import (
     stop_strings,
 )
 from services.scheduler.records.sampling import SamplingParams
+from shared.http_limits import MAX_BATCH
 
 MAX_CHOICES = 16
 
@@ -150,6 +152,22 @@ CONTENT_OR_CALLS = {
 Message = Annotated[ChatMessage, Meta(extra_json_schema=CONTENT_OR_CALLS)]
 
 
+def prompt_forms(limits: Limits) -> Any:
+    """Completions' `prompt` besides one text: token ids, or a batch of texts or of token
+    id lists (OpenAI's four forms). msgspec types one array form per field, so the list
+    is checked by `CompletionRequest.prompts`, and its schema says all three."""
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
+        "minItems": 1,
+        "maxItems": limits.context_len - 1,
+    }
+    texts = {"type": "array", "items": {"type": "string", "minLength": 1}}
+    batch = {"minItems": 1, "maxItems": MAX_BATCH}
+    forms = [ids, texts | batch, {"type": "array", "items": ids} | batch]
+    return Annotated[list[Any], Meta(extra_json_schema={"anyOf": forms})]
+
+
 def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequest]]:
     """The structs of /v1/completions and /v1/chat/completions, bounded by `limits`."""
     MaxTokens = limits.max_tokens
@@ -173,9 +191,10 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
                 self.top_k = -1
 
     class CompletionRequest(Extended, kw_only=True):
-        """A prompt as text or as token ids."""
+        """A prompt as text or token ids, or a batch of them (a list of texts or of id
+        lists: each prompt has its own `n` choices, indexed in prompt order)."""
 
-        prompt: Text | limits.input_ids
+        prompt: Text | prompt_forms(limits)
         # 0 only with echo: the prompt's log probabilities alone (a scoring request)
         max_tokens: limits.max_new_tokens | None = None
         logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
@@ -183,9 +202,36 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            limits.check_input("prompt", self.prompt)
+            self.prompts()
             if self.max_tokens == 0 and not self.echo:
                 raise ValueError("max_tokens 0 asks for nothing unless echo is true")
+
+        def prompts(self) -> list[str | list[int]]:
+            """The prompts, each a text or token ids (a ValueError names a malformed
+            one)."""
+            prompt = self.prompt
+            if isinstance(prompt, str):
+                return [prompt]
+            if all(type(x) is int for x in prompt):
+                return [self._ids("prompt", prompt)]
+            if len(prompt) > MAX_BATCH:
+                raise ValueError(f"a batch of prompts holds at most {MAX_BATCH}")
+            if all(isinstance(x, str) and x for x in prompt):
+                return list(prompt)
+            if all(isinstance(x, list) for x in prompt):
+                return [self._ids(f"prompt[{i}]", ids) for i, ids in enumerate(prompt)]
+            raise ValueError(
+                "prompt must be a text, a list of token ids, a list of texts or a list of "
+                "token id lists"
+            )
+
+        @staticmethod
+        def _ids(field: str, ids: list) -> list[int]:
+            vocab = limits.vocab_size
+            if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+                raise ValueError(f"{field} must be a non-empty list of token ids in [0, {vocab})")
+            limits.check_input(field, ids)
+            return ids
 
         def wanted_logprobs(self) -> int | None:
             return self.logprobs
