@@ -213,6 +213,7 @@ def test_openapi_document_covers_every_route(stack):
         ("GET", "/admin/idle_sessions"),
         ("GET", "/metrics"),
         ("GET", "/get_model_info"),
+        ("GET", "/model_info"),
         ("GET", "/get_server_info"),
         ("GET", "/server_info"),
         ("GET", "/openapi.json"),

@@ -1,10 +1,12 @@
-"""Load SGLang 0.5.23's own allocator classes, unmodified, as the benchmark reference.
+"""Load SGLang 0.5.23's own code, unmodified, from the installed wheel: its allocator
+classes (the benchmark reference) and its `bench_serving` (custody bench serving).
 
-Only the two allocator modules are loaded, from the installed wheel, by file path:
-importing `sglang` itself pulls in the whole server. Their few imports are satisfied by
-the smallest shim: the platform says Triton is unavailable (true on this CPU, so SGLang
-takes its own torch-native path), and the utilities they use are taken from SGLang's
-`utils/common.py` source by name rather than re-implemented.
+Importing `sglang` itself pulls in the whole server, so packages whose `__init__` would
+do that are loaded bare (`package`), and the few names the loaded files need from such
+modules are satisfied by the smallest shim. The allocators: the platform says Triton is
+unavailable (true on this CPU, so SGLang takes its own torch-native path), and the
+utilities they use are taken from SGLang's `utils/common.py` source by name rather than
+re-implemented. bench_serving: one constant from `disaggregation/utils.py`, by name.
 
 `custody bench prefix` has no SGLang figures; `prefix_cache_reference` says why, in its
 results.
@@ -13,6 +15,8 @@ results.
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -38,18 +42,21 @@ class ReferenceUnavailable(RuntimeError):
     pass
 
 
-def _root() -> Path:
+def sglang_root() -> Path:
+    """The installed wheel's `sglang` directory (its `__init__` is never run)."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         raise ReferenceUnavailable(f"SGLang is not installed; run: {INSTALL_HINT}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _package(name: str, path: Path) -> None:
+def package(name: str, path: Path) -> None:
+    """`name` as a package whose submodules load from `path`, its `__init__` not run (a
+    spec is kept, so `importlib.util.find_spec` still answers for it)."""
     if name not in sys.modules:
-        module = types.ModuleType(name)
-        module.__path__ = [str(path)]
-        sys.modules[name] = module
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(path)]
+        sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
 def _functions_from(source: Path, names: set[str], namespace: dict) -> types.ModuleType:
@@ -59,6 +66,7 @@ def _functions_from(source: Path, names: set[str], namespace: dict) -> types.Mod
     if missing:
         raise ReferenceUnavailable(f"{source} lacks {sorted(missing)}")
     module = types.ModuleType("sglang.srt.utils")
+    module.__path__ = [str(source.parent)]  # its submodules still load (bench_serving's)
     module.__dict__.update(namespace)
     exec(compile(ast.Module(body=picked, type_ignores=[]), str(source), "exec"), module.__dict__)
     return module
@@ -81,7 +89,7 @@ def load_allocators() -> tuple[type, type]:
 
     import torch
 
-    root = _root()
+    root = sglang_root()
     for pkg in (
         "",
         ".srt",
@@ -91,7 +99,7 @@ def load_allocators() -> tuple[type, type]:
         ".kernels.ops",
         ".kernels.ops.memory",
     ):
-        _package("sglang" + pkg, root.joinpath(*pkg.split(".")[1:]))
+        package("sglang" + pkg, root.joinpath(*pkg.split(".")[1:]))
     utils = _functions_from(
         root / "srt" / "utils" / "common.py",
         {"get_bool_env_var", "get_num_new_pages", "is_hip", "next_power_of_2"},
@@ -120,11 +128,40 @@ def load_allocators() -> tuple[type, type]:
     return mamba.MambaSlotAllocator, paged.PagedTokenToKVPoolAllocator
 
 
+def _constant(source: Path, name: str) -> object:
+    """A module-level constant of `source`, read from its text (the module is not run)."""
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise ReferenceUnavailable(f"{source} lacks {name}")
+
+
+def load_bench_serving() -> types.ModuleType:
+    """SGLang's `sglang/benchmark/serving.py` (`python -m sglang.bench_serving`), as
+    shipped. Its imports run as they are, but for the `__init__`s of `sglang`,
+    `sglang.srt.utils` and `sglang.srt.disaggregation` (bare packages) and
+    `sglang.srt.disaggregation.utils` (torch.distributed and the server), of which it
+    uses FAKE_BOOTSTRAP_HOST alone. The packages its import chain needs beyond custody's
+    are in the `bench` extra (orjson, pybase64, psutil, pyzmq, datasets)."""
+    root = sglang_root()
+    for pkg in ("", ".srt", ".srt.utils", ".srt.disaggregation"):
+        package("sglang" + pkg, root.joinpath(*pkg.split(".")[1:]))
+    name = "sglang.srt.disaggregation.utils"
+    if name not in sys.modules:
+        shim = types.ModuleType(name)
+        source = root / "srt" / "disaggregation" / "utils.py"
+        shim.FAKE_BOOTSTRAP_HOST = _constant(source, "FAKE_BOOTSTRAP_HOST")
+        sys.modules[name] = shim
+    return importlib.import_module("sglang.benchmark.serving")
+
+
 def prefix_cache_reference() -> dict:
     """`custody bench prefix`'s `sglang_reference` entry: SGLang's Mamba radix cache is
     not driven, and why (what is installed, and where its states come from)."""
     try:
-        root = _root()
+        root = sglang_root()
     except ReferenceUnavailable:
         found = (
             f"SGLang is not installed here ({SGLANG_VERSION}'s wheel, read for this "

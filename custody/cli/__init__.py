@@ -30,10 +30,13 @@ BENCHMARK_NAMES = (
     "multiturn",
     "prefix",
     "scaleout",
+    "serving",
     "sessions",
 )
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
-ONCE = ("multiturn", "prefix")  # benchmarks whose --repeats defaults to 1 (prefix: its series)
+# benchmarks whose --repeats defaults to 1 (prefix: its series; serving: bench_serving's
+# percentiles over its own requests)
+ONCE = ("multiturn", "prefix", "serving")
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
 MULTITURN_FLAGS = {
@@ -182,6 +185,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         multiturn,
         prefix,
         scaleout,
+        serving,
         sessions,
     )
 
@@ -193,6 +197,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "multiturn": multiturn.run,
         "prefix": prefix.run,
         "scaleout": scaleout.run,
+        "serving": serving.run,
         "sessions": sessions.run,
     }
 

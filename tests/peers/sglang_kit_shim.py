@@ -20,8 +20,6 @@ with `--tokenizer DIR` would.
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import importlib.util
 import os
 import signal
 import subprocess
@@ -35,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
+from custody.bench.sglang_reference import package, sglang_root
 from shared.redis_server import free_port
 
 BUILTIN = "custody-builtin"  # the kit's `model`: custody's built-in model
@@ -42,16 +41,6 @@ BUILTIN = "custody-builtin"  # the kit's `model`: custody's built-in model
 # counterpart (every custody session streams) and is dropped; others pass as they are
 RENAMED = {"--context-length": "--context-len", "--chunked-prefill-size": "--chunk-size"}
 DROPPED = {"--enable-streaming-session"}
-
-
-def sglang_root() -> Path:
-    """The installed wheel's `sglang` directory; its `__init__` is never run."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the sglang wheel is not installed: pip install --no-deps sglang==0.5.23"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def custody_flags(sglang_args: list[str]) -> list[str]:
@@ -117,17 +106,11 @@ def get_tokenizer(model: str, **_: object):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def _package(name: str, path: Path) -> types.ModuleType:
-    """A package whose submodules load from `path`, its `__init__` not run (with a spec,
-    so `importlib.util.find_spec` still answers for it)."""
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    spec.submodule_search_locations = [str(path)]
-    return importlib.util.module_from_spec(spec)
-
-
 def install() -> None:
     """Put the four replacements in `sys.modules` (where absent)."""
     root = sglang_root()
+    package("sglang", root)
+    package("sglang.srt.utils", root / "srt" / "utils")
     test_utils = types.ModuleType("sglang.test.test_utils")
     test_utils.__dict__.update(
         DEFAULT_SMALL_MODEL_NAME_FOR_TEST=BUILTIN,
@@ -139,10 +122,5 @@ def install() -> None:
     )
     tokenizers = types.ModuleType("sglang.srt.utils.hf_transformers_utils")
     tokenizers.get_tokenizer = get_tokenizer
-    for module in (
-        _package("sglang", root),
-        _package("sglang.srt.utils", root / "srt" / "utils"),
-        tokenizers,
-        test_utils,
-    ):
+    for module in (tokenizers, test_utils):
         sys.modules.setdefault(module.__name__, module)

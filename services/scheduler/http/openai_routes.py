@@ -55,6 +55,13 @@ def usage(reqs: list[Request], n: int) -> dict:
     }
 
 
+def sglext(cached: int) -> dict:
+    """SGLang's extension field with `cached_tokens_details`: custody counts every reused
+    token as `device` (a session's state brought back from a lower tier is on the device
+    before its turn runs)."""
+    return {"cached_tokens_details": {"device": cached, "host": 0}}
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt of a request, tokenized; `echo`: the text each of its choices begins
@@ -135,8 +142,11 @@ async def respond(
     reply = Reply(claims[0].shown, chat, body.stream, served)
     jobs = [Job(c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
     echoes = [prompt.echo for prompt, _ in planned]
+    details = bool(body.return_cached_tokens_details)
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
+        spent = usage(done, n)
+        extra = {"sglext": sglext(spent["prompt_tokens_details"]["cached_tokens"])}
         choices = [
             reply.choice(
                 *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")),
@@ -145,15 +155,17 @@ async def respond(
             )
             for i, (r, echo) in enumerate(zip(done, echoes, strict=True))
         ]
-        return web.json_response(reply.body(choices, usage=usage(done, n)))
+        return web.json_response(reply.body(choices, usage=spent, **(extra if details else {})))
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(request, reply, sse, i, echo))
+        replace(job, progress=streamer(request, reply, sse, i, echo, details))
         for i, (job, echo) in enumerate(zip(jobs, echoes, strict=True))
     ]
     done = await run_choices(request, jobs, session, turn)
     if body.include_usage():
-        await sse.send(reply.body([], usage=usage(done, n)))
+        spent = usage(done, n)
+        extra = {"sglext": sglext(spent["prompt_tokens_details"]["cached_tokens"])}
+        await sse.send(reply.body([], usage=spent, **(extra if details else {})))
     await sse.send("[DONE]")
     return sse.response
 
@@ -202,11 +214,17 @@ def echoed(
 
 
 def streamer(
-    request: web.Request, reply: Reply, sse: EventStream, index: int, echo: str | None
+    request: web.Request,
+    reply: Reply,
+    sse: EventStream,
+    index: int,
+    echo: str | None,
+    details: bool = False,
 ) -> Progress:
     """The chunks of choice `index`: its new text, and the logprobs of the tokens that
     arrived since its chunk before; with `echo`, the first chunk begins with the prompt
-    (its text and logprobs), as vLLM's does."""
+    (its text and logprobs), as vLLM's does; with `details`, the finishing chunk carries
+    the choice's `sglext` (SGLang's)."""
     tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
     head = echo
 
@@ -221,7 +239,8 @@ def streamer(
             )
             head = None
             choice = reply.choice(text, lps, finish(r) if r.done else None, index)
-            await sse.send(reply.body([choice]))
+            extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
+            await sse.send(reply.body([choice], **extra))
 
     return progress
 

@@ -53,6 +53,7 @@ ROUTES = {
     ("GET", "/liveness"): Doc("The process is up", reply=replies.Alive),
     ("GET", "/metrics"): Doc("Prometheus metrics", reply={"type": "string"}, media="text/plain"),
     ("GET", "/get_model_info"): Doc("The model and the pools", reply=replies.ModelInfo),
+    ("GET", "/model_info"): Doc("The same, by SGLang's newer name", reply=replies.ModelInfo),
     ("GET", "/get_server_info"): Doc(
         "Every setting but the secret ones, the version and internal state (SGLang)",
         reply=SERVER_INFO,

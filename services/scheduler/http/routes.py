@@ -273,6 +273,7 @@ ROUTES = (
     ("GET", "/liveness", liveness),
     ("GET", "/metrics", metrics),
     ("GET", "/get_model_info", model_info),
+    ("GET", "/model_info", model_info),
     ("GET", "/get_server_info", server_info),
     ("GET", "/server_info", server_info),
     ("POST", "/open_session", open_session),

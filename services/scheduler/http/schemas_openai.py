@@ -61,6 +61,8 @@ class OpenAIRequest(Struct, kw_only=True):
     logprobs: bool | int | None = None
     session_id: str | None = None
     cache_salt: CacheSalt | None = None
+    # SGLang's: the reply's `sglext.cached_tokens_details` (the prompt tokens reused)
+    return_cached_tokens_details: bool | None = None
     # not implemented: refused unless neutral (schema_types.NEUTRAL)
     logit_bias: neutral_only("logit_bias") = None
     response_format: neutral_only("response_format") = None
