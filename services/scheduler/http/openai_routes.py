@@ -143,6 +143,7 @@ async def respond(
     jobs = [Job(c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
     echoes = [prompt.echo for prompt, _ in planned]
     details = bool(body.return_cached_tokens_details)
+    running = body.include_usage() and body.continuous_usage()
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
         spent = usage(done, n)
@@ -158,7 +159,7 @@ async def respond(
         return web.json_response(reply.body(choices, usage=spent, **(extra if details else {})))
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(request, reply, sse, i, echo, details))
+        replace(job, progress=streamer(request, reply, sse, i, echo, details, running))
         for i, (job, echo) in enumerate(zip(jobs, echoes, strict=True))
     ]
     done = await run_choices(request, jobs, session, turn)
@@ -220,11 +221,13 @@ def streamer(
     index: int,
     echo: str | None,
     details: bool = False,
+    running: bool = False,
 ) -> Progress:
     """The chunks of choice `index`: its new text, and the logprobs of the tokens that
     arrived since its chunk before; with `echo`, the first chunk begins with the prompt
     (its text and logprobs), as vLLM's does; with `details`, the finishing chunk carries
-    the choice's `sglext` (SGLang's)."""
+    the choice's `sglext` (SGLang's); with `running` (vLLM's continuous usage stats),
+    each chunk its choice's `usage` so far."""
     tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
     head = echo
 
@@ -240,6 +243,8 @@ def streamer(
             head = None
             choice = reply.choice(text, lps, finish(r) if r.done else None, index)
             extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
+            if running:
+                extra["usage"] = usage([r], 1)
             await sse.send(reply.body([choice], **extra))
 
     return progress

@@ -42,7 +42,8 @@ MAX_CHOICES = 16
 
 
 class StreamOptions(Struct):
-    include_usage: bool | None = None
+    include_usage: bool | None = None  # a last chunk with `usage` and no choices
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries its `usage`
 
 
 class OpenAIRequest(Struct, kw_only=True):
@@ -77,6 +78,8 @@ class OpenAIRequest(Struct, kw_only=True):
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
         refuse_unimplemented(self, OPENAI_UNIMPLEMENTED)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options may be given only with stream: true")
 
     def requested_tokens(self) -> tuple[str, int | None]:
         """The field that limits the output, and its value (None: not given)."""
@@ -108,6 +111,9 @@ class OpenAIRequest(Struct, kw_only=True):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ContentPart(Struct):
