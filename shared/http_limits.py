@@ -4,5 +4,6 @@ is never refused by the next for its size, and none costs an edge more than thes
 
 MAX_BODY = 8 * 1024 * 1024  # bytes of one request body
 MAX_BATCH = 64  # items of one batch /generate; each is a request, counted against the queue
+MAX_CHOICES = 16  # samples of one prompt (OpenAI's and SGLang's n); each is a request
 MAX_RID = 256  # characters of one request id
 MAX_CACHE_SALT = 256  # characters of one cache_salt (shared/messages/cache.py)

@@ -14,14 +14,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
-from services.scheduler.http.openai_routes import finish
+from services.scheduler.http.openai_routes import Reply
 from services.scheduler.records.finish import FinishReason
-from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import SamplingParams
 from shared.config import SECRET_SETTINGS, Settings
 from tests.services_harness import (
     POOLS,
@@ -490,7 +487,8 @@ def test_stop_strings_end_a_request_and_are_trimmed(stack):
 
 def test_an_aborted_request_finishes_with_abort_in_the_openai_api():
     """As vLLM reports it; it used to say "length"."""
-    req = Request("r", np.array([1, 2]), SamplingParams(max_new_tokens=4))
-    for reason in ("abort", "stop", "length"):
-        req.finish_reason = FinishReason(reason)
-        assert finish(req) == reason
+    for chat in (False, True):
+        reply = Reply("r", chat, False, "m")
+        for reason in ("abort", "stop", "length"):
+            choice = reply.choice("", None, FinishReason(reason))
+            assert choice["finish_reason"] == reason and choice["matched_stop"] is None

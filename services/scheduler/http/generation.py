@@ -5,7 +5,7 @@ full queue, stop strings without a tokenizer)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -13,7 +13,7 @@ from services.scheduler.http.app_keys import FRONT_DOOR
 from services.scheduler.http.limits import check_queue
 from services.scheduler.http.tenancy import cache_namespace_of
 from services.scheduler.records.request import ChatTurn, Request
-from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.sampling import SEED_MAX, SamplingParams
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tokenizer import NoTokenizer, Tokenizer, TokenizerMissing
@@ -39,6 +39,15 @@ async def run_generation(
     return await door.generate(
         rid, tokens, params, session, session_params, progress, chat, namespace
     )
+
+
+def parallel_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of `n` parallel samples of one prompt (OpenAI's and SGLang's `n`):
+    sample i draws with seed + i (mod 2**64), so it is what a request with that seed
+    alone gives; without a seed each draws its own."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % (SEED_MAX + 1)) for i in range(n)]
 
 
 @dataclass(frozen=True)

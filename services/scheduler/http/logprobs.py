@@ -31,6 +31,21 @@ class TokenTexts:
         return text
 
 
+def alternatives(
+    text: TokenTexts, token: int, logprob: float, top: list[tuple[int, float]]
+) -> dict[str, float]:
+    """/v1/completions' `top_logprobs` entry of one position: the token there, keyed by
+    its text, and its top alternatives, each keyed by its text too unless a token before
+    it has that text (every piece of a multi-byte character reads U+FFFD), then by
+    `token_id:<id>` (vLLM's spelling of a token by id), so no alternative is lost."""
+    out = {text(token): logprob}
+    for alt, value in top:
+        if alt != token:
+            key = text(alt)
+            out[key if key not in out else f"token_id:{alt}"] = value
+    return out
+
+
 def _top(req: Request, i: int) -> list[tuple[int, float]]:
     """The top alternatives of output position `i` (none unless asked for)."""
     if i >= len(req.top_logprobs):
@@ -142,7 +157,7 @@ def completion(
         offsets.append(offset)
         tokens.append(text(tok))
         offset += len(tokens[-1])
-        tops.append({text(t): lp for t, lp in _top(req, i)} | {text(tok): req.logprobs[i]})
+        tops.append(alternatives(text, tok, req.logprobs[i], _top(req, i)))
     return {
         "tokens": tokens,
         "token_logprobs": req.logprobs[start:end],
@@ -162,8 +177,8 @@ def echoed_prompt(tokenizer: Tokenizer, req: Request) -> dict:
         tokens.append(text(tok))
         offset += len(tokens[-1])
         lp, top = req.input_logprobs[i], req.input_top[i] if req.input_top else ((), ())
-        listed = None if top is None else {text(t): x for t, x in zip(*top, strict=True)}
-        tops.append(None if lp is None else listed | {text(tok): lp})
+        pairs = [] if top is None else list(zip(*top, strict=True))
+        tops.append(None if lp is None else alternatives(text, tok, lp, pairs))
     return {
         "tokens": tokens,
         "token_logprobs": list(req.input_logprobs),

@@ -21,12 +21,13 @@ from services.scheduler.http.bodies import openai_token_limit, prompt_tokens, re
 from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
-from services.scheduler.http.generation import Job, run_all, run_generation
+from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
 from services.scheduler.http.logprobs import echoed_prompt, joined
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import CACHE_SALT
+from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import ChatTurn, Request
-from services.scheduler.records.sampling import SEED_MAX, InvalidRequest, SamplingParams
+from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
 from shared.tenancy import Refused
@@ -71,10 +72,9 @@ class Prompt:
     echo: str | None = None
 
 
-def finish(req: Request) -> str:
-    """OpenAI's `finish_reason`: `stop`, `length`, or `abort` for an aborted request (as
-    vLLM reports it; OpenAI itself has no aborts)."""
-    return req.finish_reason.type
+def ending(req: Request) -> FinishReason | None:
+    """Why `req` ended; None while it runs (a stream's chunk before its last)."""
+    return req.finish_reason if req.done else None
 
 
 class Reply:
@@ -85,13 +85,22 @@ class Reply:
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
-    def choice(self, text: str, logprobs: dict | None, reason: str | None, index: int = 0) -> dict:
-        """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked."""
+    def choice(
+        self, text: str, logprobs: dict | None, reason: FinishReason | None, index: int = 0
+    ) -> dict:
+        """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked.
+        `reason`: why it ended (None: a chunk of a choice still running), given as
+        OpenAI's `finish_reason` (`stop`, `length`, or `abort` for an aborted request, as
+        vLLM reports it) and SGLang's `matched_stop` (the stop token id or string)."""
+        ended = {
+            "finish_reason": None if reason is None else reason.type,
+            "matched_stop": None if reason is None else reason.matched,
+        }
         if not self.chat:
-            return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+            return {"index": index, "text": text, "logprobs": logprobs} | ended
         part = "message" if reason is not None and not self.stream else "delta"
         message = {part: {"role": "assistant", "content": text}, "logprobs": logprobs}
-        return {"index": index, "finish_reason": reason} | message
+        return {"index": index} | ended | message
 
     def body(self, choices: list[dict], **extra: object) -> dict:
         kind = f"{self.kind}.chunk" if self.stream else self.kind
@@ -128,7 +137,7 @@ async def respond(
     planned = [
         (prompt, params)
         for prompt in prompts
-        for params in choice_params(
+        for params in parallel_params(
             body.engine_params(
                 openai_token_limit(request, session, len(prompt.tokens), field, requested, default),
                 history,
@@ -151,7 +160,7 @@ async def respond(
         choices = [
             reply.choice(
                 *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")),
-                finish(r),
+                r.finish_reason,
                 i,
             )
             for i, (r, echo) in enumerate(zip(done, echoes, strict=True))
@@ -169,14 +178,6 @@ async def respond(
         await sse.send(reply.body([], usage=spent, **(extra if details else {})))
     await sse.send("[DONE]")
     return sse.response
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Each choice's parameters: choice i samples with seed + i (mod 2**64), so it is
-    what a request with that seed alone gives; without a seed each draws its own."""
-    if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=(params.seed + i) % (SEED_MAX + 1)) for i in range(n)]
 
 
 async def run_choices(
@@ -241,7 +242,7 @@ def streamer(
                 tokenizer, r, head, chunk.delta, reply.chat, chunk.start, chunk.end, offset
             )
             head = None
-            choice = reply.choice(text, lps, finish(r) if r.done else None, index)
+            choice = reply.choice(text, lps, ending(r), index)
             extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
             if running:
                 extra["usage"] = usage([r], 1)

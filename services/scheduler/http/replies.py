@@ -119,6 +119,17 @@ class PromptTokensDetails(Struct):
     cached_tokens: int
 
 
+class CachedTokensDetails(Struct):
+    device: int  # every reused prompt token (custody has no host prefix cache)
+    host: int
+
+
+class SglExt(Struct):
+    """SGLang's extension of an OpenAI reply, with `return_cached_tokens_details`."""
+
+    cached_tokens_details: CachedTokensDetails
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
@@ -132,8 +143,8 @@ class CompletionLogprobs(Struct):
     its text in the output."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -142,6 +153,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: Literal["stop", "length", "abort"] | None
     logprobs: CompletionLogprobs | None  # null unless the request set logprobs
+    matched_stop: int | str | None = None  # SGLang's: the stop token id or string
 
 
 class TopLogprob(Struct):
@@ -173,6 +185,7 @@ class Completion(Struct):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    sglext: SglExt | None = None
 
 
 class AssistantMessage(Struct):
@@ -185,6 +198,7 @@ class ChatChoice(Struct):
     finish_reason: Literal["stop", "length", "abort"] | None
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None  # with logprobs: true
+    matched_stop: int | str | None = None  # SGLang's: the stop token id or string
 
 
 class ChatCompletion(Struct):
@@ -194,6 +208,7 @@ class ChatCompletion(Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    sglext: SglExt | None = None
 
 
 class ChatDeltaChoice(Struct):
@@ -201,6 +216,7 @@ class ChatDeltaChoice(Struct):
     finish_reason: Literal["stop", "length", "abort"] | None
     delta: AssistantMessage
     logprobs: ChatLogprobs | None = None  # with logprobs: true
+    matched_stop: int | str | None = None  # SGLang's, on the finishing chunk
 
 
 class ChatCompletionChunk(Struct):
@@ -212,3 +228,4 @@ class ChatCompletionChunk(Struct):
     model: str
     choices: list[ChatDeltaChoice]
     usage: Usage | None = None
+    sglext: SglExt | None = None

@@ -22,7 +22,7 @@ from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY, TOKEN
 from services.scheduler.http.bodies import prompt_tokens, read_body, sglang_token_limit
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
-from services.scheduler.http.generation import Job, run_all, run_generation
+from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
 from services.scheduler.http.limits import open_session_within_limits
 from services.scheduler.http.logprobs import SglangStream, check_streamed
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
@@ -31,7 +31,7 @@ from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.tenancy import CACHE_SALT
 from services.scheduler.records.request import Request
-from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import FrontDoor, Progress
 from shared.placement import OPENED_HEADER, PLACED_HEADER
@@ -179,10 +179,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.cache_salt is not None:
         request[CACHE_SALT] = body.cache_salt
     if is_batch(raw):
-        return await generate_batch(request, body)
+        inputs = body.input_ids or [prompt_tokens(request, text, None) for text in body.text]
+        return await generate_many(request, body, inputs, body.rid or [None] * len(inputs))
     door = request.app[FRONT_DOOR]
     session = named_session(request, body.session_id())  # the one lookup of its session
     tokens = body.input_ids or prompt_tokens(request, body.text, session)
+    if (body.sampling().n or 1) > 1:
+        if session is not None:
+            raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
+        return await generate_many(request, body, [tokens], [body.rid])
     rid = request.app[TENANCY].claim(request, body.rid)
     logprobs, params = body.return_logprob, engine_params(request, body, session, len(tokens))
     options = body.session_options()
@@ -196,16 +201,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return sse.response
 
 
-async def generate_batch(request: web.Request, body: Any) -> web.StreamResponse:
-    """SGLang's batch: one request per item, run at once; a list of replies in item
-    order, or one stream whose (cumulative) chunks carry their item's `index`."""
-    door = request.app[FRONT_DOOR]
-    inputs = body.input_ids or [prompt_tokens(request, text, None) for text in body.text]
-    claims = [request.app[TENANCY].claim(request, rid) for rid in body.rid or [None] * len(inputs)]
-    jobs = [
-        Job(claim.server, ids, engine_params(request, body, None, len(ids), i))
-        for i, (claim, ids) in enumerate(zip(claims, inputs, strict=True))
+async def generate_many(
+    request: web.Request, body: Any, inputs: list[list[int]], rids: list[str | None]
+) -> web.StreamResponse:
+    """SGLang's batch and parallel samples: `n` requests per input (`rids`: the client's
+    id of each input, which names its one request; with n > 1 it is refused), run at
+    once; a list of replies, input i's sample j at i * n + j, or one stream whose
+    (cumulative) chunks carry that `index`."""
+    door, n = request.app[FRONT_DOOR], body.sampling().n or 1
+    if n > 1 and any(rid is not None for rid in rids):
+        raise InvalidRequest("rid names one request; with sampling_params.n > 1 leave it out")
+    planned = [
+        (rid, ids, params)
+        for i, (rid, ids) in enumerate(zip(rids, inputs, strict=True))
+        for params in parallel_params(engine_params(request, body, None, len(ids), i), n)
     ]
+    claims = [request.app[TENANCY].claim(request, rid) for rid, _, _ in planned]
+    jobs = [Job(c.server, ids, params) for c, (_, ids, params) in zip(claims, planned, strict=True)]
     logprobs = body.return_logprob
     if not body.stream:
         done = await run_all(request, jobs)

@@ -109,7 +109,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "min_tokens": (None, 0),
     "min_new_tokens": (None, 0),
-    "n": (None, 1),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -142,7 +141,6 @@ OPENAI_UNIMPLEMENTED = (
 SGLANG_UNIMPLEMENTED = (
     "logit_bias",
     "min_new_tokens",
-    "n",
     "json_schema",
     "regex",
     "ebnf",

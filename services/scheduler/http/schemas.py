@@ -27,6 +27,7 @@ from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.http.schemas_tokenizer import tokenizer_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
+from shared.http_limits import MAX_CHOICES
 from shared.session_ids import SESSION_ID
 from shared.streams import REPLICA_ID
 
@@ -157,7 +158,7 @@ def sampling_schema(limits: st.Limits) -> type:
         # not implemented: refused unless neutral (schema_types.NEUTRAL)
         logit_bias: st.neutral_only("logit_bias") = None
         min_new_tokens: st.neutral_only("min_new_tokens") = None
-        n: st.neutral_only("n") = None
+        n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # parallel samples
         json_schema: st.neutral_only("json_schema") = None
         regex: st.neutral_only("regex") = None
         ebnf: st.neutral_only("ebnf") = None

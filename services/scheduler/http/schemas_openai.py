@@ -36,9 +36,7 @@ from services.scheduler.http.schema_types import (
     stop_strings,
 )
 from services.scheduler.records.sampling import SamplingParams
-from shared.http_limits import MAX_BATCH
-
-MAX_CHOICES = 16
+from shared.http_limits import MAX_BATCH, MAX_CHOICES
 
 
 class StreamOptions(Struct):
