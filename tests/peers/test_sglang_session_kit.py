@@ -71,13 +71,15 @@ class TestSGLangAbortLeakRepro(AbortLeakReproKitMixin, StreamingSessionServerBas
     ]
 
 
-def test_the_kit_is_the_wheel_s_file_as_shipped():
-    """Each kit file's sha256 is the one the wheel's RECORD lists (printed)."""
+def test_the_kit_is_the_wheel_s_file_as_shipped(capfd):
+    """Each kit file's sha256 is the one the wheel's RECORD lists; printed past pytest's
+    capture, so a CI log shows which kit ran."""
     dist = importlib.metadata.distribution("sglang")
     record = {row[0]: row[1] for row in csv.reader(dist.read_text("RECORD").splitlines())}
     for name in KIT_FILES:
         data = (dist.locate_file(name)).read_bytes()
         digest = hashlib.sha256(data).digest()
         shipped = "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-        print(f"{name} sglang {dist.version} sha256 {digest.hex()}")
+        with capfd.disabled():
+            print(f"\n{name} (sglang {dist.version}) sha256 {digest.hex()}")
         assert record[name] == shipped, name
