@@ -12,7 +12,7 @@ import redis
 
 from custody.up import Stack
 from shared.redis_server import PrivateRedis
-from tests.checkpoints import build_chat_checkpoint
+from tests.checkpoints import build_chat_checkpoint, reference
 from tests.services_harness import stack_settings, start_stack
 
 
@@ -60,6 +60,20 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A NemotronH checkpoint with a trained byte-level BPE tokenizer and a Jinja chat
     template in chat_template.jinja, all saved by transformers (tests/checkpoints.py)."""
     return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_stack(redis_url: str, chat_checkpoint: Path) -> Iterator[Stack]:
+    """The services serving `chat_checkpoint`, one stack per module that asks."""
+    running = start_stack(stack_settings(redis_url, model=chat_checkpoint))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def checkpoint_reference(chat_checkpoint: Path):
+    """transformers' tokenizer and model of `chat_checkpoint`: the reference."""
+    return reference(chat_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -9,32 +9,17 @@ from __future__ import annotations
 import json
 import math
 import urllib.error
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 import torch
 
 from custody.up import Stack
-from tests.checkpoints import reference
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call
 from tests.test_api import sse_events
 
 PROMPT_IDS = [5, 77, 140, 23, 301, 9, 64, 210, 18, 33]
 N, K, TOL = 12, 5, 1e-4
-
-
-@pytest.fixture(scope="module")
-def bpe_stack(redis_url: str, chat_checkpoint: Path) -> Iterator[Stack]:
-    running = start_stack(stack_settings(redis_url, model=chat_checkpoint))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def ref(chat_checkpoint: Path):
-    return reference(chat_checkpoint)
 
 
 def log_softmax(model, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -62,11 +47,11 @@ def check_top(expected: torch.Tensor, got: list[tuple[int, float]]) -> None:
         assert tok == int(ids[rank]) or int(tied.sum()) > 1
 
 
-def test_generate_logprobs_match_transformers(bpe_stack, ref):
-    _, model = ref
+def test_generate_logprobs_match_transformers(checkpoint_stack, checkpoint_reference):
+    _, model = checkpoint_reference
     sampling = {"max_new_tokens": N, "ignore_eos": True}
     body = {"input_ids": PROMPT_IDS, "sampling_params": sampling, "return_logprob": True}
-    out = call(bpe_stack.settings.port, "/generate", body | {"top_logprobs_num": K})
+    out = call(checkpoint_stack.settings.port, "/generate", body | {"top_logprobs_num": K})
     ids, meta = out["output_ids"], out["meta_info"]
     assert ids == greedy(model, PROMPT_IDS, N)
     expected = log_softmax(model, PROMPT_IDS, ids)
@@ -75,10 +60,12 @@ def test_generate_logprobs_match_transformers(bpe_stack, ref):
         assert abs(lp - float(expected[i, tok])) < TOL
         check_top(expected[i], [(t, lp) for lp, t, _ in meta["output_top_logprobs"][i]])
         assert len(meta["output_top_logprobs"][i]) == K
-    plain = call(bpe_stack.settings.port, "/generate", body)
+    plain = call(checkpoint_stack.settings.port, "/generate", body)
     assert "output_top_logprobs" not in plain["meta_info"]  # not asked for
     stream = body | {"top_logprobs_num": K, "stream": True}
-    events = [e for e in sse_events(bpe_stack.settings.port, "/generate", stream) if e != "[DONE]"]
+    events = [
+        e for e in sse_events(checkpoint_stack.settings.port, "/generate", stream) if e != "[DONE]"
+    ]
     for event in events:  # cumulative, as SGLang's chunks are
         n = len(event["output_ids"])
         assert len(event["meta_info"]["output_token_logprobs"]) == n
@@ -90,12 +77,12 @@ def test_generate_logprobs_match_transformers(bpe_stack, ref):
     )
 
 
-def test_logprobs_are_the_raw_model_s_whatever_the_sampling(bpe_stack, ref):
-    _, model = ref
+def test_logprobs_are_the_raw_model_s_whatever_the_sampling(checkpoint_stack, checkpoint_reference):
+    _, model = checkpoint_reference
     sampling = {"max_new_tokens": N, "ignore_eos": True, "temperature": 0.7, "seed": 3}
     sampling |= {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.4, "frequency_penalty": 1}
     body = {"input_ids": PROMPT_IDS, "sampling_params": sampling, "return_logprob": True}
-    out = call(bpe_stack.settings.port, "/generate", body | {"top_logprobs_num": 3})
+    out = call(checkpoint_stack.settings.port, "/generate", body | {"top_logprobs_num": 3})
     expected = log_softmax(model, PROMPT_IDS, out["output_ids"])
     for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
         assert abs(lp - float(expected[i, tok])) < TOL
@@ -106,10 +93,12 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.settings.port}/v1", api_key="none")
 
 
-def test_completion_logprobs_match_transformers_streamed_and_not(bpe_stack, ref):
-    tokenizer, model = ref
-    oai = client(bpe_stack)
-    args = {"model": bpe_stack.settings.model_name, "prompt": PROMPT_IDS, "max_tokens": N}
+def test_completion_logprobs_match_transformers_streamed_and_not(
+    checkpoint_stack, checkpoint_reference
+):
+    tokenizer, model = checkpoint_reference
+    oai = client(checkpoint_stack)
+    args = {"model": checkpoint_stack.settings.model_name, "prompt": PROMPT_IDS, "max_tokens": N}
     args |= {"temperature": 0, "logprobs": 3, "extra_body": {"ignore_eos": True}}
     done = oai.completions.create(**args).choices[0].logprobs
     ids = greedy(model, PROMPT_IDS, N)
@@ -137,8 +126,8 @@ def test_completion_logprobs_match_transformers_streamed_and_not(bpe_stack, ref)
     )
 
 
-def test_chat_logprobs_match_transformers_streamed_and_not(bpe_stack, ref):
-    tokenizer, model = ref
+def test_chat_logprobs_match_transformers_streamed_and_not(checkpoint_stack, checkpoint_reference):
+    tokenizer, model = checkpoint_reference
     messages = [{"role": "user", "content": "Grüße aus Köln! Ça va?"}]
     prompt = list(
         tokenizer.apply_chat_template(
@@ -147,8 +136,8 @@ def test_chat_logprobs_match_transformers_streamed_and_not(bpe_stack, ref):
     )
     ids = greedy(model, prompt, N)
     expected = log_softmax(model, prompt, ids)
-    oai = client(bpe_stack)
-    args = {"model": bpe_stack.settings.model_name, "messages": messages, "max_tokens": N}
+    oai = client(checkpoint_stack)
+    args = {"model": checkpoint_stack.settings.model_name, "messages": messages, "max_tokens": N}
     args |= {"temperature": 0, "logprobs": True, "top_logprobs": K}
     args |= {"extra_body": {"ignore_eos": True}}
     content = oai.chat.completions.create(**args).choices[0].logprobs.content
@@ -196,12 +185,14 @@ def check_inputs(expected: torch.Tensor, prompt: list[int], start: int, meta: di
             check_top(expected[p - 1], [(t, lp) for lp, t, _ in top])
 
 
-def test_generate_input_logprobs_match_transformers_cold_and_warm(bpe_stack, ref):
+def test_generate_input_logprobs_match_transformers_cold_and_warm(
+    checkpoint_stack, checkpoint_reference
+):
     """Input logprobs from 0 and from a later position, then again with the prompt's
     prefix cached: the cache is reused only up to the start (its logits are computed
     again), and the numbers do not change."""
-    _, model = ref
-    port, expected = bpe_stack.settings.port, prompt_log_softmax(model, LONG)
+    _, model = checkpoint_reference
+    port, expected = checkpoint_stack.settings.port, prompt_log_softmax(model, LONG)
     body = {"input_ids": LONG, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
     for start in (0, 23, 39, 40):
         asked = body | {"logprob_start_len": start, "top_logprobs_num": K}
@@ -218,9 +209,11 @@ def test_generate_input_logprobs_match_transformers_cold_and_warm(bpe_stack, ref
     assert "input_top_logprobs" not in plain
 
 
-def test_generate_input_logprobs_streamed_prefill_only_and_batched(bpe_stack, ref):
-    _, model = ref
-    port, expected = bpe_stack.settings.port, prompt_log_softmax(model, LONG)
+def test_generate_input_logprobs_streamed_prefill_only_and_batched(
+    checkpoint_stack, checkpoint_reference
+):
+    _, model = checkpoint_reference
+    port, expected = checkpoint_stack.settings.port, prompt_log_softmax(model, LONG)
     body = {"input_ids": LONG, "return_logprob": True, "logprob_start_len": 5}
     only = call(port, "/generate", body | {"sampling_params": {"max_new_tokens": 0}})
     assert only["output_ids"] == [] and only["meta_info"]["finish_reason"]["type"] == "length"
@@ -235,12 +228,14 @@ def test_generate_input_logprobs_streamed_prefill_only_and_batched(bpe_stack, re
     check_inputs(expected, LONG[:20], 7, replies[1]["meta_info"], 0)
 
 
-def test_a_session_turn_s_input_logprobs_start_after_the_state_it_resumes(bpe_stack, ref):
+def test_a_session_turn_s_input_logprobs_start_after_the_state_it_resumes(
+    checkpoint_stack, checkpoint_reference
+):
     """A turn resumes its session's state: its input logprobs start no earlier than its
     new input (the history is not computed again), and are those of the whole
     conversation."""
-    _, model = ref
-    port = bpe_stack.settings.port
+    _, model = checkpoint_reference
+    port = checkpoint_stack.settings.port
     sid = call(port, "/open_session", {"capacity_of_str_len": 1000})
     first = {"input_ids": LONG[:20], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     out = call(port, "/generate", first | {"session_params": {"id": sid}})
@@ -254,20 +249,22 @@ def test_a_session_turn_s_input_logprobs_start_after_the_state_it_resumes(bpe_st
     call(port, "/close_session", {"session_id": sid})
 
 
-def test_logprob_start_len_past_the_input_is_a_400(bpe_stack):
+def test_logprob_start_len_past_the_input_is_a_400(checkpoint_stack):
     body = {"input_ids": LONG[:5], "return_logprob": True, "logprob_start_len": 6}
     with pytest.raises(urllib.error.HTTPError) as err:
-        call(bpe_stack.settings.port, "/generate", body)
+        call(checkpoint_stack.settings.port, "/generate", body)
     assert err.value.code == 400 and "logprob_start_len 6" in err.value.read().decode()
 
 
-def test_completion_echo_gives_the_prompt_s_logprobs_then_the_output_s(bpe_stack, ref):
+def test_completion_echo_gives_the_prompt_s_logprobs_then_the_output_s(
+    checkpoint_stack, checkpoint_reference
+):
     """OpenAI's echo: the prompt's tokens first (the first logprob null), then the
     generated ones; max_tokens 0 with echo scores the prompt alone (lm-eval's
     loglikelihood request), streamed or not."""
-    tokenizer, model = ref
-    oai, expected = client(bpe_stack), prompt_log_softmax(model, LONG)
-    args = {"model": bpe_stack.settings.model_name, "prompt": LONG, "echo": True}
+    tokenizer, model = checkpoint_reference
+    oai, expected = client(checkpoint_stack), prompt_log_softmax(model, LONG)
+    args = {"model": checkpoint_stack.settings.model_name, "prompt": LONG, "echo": True}
     args |= {"temperature": 0, "logprobs": 2, "extra_body": {"ignore_eos": True}}
     prompt_text = tokenizer.decode(LONG)
     scored = oai.completions.create(**args, max_tokens=0).choices[0]
@@ -290,18 +287,22 @@ def test_completion_echo_gives_the_prompt_s_logprobs_then_the_output_s(bpe_stack
     assert len(streamed) == len(whole.logprobs.token_logprobs)
 
 
-def test_max_tokens_0_without_echo_is_a_400(bpe_stack):
-    oai = client(bpe_stack)
+def test_max_tokens_0_without_echo_is_a_400(checkpoint_stack):
+    oai = client(checkpoint_stack)
     with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
-        oai.completions.create(model=bpe_stack.settings.model_name, prompt=LONG, max_tokens=0)
+        oai.completions.create(
+            model=checkpoint_stack.settings.model_name, prompt=LONG, max_tokens=0
+        )
 
 
-def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(bpe_stack, ref):
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(
+    checkpoint_stack, checkpoint_reference
+):
     """OpenAI's batched prompt forms (token id lists, texts): each prompt's `n` choices,
     indexed in prompt order; usage counts each prompt once. lm-evaluation-harness sends
     its loglikelihood requests as `prompt: [[ids]]` with echo."""
-    tokenizer, model = ref
-    oai, name = client(bpe_stack), bpe_stack.settings.model_name
+    tokenizer, model = checkpoint_reference
+    oai, name = client(checkpoint_stack), checkpoint_stack.settings.model_name
     prompts = [LONG[:12], LONG[12:30]]
     args = {"model": name, "max_tokens": 2, "temperature": 0, "n": 2}
     out = oai.completions.create(prompt=prompts, **args)

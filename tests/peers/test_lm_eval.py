@@ -18,31 +18,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from custody.up import Stack
-from tests.checkpoints import reference
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tests" / "data" / "lm_eval"
 LOGLIKELIHOOD_TOL, CACHE_TOL = 1e-4, 1e-5
-
-
-@pytest.fixture(scope="module")
-def stack(redis_url: str, chat_checkpoint: Path) -> Iterator[Stack]:
-    running = start_stack(stack_settings(redis_url, model=chat_checkpoint))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def ref(chat_checkpoint: Path):
-    return reference(chat_checkpoint)
 
 
 def lm_eval(stack: Stack, out: Path) -> dict[str, list[dict]]:
@@ -92,9 +77,11 @@ def greedy_text(tokenizer, model, prompt: str, n: int, until: str) -> str:
     return tokenizer.decode(out).split(until)[0]
 
 
-def test_lm_eval_scores_are_transformers_loglikelihoods_and_greedy_text(stack, ref, tmp_path):
-    tokenizer, model = ref
-    samples = lm_eval(stack, tmp_path)
+def test_lm_eval_scores_are_transformers_loglikelihoods_and_greedy_text(
+    checkpoint_stack, checkpoint_reference, tmp_path
+):
+    tokenizer, model = checkpoint_reference
+    samples = lm_eval(checkpoint_stack, tmp_path)
     choice = samples["custody_choice"]
     assert len(choice) == 6
     for sample in choice:
@@ -114,14 +101,16 @@ def docs() -> list[dict]:
     return [json.loads(line) for line in (TASKS / "choice.jsonl").read_text().splitlines()]
 
 
-def test_a_continuation_scored_after_its_context_was_cached_equals_the_cold_score(stack, ref):
+def test_a_continuation_scored_after_its_context_was_cached_equals_the_cold_score(
+    checkpoint_stack, checkpoint_reference
+):
     """Each continuation after a few-shot context (every other question with its answer,
     then the question: pages long), scored through /generate from the context's last
     position: cold (cache flushed), then warm (the context alone prefilled first, so the
     cache holds it): equal within 1e-5, the warm one reusing all but at most a page of
     the context, and both transformers' loglikelihood."""
-    tokenizer, model = ref
-    port, page = stack.settings.port, stack.settings.page_size
+    tokenizer, model = checkpoint_reference
+    port, page = checkpoint_stack.settings.port, checkpoint_stack.settings.page_size
     all_docs = docs()
     for i, doc in enumerate(all_docs):
         shots = [d for j, d in enumerate(all_docs) if j != i]
