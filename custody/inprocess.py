@@ -18,7 +18,6 @@ from services.executor.weights import load_model, model_dtype
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.records.request import Request
 from shared.config import Settings
-from shared.messages.forward import StepResult
 from shared.tokenizer import load_tokenizer
 
 
@@ -51,17 +50,7 @@ class InProcess:
         rows = [r.wire for r in plan.rows]
         result = self.runner.execute(rows, plan.ops, moves=plan.moves, discards=plan.discards)
         sampling = [r.rid for r in plan.rows if r.sample]
-        reply = StepResult.of(
-            "",
-            plan.step_id,
-            "",
-            sampling,
-            result.tokens,
-            result.logprobs,
-            failed_moves=result.failed_moves,
-            top=result.top,
-        )
-        return self.engine.complete(plan, reply)
+        return self.engine.complete(plan, result.reply("", plan.step_id, "", sampling))
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

@@ -10,12 +10,17 @@ import json
 import math
 import urllib.error
 
+import numpy as np
 import openai
 import pytest
 import torch
 
+from custody.inprocess import InProcess
 from custody.up import Stack
-from tests.services_harness import call
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
+from tests.services_harness import POOLS, call
 from tests.test_api import sse_events
 
 PROMPT_IDS = [5, 77, 140, 23, 301, 9, 64, 210, 18, 33]
@@ -323,3 +328,32 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(
         assert all(
             abs(got[p] - float(expected[p - 1, prompt[p]])) < TOL for p in range(1, len(prompt))
         )
+
+
+def scored_in_process(retract_when: str | None) -> Request:
+    """`LONG` (in the built-in model's bytes) with its input logprobs (and top 2) in one
+    process, retracted once
+    mid-prefill (`"prefill"`: its first chunk computed, not its last) or after its first
+    output token (`"output"`); a re-admitted request computes them all again."""
+    local = InProcess(Settings(**POOLS))  # 32-token chunks: LONG takes two
+    params = SamplingParams(max_new_tokens=3, logprobs=True, top_logprobs=2, logprob_start=0)
+    req = local.engine.submit(Request("x", np.asarray([t % 256 for t in LONG]), params))
+    done = {"prefill": lambda: req.computed > 0, "output": lambda: len(req.output) > 0}
+    if retract_when is not None:
+        while not done[retract_when]():
+            local.step()
+        assert req.computed < len(LONG) or retract_when == "output"
+        local.engine.retract(req)
+    local.run_until_idle()
+    assert req.input_logprobs[0] is None and None not in req.input_logprobs[1:]
+    return req
+
+
+def test_input_logprobs_are_the_same_after_a_retract_mid_prefill_or_after_it():
+    whole = scored_in_process(None)
+    assert len(whole.input_logprobs) == len(LONG) and len(whole.input_top) == len(LONG)
+    for when in ("prefill", "output"):
+        again = scored_in_process(when)
+        assert np.allclose(again.input_logprobs[1:], whole.input_logprobs[1:], atol=1e-5)
+        assert [t[0] for t in again.input_top[1:]] == [t[0] for t in whole.input_top[1:]]
+        assert again.output == whole.output

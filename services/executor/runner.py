@@ -44,7 +44,7 @@ from services.executor.tiers import no_tiers
 from services.executor.tiers.checks import TierMoveRefused
 from services.executor.tiers.mover import TierMover
 from shared.deferred_ops import DeferredOps, DeferredOpsError
-from shared.messages.forward import StepRow
+from shared.messages.forward import StepResult, StepRow
 from shared.messages.sampling import MAX_TOP_LOGPROBS, RowScores, Top
 from shared.messages.tiers import TierMove
 
@@ -74,6 +74,24 @@ class Sampled:
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
     top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
     scores: list[RowScores] = field(default_factory=list)  # of the rows scoring inputs
+
+    def reply(
+        self, executor_epoch: str, step: int, scheduler_epoch: str, rids: list[str]
+    ) -> StepResult:
+        """The answer to step `step` whose sampling rows are `rids`, as the wire has it:
+        the one place a run step becomes a result (the service and the in-process
+        runtime both answer with it)."""
+        return StepResult.of(
+            executor_epoch,
+            step,
+            scheduler_epoch,
+            rids,
+            self.tokens,
+            self.logprobs,
+            failed_moves=self.failed_moves,
+            top=self.top,
+            scores=self.scores,
+        )
 
 
 class ModelRunner:

@@ -243,18 +243,7 @@ class ExecutorService:
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
-        reply = StepResult.of(
-            self.epoch,
-            step.step,
-            step.epoch,
-            sampling,
-            result.tokens,
-            result.logprobs,
-            failed_moves=result.failed_moves,
-            top=result.top,
-            scores=result.scores,
-        )
-        return encode(reply)
+        return encode(result.reply(self.epoch, step.step, step.epoch, sampling))
 
     def _for_me(self, scheduler: str, step: int, planned_for: str) -> bool:
         """A step is run (or answered) only if planned for this life, by the live
