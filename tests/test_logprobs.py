@@ -357,3 +357,18 @@ def test_input_logprobs_are_the_same_after_a_retract_mid_prefill_or_after_it():
         assert np.allclose(again.input_logprobs[1:], whole.input_logprobs[1:], atol=1e-5)
         assert [t[0] for t in again.input_top[1:]] == [t[0] for t in whole.input_top[1:]]
         assert again.output == whole.output
+
+
+def test_a_stream_s_cap_counts_the_input_positions_every_chunk_repeats(checkpoint_stack):
+    """SGLang's cumulative chunks repeat the input's logprobs each time, so a streamed
+    request's cap counts them: the same request is refused from position 0, served from
+    position 39 (one entry listed)."""
+    port = checkpoint_stack.settings.port
+    body = {"input_ids": LONG, "return_logprob": True, "top_logprobs_num": 20, "stream": True}
+    body |= {"sampling_params": {"max_new_tokens": 160, "ignore_eos": True}}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        call(port, "/generate", body | {"logprob_start_len": 0})
+    assert err.value.code == 400 and "logprob_start_len" in err.value.read().decode()
+    streamed = sse_events(port, "/generate", body | {"logprob_start_len": 39})
+    events = [e for e in streamed if e != "[DONE]"]
+    assert len(events[-1]["meta_info"]["input_token_logprobs"]) == 1

@@ -91,19 +91,25 @@ def sglang_inputs(text: TokenTexts, req: Request) -> dict:
     return meta
 
 
-# A streamed logprob request's most entries: max_new_tokens x (top_logprobs_num + 1). An
-# SGLang stream's chunks are cumulative, so it sends about half the square of that.
+# A streamed logprob request's most entries in one chunk: (max_new_tokens + the input
+# positions listed) x (top_logprobs_num + 1). An SGLang stream's chunks are cumulative, so
+# it sends about max_new_tokens times that in all.
 MAX_STREAMED_LOGPROBS = 4096
 
 
-def check_streamed(req_params: SamplingParams) -> None:
-    """Refuse a streamed logprob request over `MAX_STREAMED_LOGPROBS` (400)."""
-    entries = req_params.max_new_tokens * (req_params.top_logprobs + 1)
+def check_streamed(req_params: SamplingParams, prompt_len: int) -> None:
+    """Refuse a streamed logprob request over `MAX_STREAMED_LOGPROBS` (400): every
+    cumulative chunk repeats the input's entries and the output's so far. `prompt_len`:
+    the input's tokens, a session's history included."""
+    start = req_params.logprob_start
+    inputs = max(0, prompt_len - start) if start >= 0 else 0
+    entries = (req_params.max_new_tokens + inputs) * (req_params.top_logprobs + 1)
     if req_params.logprobs and entries > MAX_STREAMED_LOGPROBS:
         raise InvalidRequest(
             f"a streamed request with logprobs may ask for at most {MAX_STREAMED_LOGPROBS} "
-            f"entries (max_new_tokens x (top_logprobs_num + 1)); this one asks for {entries}: "
-            "ask for fewer tokens or alternatives, or do not stream"
+            "entries ((max_new_tokens + the input positions from logprob_start_len) x "
+            f"(top_logprobs_num + 1)); this one asks for {entries}: ask for fewer tokens, "
+            "positions or alternatives, or do not stream"
         )
 
 

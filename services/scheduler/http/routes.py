@@ -195,7 +195,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         done = await run_generation(request, rid.server, tokens, params, session, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
     sse = EventStream(request)
-    progress = streamer(door, sse, rid.shown, params)
+    history = 0 if session is None else session.history.size
+    progress = streamer(door, sse, rid.shown, params, history + len(tokens))
     await run_generation(request, rid.server, tokens, params, session, options, progress)
     await sse.send("[DONE]")
     return sse.response
@@ -227,7 +228,7 @@ async def generate_many(
         return web.json_response(replies)
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(door, sse, claim.shown, job.params, i))
+        replace(job, progress=streamer(door, sse, claim.shown, job.params, len(job.tokens), i))
         for i, (job, claim) in enumerate(zip(jobs, claims, strict=True))
     ]
     await run_all(request, jobs)
@@ -254,13 +255,14 @@ def streamer(
     sse: EventStream,
     rid: str,
     params: SamplingParams,
+    prompt_len: int,
     index: int | None = None,
 ) -> Progress:
     """A request's stream: SGLang's chunks are cumulative (text, output ids, logprobs so
     far), or with `--incremental-streaming-output` carry only what is new, as SGLang's
     do with that flag; a batch item's carry `index`. Refuses (400) a logprob request
     over the cap before anything streams."""
-    check_streamed(params)
+    check_streamed(params, prompt_len)
     cursor, tag = StreamCursor(), {} if index is None else {"index": index}
     incremental = door.settings.incremental_streaming_output
     entries = SglangStream(door.tokenizer, params.top_logprobs > 0) if params.logprobs else None
