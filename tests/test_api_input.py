@@ -190,6 +190,7 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_refused_unless_neutra
         ("/generate", generate([1], stop_regex=["a+"]), "sampling_params.stop_regex"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, "logit_bias"),
         ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
         (
             "/v1/chat/completions",
             {**chat, "response_format": {"type": "json_object"}},

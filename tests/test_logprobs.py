@@ -53,7 +53,7 @@ def check_top(expected: torch.Tensor, got: list[tuple[int, float]]) -> None:
 
 
 def test_generate_logprobs_match_transformers(checkpoint_stack, checkpoint_reference):
-    _, model = checkpoint_reference
+    tokenizer, model = checkpoint_reference
     sampling = {"max_new_tokens": N, "ignore_eos": True}
     body = {"input_ids": PROMPT_IDS, "sampling_params": sampling, "return_logprob": True}
     out = call(checkpoint_stack.settings.port, "/generate", body | {"top_logprobs_num": K})
@@ -65,6 +65,12 @@ def test_generate_logprobs_match_transformers(checkpoint_stack, checkpoint_refer
         assert abs(lp - float(expected[i, tok])) < TOL
         check_top(expected[i], [(t, lp) for lp, t, _ in meta["output_top_logprobs"][i]])
         assert len(meta["output_top_logprobs"][i]) == K
+    assert all(text is None for _, _, text in meta["output_token_logprobs"])  # SGLang's
+    named = call(
+        checkpoint_stack.settings.port, "/generate", body | {"return_text_in_logprobs": True}
+    )
+    texts = [text for _, _, text in named["meta_info"]["output_token_logprobs"]]
+    assert texts == [tokenizer.decode([t]) for t in ids]
     plain = call(checkpoint_stack.settings.port, "/generate", body)
     assert "output_top_logprobs" not in plain["meta_info"]  # not asked for
     stream = body | {"top_logprobs_num": K, "stream": True}

@@ -18,13 +18,16 @@ from shared.tokenizer import Tokenizer
 
 
 class TokenTexts:
-    """Each token id's own text, decoded once."""
+    """Each token id's own text, decoded once; `named` False: none (SGLang's null text,
+    unless a request sets `return_text_in_logprobs`)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, named: bool = True) -> None:
+        self.tokenizer, self.named = tokenizer, named
         self.seen: dict[int, str] = {}
 
-    def __call__(self, token: int) -> str:
+    def __call__(self, token: int) -> str | None:
+        if not self.named:
+            return None
         text = self.seen.get(token)
         if text is None:
             text = self.seen[token] = self.tokenizer.decode([token])
@@ -54,11 +57,11 @@ def _top(req: Request, i: int) -> list[tuple[int, float]]:
     return list(zip(ids, lps, strict=True))
 
 
-def sglang(tokenizer: Tokenizer, req: Request, end: int | None = None) -> dict:
+def sglang(text: TokenTexts, req: Request, end: int | None = None) -> dict:
     """SGLang's `meta_info` fields: `input_token_logprobs` and `output_token_logprobs`
     [[logprob, id, text]] per position and, when `top_logprobs_num` asked for them,
     `input_top_logprobs` and `output_top_logprobs`."""
-    text, end = TokenTexts(tokenizer), len(req.output) if end is None else end
+    end = len(req.output) if end is None else end
     pairs = list(zip(req.logprobs[:end], req.output[:end], strict=False))
     meta: dict = sglang_inputs(text, req)
     meta["output_token_logprobs"] = [[lp, tok, text(tok)] for lp, tok in pairs]
@@ -119,8 +122,8 @@ class SglangStream:
     serializing of every entry so far again (300 tokens cost 33.5 MB of new JSON that
     way, on the loop every client shares)."""
 
-    def __init__(self, tokenizer: Tokenizer, top: bool) -> None:
-        self.text, self.top = TokenTexts(tokenizer), top
+    def __init__(self, text: TokenTexts, top: bool) -> None:
+        self.text, self.top = text, top
         self.tokens: list[bytes] = []
         self.tops: list[bytes] = []
         self.inputs: dict[str, msgspec.Raw] = {}

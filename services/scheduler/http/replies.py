@@ -29,14 +29,15 @@ class MetaInfo(Struct):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    # with return_logprob: [logprob, token id, token text] per output token, and per
+    # with return_logprob: [logprob, token id, token text (null unless
+    # return_text_in_logprobs)] per output token, and per
     # output token its top_logprobs_num alternatives (when asked) in the same shape; the
     # input's from logprob_start_len (empty without it), the first position's logprob
     # and alternatives null
-    input_token_logprobs: list[tuple[float | None, int, str]] | None = None
-    input_top_logprobs: list[list[tuple[float, int, str]] | None] | None = None
-    output_token_logprobs: list[tuple[float, int, str]] | None = None
-    output_top_logprobs: list[list[tuple[float, int, str]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
 class GenerateReply(Struct):

@@ -24,7 +24,7 @@ from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
 from services.scheduler.http.limits import open_session_within_limits
-from services.scheduler.http.logprobs import SglangStream, check_streamed
+from services.scheduler.http.logprobs import SglangStream, TokenTexts, check_streamed
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.schemas import decode_body
@@ -40,11 +40,24 @@ from shared.tenancy import Refused
 DEFAULT_MAX_NEW_TOKENS = 16
 
 
+def logprob_texts(door: FrontDoor, body: Any) -> TokenTexts | None:
+    """How a /generate reply names its logprobs' tokens: None without `return_logprob`
+    (no logprob fields), their texts only with `return_text_in_logprobs` (SGLang's)."""
+    if not body.return_logprob:
+        return None
+    return TokenTexts(door.tokenizer, body.return_text_in_logprobs)
+
+
 def response_of(
-    door: FrontDoor, req: Request, rid: str, logprobs: bool = False, text: str | None = None
+    door: FrontDoor,
+    req: Request,
+    rid: str,
+    logprobs: TokenTexts | None = None,
+    text: str | None = None,
 ) -> dict:
-    """The SGLang response; `rid` is the client's (the engine's is internal); `text`:
-    what a stream shows so far (default: the whole text of the ended request)."""
+    """The SGLang response; `rid` is the client's (the engine's is internal); `logprobs`:
+    with the logprob fields, naming their tokens so; `text`: what a stream shows so far
+    (default: the whole text of the ended request)."""
     meta = {
         "id": rid,
         "finish_reason": msgspec.to_builtins(req.finish_reason),
@@ -52,8 +65,8 @@ def response_of(
         "completion_tokens": len(req.output),
         "cached_tokens": req.cached_tokens,
     }
-    if logprobs:  # cumulative in a stream, as SGLang's chunks are
-        meta |= sglang_logprobs(door.tokenizer, req)
+    if logprobs is not None:
+        meta |= sglang_logprobs(logprobs, req)
     text = output_text(req) if text is None else text
     return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
@@ -189,14 +202,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
         return await generate_many(request, body, [tokens], [body.rid])
     rid = request.app[TENANCY].claim(request, body.rid)
-    logprobs, params = body.return_logprob, engine_params(request, body, session, len(tokens))
+    logprobs, params = logprob_texts(door, body), engine_params(request, body, session, len(tokens))
     options = body.session_options()
     if not body.stream:
         done = await run_generation(request, rid.server, tokens, params, session, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))
     sse = EventStream(request)
     history = 0 if session is None else session.history.size
-    progress = streamer(door, sse, rid.shown, params, history + len(tokens))
+    progress = streamer(door, sse, rid.shown, params, history + len(tokens), logprobs)
     await run_generation(request, rid.server, tokens, params, session, options, progress)
     await sse.send("[DONE]")
     return sse.response
@@ -219,7 +232,7 @@ async def generate_many(
     ]
     claims = [request.app[TENANCY].claim(request, rid) for rid, _, _ in planned]
     jobs = [Job(c.server, ids, params) for c, (_, ids, params) in zip(claims, planned, strict=True)]
-    logprobs = body.return_logprob
+    logprobs = logprob_texts(door, body)
     if not body.stream:
         done = await run_all(request, jobs)
         replies = [
@@ -228,7 +241,10 @@ async def generate_many(
         return web.json_response(replies)
     sse = EventStream(request)
     jobs = [
-        replace(job, progress=streamer(door, sse, claim.shown, job.params, len(job.tokens), i))
+        replace(
+            job,
+            progress=streamer(door, sse, claim.shown, job.params, len(job.tokens), logprobs, i),
+        )
         for i, (job, claim) in enumerate(zip(jobs, claims, strict=True))
     ]
     await run_all(request, jobs)
@@ -256,6 +272,7 @@ def streamer(
     rid: str,
     params: SamplingParams,
     prompt_len: int,
+    logprobs: TokenTexts | None,
     index: int | None = None,
 ) -> Progress:
     """A request's stream: SGLang's chunks are cumulative (text, output ids, logprobs so
@@ -265,14 +282,14 @@ def streamer(
     check_streamed(params, prompt_len)
     cursor, tag = StreamCursor(), {} if index is None else {"index": index}
     incremental = door.settings.incremental_streaming_output
-    entries = SglangStream(door.tokenizer, params.top_logprobs > 0) if params.logprobs else None
+    entries = None if logprobs is None else SglangStream(logprobs, params.top_logprobs > 0)
 
     async def progress(r: Request) -> None:
         chunk = cursor.next(r)
         if chunk is None:
             return
         start = chunk.start if incremental else 0
-        reply = response_of(door, r, rid, False, chunk.delta if incremental else chunk.text)
+        reply = response_of(door, r, rid, None, chunk.delta if incremental else chunk.text)
         reply["output_ids"] = reply["output_ids"][start : chunk.end]
         if entries is not None:
             reply["meta_info"] |= entries.fields(r, start, chunk.end)

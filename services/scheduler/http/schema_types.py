@@ -113,6 +113,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "prompt_logprobs": (None,),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -137,6 +138,7 @@ OPENAI_UNIMPLEMENTED = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "prompt_logprobs",
 )
 SGLANG_UNIMPLEMENTED = (
     "logit_bias",

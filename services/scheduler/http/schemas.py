@@ -213,6 +213,7 @@ def generate_schema(limits: st.Limits) -> type:
         top_logprobs_num: st.TopLogprobs = 0
         # with return_logprob: input logprobs from this position of the input (-1: none)
         logprob_start_len: st.LogprobStart | None = None
+        return_text_in_logprobs: bool = False  # each logprob entry's text (else null)
 
         def __post_init__(self) -> None:
             if (self.text is None) == (self.input_ids is None):

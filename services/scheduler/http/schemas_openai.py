@@ -72,6 +72,7 @@ class OpenAIRequest(Struct, kw_only=True):
     guided_regex: neutral_only("guided_regex") = None
     guided_choice: neutral_only("guided_choice") = None
     guided_grammar: neutral_only("guided_grammar") = None
+    prompt_logprobs: neutral_only("prompt_logprobs") = None  # vLLM's; echo scores a prompt
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
