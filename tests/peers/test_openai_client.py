@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 from collections.abc import Iterator
 
 import openai
@@ -279,6 +280,12 @@ def test_sglang_s_n_and_matched_stop(client, model, stack):
     assert len(batch) == 6 and [r["output_ids"] for r in batch[:3]] == [
         r["output_ids"] for r in replies
     ]
+    sid = call(port, "/open_session", {})
+    for refused in ({"rid": "one"}, {"session_params": {"id": sid}}):  # n names no one reply
+        with pytest.raises(urllib.error.HTTPError) as err:
+            call(port, "/generate", {"input_ids": PROMPT_IDS, "sampling_params": sampled} | refused)
+        assert err.value.code == 400 and "n > 1" in err.value.read().decode()
+    call(port, "/close_session", {"session_id": sid})
     stop = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": 3}}
     stop["sampling_params"]["stop_token_ids"] = [first]
     ended = call(port, "/generate", stop)["meta_info"]["finish_reason"]
