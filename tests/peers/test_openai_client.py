@@ -305,3 +305,11 @@ def test_sglang_s_n_and_matched_stop(client, model, stack):
         ).text
     )["choices"][0]
     assert plain["finish_reason"] == "length" and plain["matched_stop"] is None
+    details = {"return_cached_tokens_details": True}
+    whole = json.loads(
+        client.completions.with_raw_response.create(
+            model=model, prompt=PROMPT_IDS, max_tokens=2, extra_body=details
+        ).text
+    )
+    cached = whole["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert whole["sglext"] == {"cached_tokens_details": {"device": cached, "host": 0}}

@@ -63,6 +63,13 @@ def sglext(cached: int) -> dict:
     return {"cached_tokens_details": {"device": cached, "host": 0}}
 
 
+def accounting(reqs: list[Request], n: int, details: bool) -> dict:
+    """A reply's `usage` and, with `details`, its `sglext` of the same cached count."""
+    spent = usage(reqs, n)
+    cached = spent["prompt_tokens_details"]["cached_tokens"]
+    return {"usage": spent} | ({"sglext": sglext(cached)} if details else {})
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt of a request, tokenized; `echo`: the text each of its choices begins
@@ -155,8 +162,6 @@ async def respond(
     running = body.include_usage() and body.continuous_usage()
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
-        spent = usage(done, n)
-        extra = {"sglext": sglext(spent["prompt_tokens_details"]["cached_tokens"])}
         choices = [
             reply.choice(
                 *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")),
@@ -165,7 +170,7 @@ async def respond(
             )
             for i, (r, echo) in enumerate(zip(done, echoes, strict=True))
         ]
-        return web.json_response(reply.body(choices, usage=spent, **(extra if details else {})))
+        return web.json_response(reply.body(choices, **accounting(done, n, details)))
     sse = EventStream(request)
     jobs = [
         replace(job, progress=streamer(request, reply, sse, i, echo, details, running))
@@ -173,9 +178,7 @@ async def respond(
     ]
     done = await run_choices(request, jobs, session, turn)
     if body.include_usage():
-        spent = usage(done, n)
-        extra = {"sglext": sglext(spent["prompt_tokens_details"]["cached_tokens"])}
-        await sse.send(reply.body([], usage=spent, **(extra if details else {})))
+        await sse.send(reply.body([], **accounting(done, n, details)))
     await sse.send("[DONE]")
     return sse.response
 
