@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from services.executor.compiled_decode import CompiledDecode
+from services.executor.grammars import grammars_for
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.tiers import build_tiers
@@ -39,7 +40,8 @@ class InProcess:
             if settings.compile
             else None
         )
-        self.runner = ModelRunner(self.model, device_pools, tiers, compiled)
+        self.grammars = grammars_for(settings, self.model.cfg)
+        self.runner = ModelRunner(self.model, device_pools, tiers, compiled, self.grammars)
         self.runner.warm_up()
 
     def step(self) -> list[Request]:

@@ -66,6 +66,8 @@ class Settings:
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager
     compile: bool = True
+    # constrained JSON in xgrammar's compact form (SGLang's flag): bounded by its schema
+    constrained_json_disable_any_whitespace: bool = False
     # SGLang's /generate stream: cumulative chunks (SGLang's default), or only what is new
     incremental_streaming_output: bool = False
     stream_maxlen: int = 100_000

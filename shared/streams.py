@@ -118,6 +118,15 @@ class Keys:
         moves run: after a kill, a fault drill reads what was moving."""
         return self._name("executor:tier_in_flight")
 
+    @property
+    def grammar_checks(self) -> str:
+        """List of the scheduler's grammar compile checks, which the executor pops
+        (shared/messages/grammar.py); each names the key its answer goes to."""
+        return self._name("grammar-checks")
+
+    def grammar_verdict(self, check: str) -> str:
+        return self._name(f"grammar-verdict:{check}")
+
 
 SINGLE = Keys()  # the names of a single-replica stack (replica "0")
 

@@ -36,6 +36,7 @@ import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
 from services.executor.compiled_decode import CompiledDecode
+from services.executor.grammars import GrammarRefused, Grammars
 from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
@@ -74,6 +75,7 @@ class Sampled:
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
     top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
     scores: list[RowScores] = field(default_factory=list)  # of the rows scoring inputs
+    grammar_ended: list[str] = field(default_factory=list)  # rows whose grammar ended
 
     def reply(
         self, executor_epoch: str, step: int, scheduler_epoch: str, rids: list[str]
@@ -91,6 +93,7 @@ class Sampled:
             failed_moves=self.failed_moves,
             top=self.top,
             scores=self.scores,
+            grammar_ended=self.grammar_ended,
         )
 
 
@@ -101,9 +104,12 @@ class ModelRunner:
         pools: DevicePools,
         mover: TierMover | None = None,
         compiled: CompiledDecode | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """`compiled`: the compiled decode path (steps of one-token rows), else eager."""
+        """`compiled`: the compiled decode path (steps of one-token rows), else eager;
+        `grammars`: constrained decoding (None: a constrained row is refused)."""
         self.model, self.pools, self.compiled = model, pools, compiled
+        self.grammars = grammars
         self.mover = mover if mover is not None else no_tiers(pools)
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -142,13 +148,16 @@ class ModelRunner:
         logits, scores = self._logits(rows)
         if not sampling:  # a step of prefill chunks that sample nothing
             return Sampled([], [], scores=scores)
-        tokens, logprobs = sample(logits, sampling)
+        allowed = self.grammars.masks(sampling) if self.grammars else None
+        tokens, logprobs = sample(logits, sampling, allowed)
+        chosen = tokens.tolist()
         return Sampled(
-            tokens.tolist(),
+            chosen,
             logprobs.tolist(),
             logits.float().cpu() if keep_logits else None,
             top=top_logprobs(logits, sampling),
             scores=scores,
+            grammar_ended=self.grammars.accept(sampling, chosen) if allowed is not None else [],
         )
 
     def _logits(self, rows: list[StepRow]) -> tuple[torch.Tensor | None, list[RowScores]]:
@@ -271,6 +280,17 @@ class ModelRunner:
                 )
         if rows:
             self._validate_rows(rows, sizes.page_size, kv_rows, vocab)
+            self._validate_grammars(rows)
+
+    def _validate_grammars(self, rows: list[StepRow]) -> None:
+        constrained = [r for r in rows if r.grammar is not None]
+        if constrained and self.grammars is None:
+            raise BatchRefused(f"row {constrained[0].rid}: constrained, but no grammars here")
+        if constrained:
+            try:
+                self.grammars.validate(constrained)
+            except GrammarRefused as err:
+                raise BatchRefused(str(err)) from err
 
     @staticmethod
     def _validate_rows(rows: list[StepRow], page_size: int, kv_rows: int, vocab: int) -> None:

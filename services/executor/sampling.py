@@ -36,14 +36,20 @@ class SamplingError(ValueError):
     broken, and no token can be chosen."""
 
 
-def sample(logits: torch.Tensor, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, rows: list[StepRow], allowed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] for the sampling rows; returns (tokens [R], the model's log
-    probability of each chosen token [R])."""
+    probability of each chosen token [R]). `allowed` [R, V]: the tokens a grammar lets
+    each row choose (services/executor/grammars.py); the log probabilities stay the raw
+    logits' (vLLM's default)."""
     logits = logits.float()
     _check_finite(logits)
     processed = logits
     if any(row.penalties is not None for row in rows):
         processed = torch.stack([penalise(logits[j], row) for j, row in enumerate(rows)])
+    if allowed is not None:
+        processed = processed.masked_fill(~allowed.to(processed.device), float("-inf"))
     tokens = torch.argmax(processed, dim=-1)
     for j, row in enumerate(rows):
         if not row.temperature >= GREEDY_BELOW:  # also a NaN temperature

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 
 import redis
@@ -24,6 +25,7 @@ from redis.client import Pipeline
 
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.fence import SchedulerFence
+from services.executor.grammars import grammars_for
 from services.executor.metrics_http import serve_metrics
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import BatchRefused, ModelRunner, StepFailed
@@ -83,7 +85,8 @@ class ExecutorService:
             if settings.compile
             else None
         )
-        self.runner = ModelRunner(model, self.pools, mover, compiled)
+        self.grammars = grammars_for(settings, model.cfg)
+        self.runner = ModelRunner(model, self.pools, mover, compiled, self.grammars)
         started = time.perf_counter()
         self.runner.warm_up()  # before the first heartbeat: no step waits for set-up
         DECODE_COMPILED.set_function(lambda: self.runner.compiled is not None)
@@ -105,6 +108,10 @@ class ExecutorService:
         self._recovering = False  # after a Redis fault: read the pending steps first
         group = self.keys.forward, streams.EXECUTOR_GROUP
         when_up(lambda: streams.ensure_group(self.client, *group), starting)
+        checks = when_up(lambda: connect(settings.redis_url), starting)  # its own connection
+        threading.Thread(
+            target=self.grammars.serve_checks, args=(checks, self.keys), daemon=True
+        ).start()
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
         """For fault drills: what a step's tier moves are while they run ({}: done). A

@@ -18,6 +18,7 @@ from services.scheduler.runtime.cache_shipper import CacheShipper
 from services.scheduler.runtime.event_shipper import EventShipper
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.runtime.grammar_checks import GrammarChecks
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import LiveState, SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
@@ -82,6 +83,7 @@ class Scheduler:
             metrics,
             self.redis,
             self.outbox,
+            GrammarChecks(self.redis, self.keys),
         )
         self.tenancy = Tenancy(settings.api_keys, settings.admin_api_keys)
         self.registration = Registration(settings, self.keys, self.engine, self.link, self.intake)

@@ -29,6 +29,7 @@ from shared.messages.envelope import (
     array,
     empty,
 )
+from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties, RowScores, Top, pack_top, unpack_top
 from shared.messages.tiers import TierMove
 
@@ -60,6 +61,7 @@ class StepRow(Arrays, kw_only=True):
     # of scored[i], the token after it (RowScores in the result); empty: none.
     scored_from: int = 0
     scored: I4 = msgspec.field(default_factory=empty(I4))
+    grammar: RowGrammar | None = None  # a constrained sampling row (grammar.py)
     # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
     # the session store checks each write against its own ledger.
     owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
@@ -77,6 +79,8 @@ class StepRow(Arrays, kw_only=True):
                 f"row {self.rid}: {scored} scored positions from {self.scored_from} outside "
                 f"{self.start}..{self.end - 1}"
             )
+        if self.grammar is not None and not self.sample:
+            raise WireError(f"row {self.rid}: a grammar on a row that samples nothing")
 
     @classmethod
     def of(
@@ -222,7 +226,9 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     they held, and its destinations may not. `failed_moves`: the indices (in
     `Step.moves`) of tier moves that did not happen while the step ran on (a blob that
     failed its checksum, a disk that refused a write); their destinations hold nothing.
-    `scores`: the input log probabilities of the rows that scored positions."""
+    `scores`: the input log probabilities of the rows that scored positions.
+    `grammar_ended`: the constrained rows whose grammar can only end after the token
+    they sampled (the request stops there)."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
@@ -235,6 +241,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     top_ids: I4 = msgspec.field(default_factory=empty(I4))
     top_logprobs: F4 = msgspec.field(default_factory=empty(F4))
     scores: list[RowScores] = msgspec.field(default_factory=list)
+    grammar_ended: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         n, lp = len(self.tokens), len(self.logprobs)
@@ -258,6 +265,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
         failed_moves: list[int] | None = None,
         top: Sequence[Top] = (),
         scores: Sequence[RowScores] = (),
+        grammar_ended: Sequence[str] = (),
     ) -> StepResult:
         counts, top_ids, top_logprobs = pack_top(top)
         return cls(
@@ -274,6 +282,7 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
             top_ids=top_ids,
             top_logprobs=top_logprobs,
             scores=list(scores),
+            grammar_ended=list(grammar_ended),
         )
 
     @property

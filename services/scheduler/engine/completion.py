@@ -9,6 +9,7 @@ from services.scheduler.engine.in_flight import InFlight
 from services.scheduler.engine.queue import RequestQueue
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.stopping import finish_reason, length_limit
+from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request
 from services.scheduler.sessions.manager import SessionManager
 from shared.messages.forward import StepResult
@@ -42,6 +43,7 @@ class Completion:
         logprobs = dict(zip(rids, result.logprobs.tolist(), strict=True))
         top = dict(zip(rids, result.top, strict=True))
         scores = {s.rid: s for s in result.scores}
+        grammar_ended = set(result.grammar_ended)
         ended = []
         for row in plan.rows:
             if row.dropped:
@@ -69,6 +71,8 @@ class Completion:
                 token = int(sampled[row.rid])
                 req.record(token, logprobs[row.rid], top[row.rid])
                 req.finish_reason = finish_reason(req, token, self.eos_token_ids, self.context_len)
+                if req.finish_reason is None and row.rid in grammar_ended:
+                    req.finish_reason = FinishReason("stop", matched=token)  # only end is left
             elif row.end == req.length:  # a prefill-only request, its prompt computed
                 req.finish_reason = length_limit(req, self.context_len)
             if req.finish_reason is not None:

@@ -172,6 +172,7 @@ class EngineCore:
                 break
             req = waiting.popleft()
             req.status = Status.RUNNING
+            req.grammar_started = False  # its first sampling row starts the matcher
             running.append(req)
             chosen.append((req, n))
         plan.tier = self.sessions.moves.take()

@@ -13,7 +13,9 @@ from services.scheduler.allocators.paged_kv import pages_for
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.records.request import Request
 from services.scheduler.records.row_plan import RowPlan
+from shared.messages.envelope import I4, array
 from shared.messages.forward import StepRow
+from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
@@ -91,6 +93,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         future=future,
         scored_from=scored.start,
         scored=req.prompt[scored.start + 1 : scored.stop + 1],
+        grammar=row_grammar(req) if sample else None,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,
@@ -98,6 +101,21 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt))
     req.inflight.append(row)
     return row
+
+
+def row_grammar(req: Request) -> RowGrammar | None:
+    """The grammar of `req`'s sampling row being planned (None: unconstrained). The
+    first of an admission starts the executor's matcher with the output so far; the
+    others say how many tokens it has taken by then, the rows in flight's included
+    (shared/messages/grammar.py)."""
+    spec = req.params.grammar
+    if spec is None:
+        return None
+    accepted = len(req.output) + sum(1 for r in req.inflight if r.sample)
+    if req.grammar_started:
+        return RowGrammar(key=spec.key, accepted=accepted)
+    req.grammar_started = True
+    return RowGrammar(key=spec.key, accepted=accepted, spec=spec, replay=array(req.output, I4))
 
 
 def penalties(req: Request) -> Penalties:

@@ -61,3 +61,9 @@ def sglang_token_limit(
     history = 0 if session is None else session.history.size
     context_len = request.app[FRONT_DOOR].context_len
     return sglang_output_budget(history, new_tokens, requested, default, context_len)
+
+
+def any_whitespace(request: web.Request) -> bool:
+    """Whether constrained JSON may hold any whitespace (the server's setting,
+    constraints.py)."""
+    return not request.app[FRONT_DOOR].settings.constrained_json_disable_any_whitespace

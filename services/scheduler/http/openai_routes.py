@@ -17,8 +17,14 @@ import msgspec
 from aiohttp import web
 
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
-from services.scheduler.http.bodies import openai_token_limit, prompt_tokens, read_body
+from services.scheduler.http.bodies import (
+    any_whitespace,
+    openai_token_limit,
+    prompt_tokens,
+    read_body,
+)
 from services.scheduler.http.chat_session import plan_turn
+from services.scheduler.http.constraints import openai_constraint
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
@@ -141,6 +147,7 @@ async def respond(
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     history = 0 if session is None else session.history.size
+    grammar = openai_constraint(body, any_whitespace(request))
     planned = [
         (prompt, params)
         for prompt in prompts
@@ -148,6 +155,7 @@ async def respond(
             body.engine_params(
                 openai_token_limit(request, session, len(prompt.tokens), field, requested, default),
                 history,
+                grammar,
             ),
             n,
         )

@@ -19,7 +19,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY, TOKENIZER_DIR
-from services.scheduler.http.bodies import prompt_tokens, read_body, sglang_token_limit
+from services.scheduler.http.bodies import (
+    any_whitespace,
+    prompt_tokens,
+    read_body,
+    sglang_token_limit,
+)
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
@@ -262,7 +267,11 @@ def engine_params(
         request, session, tokens, sampling.max_new_tokens, DEFAULT_MAX_NEW_TOKENS
     )
     return sampling.engine_params(
-        limit, body.return_logprob, body.top_logprobs_num, body.logprob_start(item)
+        limit,
+        body.return_logprob,
+        body.top_logprobs_num,
+        body.logprob_start(item),
+        any_whitespace(request),
     )
 
 

@@ -103,21 +103,12 @@ def extension_params(body: Any) -> dict[str, Any]:
 # value is refused naming the field, rather than answered as if it had not been asked.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "min_tokens": (None, 0),
     "min_new_tokens": (None, 0),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "prompt_logprobs": (None,),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
     "stop_regex": (None, "", []),
 }
 
@@ -130,22 +121,14 @@ def neutral_only(name: str) -> Any:
 
 OPENAI_UNIMPLEMENTED = (
     "logit_bias",
-    "response_format",
     "best_of",
     "suffix",
     "min_tokens",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
     "prompt_logprobs",
 )
 SGLANG_UNIMPLEMENTED = (
     "logit_bias",
     "min_new_tokens",
-    "json_schema",
-    "regex",
-    "ebnf",
     "stop_regex",
 )
 

@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from services.scheduler.http import schema_types as st
+from services.scheduler.http.constraints import Source, sglang_constraint
 from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.http.schemas_tokenizer import tokenizer_schemas
@@ -159,9 +160,11 @@ def sampling_schema(limits: st.Limits) -> type:
         logit_bias: st.neutral_only("logit_bias") = None
         min_new_tokens: st.neutral_only("min_new_tokens") = None
         n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # parallel samples
-        json_schema: st.neutral_only("json_schema") = None
-        regex: st.neutral_only("regex") = None
-        ebnf: st.neutral_only("ebnf") = None
+        # constrained decoding (constraints.py), each as SGLang takes it: a string
+        json_schema: Source | None = None
+        regex: Source | None = None
+        ebnf: Source | None = None
+        structural_tag: Source | None = None
         stop_regex: st.neutral_only("stop_regex") = None
 
         def __post_init__(self) -> None:
@@ -176,8 +179,10 @@ def sampling_schema(limits: st.Limits) -> type:
             logprobs: bool = False,
             top_logprobs: int = 0,
             logprob_start: int = -1,
+            any_whitespace: bool = True,
         ) -> SamplingParams:
-            """`logprob_start`: the input logprobs' first position (-1: none)."""
+            """`logprob_start`: the input logprobs' first position (-1: none);
+            `any_whitespace`: constraints.py."""
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
                 temperature=self.temperature,
@@ -188,6 +193,7 @@ def sampling_schema(limits: st.Limits) -> type:
                 logprobs=logprobs,
                 top_logprobs=top_logprobs if logprobs else 0,
                 logprob_start=logprob_start if logprobs else -1,
+                grammar=sglang_constraint(self, any_whitespace),
                 **st.extension_params(self),
             )
 

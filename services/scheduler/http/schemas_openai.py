@@ -3,7 +3,7 @@
 Every optional field may be null, as in OpenAI's own schema; a null is the default.
 vLLM's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`, the
 penalties) are honoured. Fields that would change the output and that custody does not
-implement (`logit_bias`, `response_format`, chat's `echo`...) are refused unless
+implement (`logit_bias`, `best_of`, chat's `echo`...) are refused unless
 neutral; others (`user`, `tool_choice`...) are ignored. `n` (1..16) choices are each their
 own request, and so is each prompt of a completions batch.
 """
@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from services.scheduler.http.constraints import GuidedChoice, ResponseFormat, Source
 from services.scheduler.http.schema_types import (
     MAX_STOP_TOKEN_IDS,
     OPENAI_UNIMPLEMENTED,
@@ -37,6 +38,7 @@ from services.scheduler.http.schema_types import (
 )
 from services.scheduler.records.sampling import SamplingParams
 from shared.http_limits import MAX_BATCH, MAX_CHOICES
+from shared.messages.grammar import GrammarSpec
 
 
 class StreamOptions(Struct):
@@ -64,14 +66,15 @@ class OpenAIRequest(Struct, kw_only=True):
     return_cached_tokens_details: bool | None = None
     # not implemented: refused unless neutral (schema_types.NEUTRAL)
     logit_bias: neutral_only("logit_bias") = None
-    response_format: neutral_only("response_format") = None
     best_of: neutral_only("best_of") = None
     suffix: neutral_only("suffix") = None
     min_tokens: neutral_only("min_tokens") = None
-    guided_json: neutral_only("guided_json") = None
-    guided_regex: neutral_only("guided_regex") = None
-    guided_choice: neutral_only("guided_choice") = None
-    guided_grammar: neutral_only("guided_grammar") = None
+    # constrained decoding (constraints.py): OpenAI's, then vLLM's
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Source | None = None
+    guided_regex: Source | None = None
+    guided_choice: GuidedChoice | None = None
+    guided_grammar: Source | None = None  # EBNF
     prompt_logprobs: neutral_only("prompt_logprobs") = None  # vLLM's; echo scores a prompt
 
     def __post_init__(self) -> None:
@@ -92,9 +95,12 @@ class OpenAIRequest(Struct, kw_only=True):
         """The prompt's log probabilities are wanted (completions' echo with logprobs)."""
         return False
 
-    def engine_params(self, max_new_tokens: int, history: int = 0) -> SamplingParams:
+    def engine_params(
+        self, max_new_tokens: int, history: int = 0, grammar: GrammarSpec | None = None
+    ) -> SamplingParams:
         """Each route's struct adds vLLM's extensions (`openai_schemas`); `history`: the
-        session history the input follows (an echo's logprobs start after it)."""
+        session history the input follows (an echo's logprobs start after it);
+        `grammar`: what the output must match (constraints.py)."""
         wanted = self.wanted_logprobs()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -105,6 +111,7 @@ class OpenAIRequest(Struct, kw_only=True):
             stop=stop_strings(self.stop),
             top_logprobs=wanted or 0,
             logprob_start=history if self.echo_logprobs() else -1,
+            grammar=grammar,
             **extension_params(self),
         )
 

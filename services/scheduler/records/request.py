@@ -81,6 +81,8 @@ class Request:
     input_top: list[Top | None] = field(default_factory=list)  # when top_logprobs asks
     executor_losses: int = 0  # executor losses while its step was executing (faults.py)
     inflight: list[RowPlan] = field(default_factory=list)  # rows of steps in flight, in order
+    # the executor's matcher was started in this admission (step_builder.row_grammar)
+    grammar_started: bool = False
     text: OutputText | None = None  # the output as text (set by the engine with a tokenizer)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shared.messages.grammar import GrammarSpec
 from shared.messages.sampling import MAX_TOP_LOGPROBS
 
 SEED_MAX = 2**64 - 1  # what msgpack (uint64) carries to the executor
@@ -35,6 +36,7 @@ class SamplingParams:
     # with logprobs: the input's log probabilities from this position of the prompt
     # (SGLang's logprob_start_len, OpenAI's echo); -1: none (Request.score_inputs)
     logprob_start: int = -1
+    grammar: GrammarSpec | None = None  # what the output must match (constrained decoding)
 
     @property
     def penalised(self) -> bool:

@@ -18,6 +18,7 @@ from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.executor_link import ExecutorLink
+from services.scheduler.runtime.grammar_checks import GrammarChecks
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
@@ -44,6 +45,7 @@ class FrontDoor:
         metrics: SchedulerMetrics,
         redis: aioredis.Redis,
         outbox: OwnershipOutbox,
+        grammars: GrammarChecks,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -53,6 +55,7 @@ class FrontDoor:
         self._metrics = metrics
         self._redis = redis
         self._outbox = outbox
+        self._grammars = grammars
 
     # ---- what the edge reads ----
     @property
@@ -120,6 +123,8 @@ class FrontDoor:
         conversation), to its end, matching and feeding the prefix cache of
         `cache_namespace`; `progress` is called as tokens arrive."""
         engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
+        if params.grammar is not None:  # a 400 before it queues, if it cannot compile
+            await self._grammars.check(params.grammar)
         if session is None:
             plain = Request(rid, tokens, params, cache_namespace=cache_namespace)
             return await self._intake.run(engine.submit(plain), progress)
