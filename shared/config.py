@@ -16,6 +16,9 @@ from shared.streams import REPLICA_ID
 from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
 
+TOOL_PARSERS = ("qwen3_coder", "nemotron_json", "hermes")  # text/tool_calls.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3")  # text/reasoning.py
+
 ROUTER_POLICIES = ("prefix", "random")
 # never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
 # a password)
@@ -68,6 +71,12 @@ class Settings:
     compile: bool = True
     # constrained JSON in xgrammar's compact form (SGLang's flag): bounded by its schema
     constrained_json_disable_any_whitespace: bool = False
+    # how the model writes tool calls (services/scheduler/text/tool_calls.py: qwen3_coder,
+    # nemotron_json, hermes); empty: tool calls are not parsed (tool_choice auto refused)
+    tool_call_parser: str = ""
+    # how it marks its reasoning (text/reasoning.py: nemotron_v3, deepseek_r1, qwen3);
+    # empty: reasoning stays in the content
+    reasoning_parser: str = ""
     # SGLang's /generate stream: cumulative chunks (SGLang's default), or only what is new
     incremental_streaming_output: bool = False
     stream_maxlen: int = 100_000
@@ -135,6 +144,10 @@ class Settings:
                 "migration (drains, re-homing) need an operator key, and without one they "
                 "would be refused (or the store left open); set --admin-api-keys too"
             )
+        if self.tool_call_parser not in ("", *TOOL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} (or empty)")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} (or empty)")
         if self.replica_forget_seconds < 0:
             raise ValueError("replica_forget_seconds must be >= 0 (0: never)")
         if self.session_idle_timeout < 0:

@@ -23,7 +23,7 @@ import numpy as np
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
-from services.scheduler.text.chat_tokens import ChatEncoder
+from services.scheduler.text.chat_tokens import ChatEncoder, template_message
 from shared.messages.ownership import ChatEntry
 
 log = logging.getLogger("custody.scheduler.chat")
@@ -74,11 +74,11 @@ def plan_turn(
     encoder: ChatEncoder,
     session: Session,
     messages: list[dict],
-    tools: list[dict] | None,
-    reply_text: Callable[[Request], str],
+    variables: dict,
+    reply_message: Callable[[Request], dict],
 ) -> tuple[list[int], ChatTurn]:
     """The turn's new tokens and what its session keeps of it; `messages` as the
-    template sees them, `reply_text` the reply as the client gets it."""
+    template sees them, `reply_message` the reply as the client gets it."""
     digests = [digest(m) for m in messages]
     known = check_conversation(session, digests)
     if len(messages) - known > MAX_NEW_MESSAGES:
@@ -86,7 +86,7 @@ def plan_turn(
             f"a chat turn on a session adds at most {MAX_NEW_MESSAGES} messages, not "
             f"{len(messages) - known}; send a longer conversation without session_id"
         )
-    full = encoder.tokens(messages, True, tools)
+    full = encoder.tokens(messages, True, variables)
     history = session.history
     if len(full) < len(history) or not np.array_equal(full[: len(history)], history):
         raise SessionError(
@@ -97,14 +97,14 @@ def plan_turn(
         )
     entries = list(session.chat or ())
     for j in range(known, len(messages)):
-        end = len(encoder.tokens(messages[: j + 1], False, tools))
+        end = len(encoder.tokens(messages[: j + 1], False, variables))
         entries.append(ChatEntry(digests[j], end))
 
     def reply(req: Request) -> tuple[ChatEntry, np.ndarray] | None:
         """Run by the engine at the turn's end; it must not raise."""
         try:
-            message = {"role": "assistant", "content": reply_text(req)}
-            canonical = encoder.tokens([*messages, message], False, tools)
+            message = template_message(reply_message(req), encoder.template.takes_lists)
+            canonical = encoder.tokens([*messages, message], False, variables)
         except Exception:
             log.exception("session %s: its reply has no canonical rendering", session.sid)
             return None

@@ -24,7 +24,8 @@ from services.scheduler.http.bodies import (
     read_body,
 )
 from services.scheduler.http.chat_session import plan_turn
-from services.scheduler.http.constraints import openai_constraint
+from services.scheduler.http.chat_tools import chat_parsing
+from services.scheduler.http.constraints import one, openai_constraint
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
@@ -36,6 +37,8 @@ from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session
 from services.scheduler.runtime.front_door import Progress
+from services.scheduler.text.assistant_reply import ReplyParser, ReplyStream
+from shared.messages.grammar import GrammarSpec
 from shared.tenancy import Refused
 from shared.tokenizer import Tokenizer
 
@@ -93,8 +96,13 @@ def ending(req: Request) -> FinishReason | None:
 class Reply:
     """The envelope of one completion or chat completion, whole or as chunks."""
 
-    def __init__(self, rid: str, chat: bool, stream: bool, model: str) -> None:
+    def __init__(
+        self, rid: str, chat: bool, stream: bool, model: str, parser: ReplyParser | None = None
+    ) -> None:
+        """`parser`: a chat reply's reasoning and tool calls (chat_tools.py); None: its
+        text is its content."""
         self.rid, self.chat, self.stream, self.model = rid, chat, stream, model
+        self.parser = parser
         self.kind = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
 
@@ -115,6 +123,35 @@ class Reply:
         message = {part: {"role": "assistant", "content": text}, "logprobs": logprobs}
         return {"index": index} | ended | message
 
+    def parsed_choice(
+        self, rid: str, text: str, logprobs: dict | None, reason: FinishReason, index: int
+    ) -> dict:
+        """A whole chat choice through the parser: `finish_reason` `tool_calls` when
+        the model called tools and stopped by itself."""
+        message, called = self.parser.message(rid, text)
+        choice = self.choice(text, logprobs, reason, index)
+        if called and reason.type == "stop":
+            choice["finish_reason"] = "tool_calls"
+        return choice | {"message": message}
+
+    def delta_chunks(
+        self, stream: ReplyStream, r: Request, text: str, logprobs: dict | None, index: int
+    ) -> list[dict]:
+        """A streamed chat choice's chunks for its reply so far (`text`), through the
+        parser; the last carries the finish reason once it ended."""
+        reason = ending(r)
+        deltas = stream.deltas(text, reason is not None)
+        if reason is not None or not deltas:
+            deltas.append({})
+        chunks = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = self.choice("", logprobs if i == 0 else None, reason if last else None, index)
+            if last and reason is not None and stream.called and reason.type == "stop":
+                choice["finish_reason"] = "tool_calls"
+            chunks.append(choice | {"delta": delta | ({"role": "assistant"} if i == 0 else {})})
+        return chunks
+
     def body(self, choices: list[dict], **extra: object) -> dict:
         kind = f"{self.kind}.chunk" if self.stream else self.kind
         head = {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
@@ -128,9 +165,12 @@ async def respond(
     chat: bool,
     session: Session | None,
     turn: ChatTurn | None = None,
+    parser: ReplyParser | None = None,
+    tool_grammar: GrammarSpec | None = None,
 ) -> web.StreamResponse:
     """Answer a completion or chat completion: `n` choices per prompt, each its own
-    request, indexed in prompt order; `session`: the turn's, resolved once."""
+    request, indexed in prompt order; `session`: the turn's, resolved once; `parser`
+    and `tool_grammar`: a chat's tool calls and reasoning (chat_tools.py)."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
@@ -147,7 +187,8 @@ async def respond(
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     history = 0 if session is None else session.history.size
-    grammar = openai_constraint(body, any_whitespace(request))
+    constraints = {"constraint": openai_constraint(body, any_whitespace(request))}
+    grammar = one(constraints | {"tool_choice": tool_grammar})
     planned = [
         (prompt, params)
         for prompt in prompts
@@ -163,21 +204,22 @@ async def respond(
     tenancy = request.app[TENANCY]
     claims = [tenancy.claim(request, None, ID_PREFIX[chat])]
     claims += [tenancy.claim(request, None) for _ in planned[1:]]
-    reply = Reply(claims[0].shown, chat, body.stream, served)
+    reply = Reply(claims[0].shown, chat, body.stream, served, parser)
     jobs = [Job(c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
     echoes = [prompt.echo for prompt, _ in planned]
     details = bool(body.return_cached_tokens_details)
     running = body.include_usage() and body.continuous_usage()
     if not body.stream:
         done = await run_choices(request, jobs, session, turn)
-        choices = [
-            reply.choice(
-                *echoed(door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")),
-                r.finish_reason,
-                i,
+        choices = []
+        for i, (r, echo) in enumerate(zip(done, echoes, strict=True)):
+            text, lps = echoed(
+                door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")
             )
-            for i, (r, echo) in enumerate(zip(done, echoes, strict=True))
-        ]
+            if parser is None:
+                choices.append(reply.choice(text, lps, r.finish_reason, i))
+            else:
+                choices.append(reply.parsed_choice(r.rid, text, lps, r.finish_reason, i))
         return web.json_response(reply.body(choices, **accounting(done, n, details)))
     sse = EventStream(request)
     jobs = [
@@ -242,11 +284,20 @@ def streamer(
     each chunk its choice's `usage` so far."""
     tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
     head = echo
+    parsed: ReplyStream | None = None
 
     async def progress(r: Request) -> None:
-        nonlocal head
+        nonlocal head, parsed
         chunk = cursor.next(r)
-        if chunk is not None:
+        if chunk is not None and reply.parser is not None:
+            parsed = parsed or ReplyStream(reply.parser, r.rid)
+            lps = openai_logprobs(tokenizer, r, True, chunk.start, chunk.end, 0)
+            extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
+            if running:
+                extra["usage"] = usage([r], 1)
+            for choice in reply.delta_chunks(parsed, r, chunk.text, lps, index):
+                await sse.send(reply.body([choice], **extra))
+        elif chunk is not None:
             sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
             offset = sent + len(echo or "")
             text, lps = echoed(
@@ -286,13 +337,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
     encoder, sid = request.app[CHAT], body.session_id
+    parser, grammar = chat_parsing(request.app[FRONT_DOOR].settings, body)
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
+    variables = body.template_variables()
     if sid is None:
-        tokens = encoder.tokens(messages, True, body.tools)
-        return await respond(request, body, [Prompt(tokens)], True, None)
+        tokens = encoder.tokens(messages, True, variables)
+        return await respond(request, body, [Prompt(tokens)], True, None, None, parser, grammar)
     session = own_session(request, sid)  # the one lookup of its session
-    tokens, turn = plan_turn(encoder, session, messages, body.tools, output_text)
-    return await respond(request, body, [Prompt(tokens)], True, session, turn)
+
+    def reply_message(r: Request) -> dict:
+        """The turn's reply as the client gets it, and sends it back."""
+        if parser is None:
+            return {"role": "assistant", "content": output_text(r)}
+        message, _ = parser.message(r.rid, output_text(r))
+        return {k: v for k, v in message.items() if v is not None}
+
+    tokens, turn = plan_turn(encoder, session, messages, variables, reply_message)
+    return await respond(request, body, [Prompt(tokens)], True, session, turn, parser, grammar)
 
 
 ROUTES = (

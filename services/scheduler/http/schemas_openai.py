@@ -122,6 +122,17 @@ class OpenAIRequest(Struct, kw_only=True):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+class FunctionName(Struct):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    """`tool_choice` naming the one function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ContentPart(Struct):
     """One part of a message's content; only text parts (the model reads no images)."""
 
@@ -147,6 +158,7 @@ class ChatMessage(Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, given to the template
     tool_call_id: str | None = None  # a tool message's answer to one of them
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that keep it
 
     def __post_init__(self) -> None:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -164,6 +176,12 @@ CONTENT_OR_CALLS = {
     ]
 }
 Message = Annotated[ChatMessage, Meta(extra_json_schema=CONTENT_OR_CALLS)]
+
+
+# set by custody for every rendering (chat_template.py), so not a request's to change
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 def prompt_forms(limits: Limits) -> Any:
@@ -259,6 +277,12 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
 
         messages: Annotated[list[Message], Meta(min_length=1, max_length=limits.context_len)]
         tools: list[dict[str, Any]] | None = None  # given to the template as they come
+        # how the reply calls them (http/chat_tools.py): none, auto, required or one
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+        parallel_tool_calls: bool | None = None  # false: at most one call per reply
+        # extra variables for the chat template (its thinking switch, say); not the
+        # ones custody sets itself
+        chat_template_kwargs: dict[str, Any] | None = None
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
         logprobs: bool | None = None
@@ -270,6 +294,13 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
             refuse_unimplemented(self, ("echo",))
             if self.top_logprobs and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs: true")
+            reserved = RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ())
+            if reserved:
+                raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+
+        def template_variables(self) -> dict[str, Any]:
+            """What the chat template sees besides the messages."""
+            return {"tools": self.tools} | (self.chat_template_kwargs or {})
 
         def wanted_logprobs(self) -> int | None:
             return (self.top_logprobs or 0) if self.logprobs else None

@@ -26,7 +26,7 @@ async def tokenize(request: web.Request) -> web.Response:
             )
         encoder = request.app[CHAT]
         messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
-        tokens = encoder.tokens(messages, body.add_generation_prompt, body.tools)
+        tokens = encoder.tokens(messages, body.add_generation_prompt, {"tools": body.tools})
     return web.json_response(
         {
             "count": len(tokens),

@@ -128,22 +128,22 @@ class ChatTemplate:
         return cls(*read_template(Path(model_dir)))
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+        self, messages: list[dict], add_generation_prompt: bool, variables: dict | None = None
     ) -> str:
-        """The conversation as text; a template that fails (its own `raise_exception`
-        among them) refuses the request with the template's message."""
+        """The conversation as text; `variables`: the request's `tools` and template
+        kwargs. A template that fails (its own `raise_exception` among them) refuses
+        the request with the template's message."""
         if self._template is None:
             raise ChatRefused(
                 "this checkpoint has no chat template (neither chat_template.jinja nor "
                 "tokenizer_config.json's chat_template); use /v1/completions"
             )
         try:
+            given = {"tools": None, "documents": None} | (variables or {})
             return self._template.render(
-                **self.special_tokens,
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
+                self.special_tokens
+                | given
+                | {"messages": messages, "add_generation_prompt": add_generation_prompt}
             )
         except jinja2.exceptions.TemplateError as err:
             raise ChatRefused(f"the chat template refused these messages: {err}") from None

@@ -12,6 +12,7 @@ transformers' `apply_chat_template(..., tokenize=True)` encodes it. See docs/cha
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Protocol
 
@@ -32,11 +33,30 @@ class ChatTokenizer(Protocol):
 def template_message(message: dict, takes_lists: bool) -> dict:
     """`message` (JSON, nulls dropped) as the template sees it: list content passes
     through when the template loops over content, else its text parts are joined by
-    newlines (what a template written for strings can render)."""
+    newlines (what a template written for strings can render). A tool call's
+    `arguments`, a JSON object's text on the wire, reach the template as the object (as
+    vLLM gives them: NemotronH's template walks them with `|items`)."""
     content = message.get("content")
     if isinstance(content, list) and not takes_lists:
-        return message | {"content": "\n".join(part["text"] for part in content)}
+        message = message | {"content": "\n".join(part["text"] for part in content)}
+    if message.get("tool_calls"):
+        message = message | {"tool_calls": [_decoded(call) for call in message["tool_calls"]]}
     return message
+
+
+def _decoded(call: Any) -> Any:
+    """A tool call with its arguments as an object, when they are one's JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(decoded, dict):
+        return call
+    return call | {"function": function | {"arguments": decoded}}
 
 
 def _mark(value: Any, specials: re.Pattern) -> Any:
@@ -68,13 +88,14 @@ class ChatEncoder:
         return [template_message(m, self.template.takes_lists) for m in raw]
 
     def tokens(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+        self, messages: list[dict], add_generation_prompt: bool, variables: dict | None = None
     ) -> list[int]:
-        """The rendered conversation's tokens (`messages` as `messages()` gives them)."""
-        strings = _strings([messages, tools])
+        """The rendered conversation's tokens (`messages` as `messages()` gives them;
+        `variables`: the template's others, `tools` among them)."""
+        strings = _strings([messages, variables])
         marked = self._specials is not None and any(self._specials.search(s) for s in strings)
         if not marked:
-            text = self.template.render(messages, add_generation_prompt, tools)
+            text = self.template.render(messages, add_generation_prompt, variables)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if any(START in s or END in s for s in strings):
             raise ChatRefused(
@@ -83,7 +104,7 @@ class ChatEncoder:
             )
         specials = self._specials
         text = self.template.render(
-            _mark(messages, specials), add_generation_prompt, _mark(tools, specials)
+            _mark(messages, specials), add_generation_prompt, _mark(variables, specials)
         )
         return self._encode_marked(text)
 
