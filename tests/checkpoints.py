@@ -43,6 +43,41 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# What NemotronH's own template does for agents, written here: tools listed in the
+# system turn, assistant tool calls in the Qwen3-Coder XML the MoE releases write, tool
+# results as a user turn's <tool_response>, and every assistant turn opening with a
+# <think> block that `truncate_history_thinking` (default true) empties before the last
+# user message; the generation prompt opens the block unless `enable_thinking` is false.
+AGENT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set truncate = truncate_history_thinking if truncate_history_thinking is defined "
+    "else true %}"
+    "{%- set thinking = enable_thinking if enable_thinking is defined else true %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- if tools or messages[0].role == 'system' %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "{%- if tools %}\n\n# Tools\n<tools>"
+    "{%- for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>{% endif %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{%- if truncate and loop.index0 < ns.last_user %}<think></think>"
+    "{%- else %}<think>{{ m.reasoning_content or '' }}</think>{% endif %}"
+    "{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}<tool_call>\n<function={{ call.function.name }}>\n"
+    "{%- for key, value in call.function.arguments | items %}<parameter={{ key }}>\n"
+    "{%- if value is string %}{{ value }}{% else %}{{ value | tojson }}{% endif %}"
+    "\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if thinking %}<think>\n{% else %}<think></think>{% endif %}{% endif %}"
+)
+
 LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]
 
 
@@ -66,7 +101,9 @@ def train_tokenizer():
     return tok
 
 
-def build_chat_checkpoint(directory: Path, template_in: str = "jinja") -> Path:
+def build_chat_checkpoint(
+    directory: Path, template_in: str = "jinja", template: str = TEMPLATE
+) -> Path:
     """Save tokenizer and model into `directory`. `template_in`: "jinja" (transformers'
     default, chat_template.jinja) or "config" (tokenizer_config.json's chat_template)."""
     from transformers import NemotronHForCausalLM, PreTrainedTokenizerFast
@@ -74,7 +111,7 @@ def build_chat_checkpoint(directory: Path, template_in: str = "jinja") -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(), bos_token="<|bos|>", eos_token="<|im_end|>"
     )
-    fast.chat_template = TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(directory, save_jinja_files=template_in == "jinja")
     torch.manual_seed(0)
     cfg = tiny_config(

@@ -12,7 +12,7 @@ import redis
 
 from custody.up import Stack
 from shared.redis_server import PrivateRedis
-from tests.checkpoints import build_chat_checkpoint, reference
+from tests.checkpoints import AGENT_TEMPLATE, build_chat_checkpoint, reference
 from tests.services_harness import stack_settings, start_stack
 
 
@@ -74,6 +74,14 @@ def checkpoint_stack(redis_url: str, chat_checkpoint: Path) -> Iterator[Stack]:
 def checkpoint_reference(chat_checkpoint: Path):
     """transformers' tokenizer and model of `chat_checkpoint`: the reference."""
     return reference(chat_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chat checkpoint with the agent template (tools, calls, thinking)."""
+    return build_chat_checkpoint(
+        tmp_path_factory.mktemp("agent-checkpoint"), template=AGENT_TEMPLATE
+    )
 
 
 @pytest.fixture(scope="session")

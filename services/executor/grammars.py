@@ -133,9 +133,10 @@ class Grammars:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compiler = self.compiler
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(
+            grammar = xgr.Grammar.from_json_schema(
                 spec.source, any_whitespace=spec.any_whitespace, strict_mode=True
             )
+            return compiler.compile_grammar(_strict_strings(str(grammar)))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.source)
         if spec.kind == "ebnf":
@@ -256,6 +257,17 @@ class Grammars:
         pipe.rpush(check.reply, msgspec.msgpack.encode(verdict))
         pipe.expire(check.reply, REPLY_TTL_SECONDS)
         pipe.execute()
+
+
+# xgrammar 0.2.8 writes a string with maxLength (or minLength) as characters that may be
+# control characters, which JSON forbids unescaped (its unbounded strings exclude them):
+# so a strict parser would refuse the output. Such characters are excluded here.
+LOOSE_CHARACTER = '[^\\"\\\\\\r\\n]'
+STRICT_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_strings(ebnf: str) -> str:
+    return ebnf.replace(LOOSE_CHARACTER, STRICT_CHARACTER)
 
 
 def _reason(err: Exception) -> str:

@@ -39,7 +39,8 @@ def chat_parsing(settings: Settings, body: Any) -> tuple[ReplyParser | None, Gra
     grammar = None
     if parser is not None and mode in ("required", "named"):
         chosen = tools if mode == "required" else [_named(choice, tools)]
-        tag = parser.call_grammar(chosen, body.parallel_tool_calls is not False)
+        parallel = mode == "required" and body.parallel_tool_calls is not False
+        tag = parser.call_grammar(chosen, parallel)
         grammar = GrammarSpec(kind="structural_tag", source=json.dumps(tag))
     if reasoning is None and parser is None:
         return None, grammar

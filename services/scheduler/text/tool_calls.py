@@ -25,6 +25,11 @@ from typing import Any, Literal
 ParserName = Literal["qwen3_coder", "nemotron_json", "hermes"]
 
 
+# whitespace in a row inside a constrained call: the XML form puts newlines around each
+# value, and a weak model would otherwise pad a call past any token limit
+MAX_WHITESPACE = 2
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
@@ -105,7 +110,7 @@ class ToolParser:
         try:
             if self.name == "qwen3_coder":
                 return self._xml_calls(inner)
-            data = json.loads(inner)
+            data = json.loads(inner, strict=False)  # arguments are written out strictly
             items = data if self.name == "nemotron_json" else [data]
             if not isinstance(items, list) or not items:
                 return None
@@ -153,7 +158,12 @@ class ToolParser:
         else:
             begin, end, style = '{"name": ' + json.dumps(name) + ', "arguments": ', "}", "json"
         schema = schema or {"type": "object"}
-        content = {"type": "json_schema", "json_schema": schema, "style": style}
+        content = {
+            "type": "json_schema",
+            "json_schema": schema,
+            "style": style,
+            "max_whitespace_cnt": MAX_WHITESPACE,
+        }
         return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
@@ -170,17 +180,17 @@ def _json_call(item: Any) -> ToolCall:
     if not isinstance(name, str):
         raise TypeError("a call's name is not a string")
     if isinstance(args, str):
-        args = json.loads(args)
+        args = json.loads(args, strict=False)
     if not isinstance(args, dict):
         raise TypeError("a call's arguments are not an object")
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def _xml_value(raw: str, schema: Any) -> Any:
-    """A parameter's text as its value: a string where the schema says string (or says
-    nothing and the text is not JSON), else the JSON it spells."""
-    value = raw[1:] if raw.startswith("\n") else raw
-    value = value[:-1] if value.endswith("\n") else value
+    """A parameter's text, whitespace around it dropped (the XML form lets a model put
+    any there), as its value: a string where the schema says string (or says nothing
+    and the text is not JSON), else the JSON it spells."""
+    value = raw.strip()
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string":
         return value

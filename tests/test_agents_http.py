@@ -1,0 +1,372 @@
+"""Structured output, tool calls and reasoning over real HTTP, on one stack serving the
+agent checkpoint (tests/checkpoints.py: a random NemotronH with a BPE vocabulary and a
+template that renders tools, calls and thinking as NemotronH's does), with
+`--tool-call-parser qwen3_coder --reasoning-parser nemotron_v3` and compact JSON.
+
+The model is random, so what it writes is noise unless a grammar holds it: every
+output here that must parse is constrained, and the checks are that it parses, validates
+and ends by itself (`finish_reason` stop, never length). What these tests cannot see: a
+grammar too loose for its schema (jsonschema validates every output, so a loose
+grammar fails only when the model strays into what it allows), and parsers on
+unconstrained text from a real model (the parser tests feed them text directly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.error
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from custody.up import Stack
+from tests.services_harness import call, stack_settings, start_stack
+
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
+    running = start_stack(
+        stack_settings(
+            redis_url,
+            model=agent_checkpoint,
+            tool_call_parser="qwen3_coder",
+            reasoning_parser="nemotron_v3",
+            constrained_json_disable_any_whitespace=True,
+            served_model_name="m",
+        )
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.settings.port}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def aclient(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{stack.settings.port}/v1", api_key="none")
+
+
+def ask(client: openai.OpenAI, **extra: object):
+    messages = [{"role": "user", "content": "Grüße aus Köln"}]
+    args = {"model": "m", "messages": messages, "max_tokens": 200, "extra_body": THINKING_OFF}
+    return client.chat.completions.create(**(args | extra))
+
+
+# ---- structured output ----
+def test_a_json_schema_response_parses_validates_and_stops(client):
+    schema = WEATHER["function"]["parameters"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
+    for seed in range(3):
+        reply = ask(client, response_format=fmt, temperature=1.0, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_regex_choice_and_ebnf_hold(client, stack):
+    # any object is unbounded: a random model may nest past max_tokens, so some seed
+    # that stops is looked for, and what it wrote must be an object
+    for seed in range(8):
+        obj = ask(client, response_format={"type": "json_object"}, temperature=1.0, seed=seed)
+        if obj.choices[0].finish_reason == "stop":
+            break
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = ask(client, extra_body=THINKING_OFF | {"guided_choice": ["ja", "nein", "ÇA"]})
+    assert choice.choices[0].message.content in ("ja", "nein", "ÇA")
+    port = stack.settings.port
+    for field, source, pattern in [
+        ("regex", r"[a-f]{2,4}-\d{3}", r"[a-f]{2,4}-\d{3}"),
+        ("ebnf", 'root ::= "x" [0-9] [0-9]?', r"x[0-9][0-9]?"),
+    ]:
+        body = {
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, field: source},
+        }
+        out = call(port, "/generate", body)
+        assert re.fullmatch(pattern, out["text"]), (field, out["text"])
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objec"}},
+                }
+            },
+            "objec",
+        ),
+        ({"guided_regex": "a("}, "parenthesis"),
+        ({"guided_grammar": 'root ::= "a" |'}, "ebnf"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one"),
+        ({"guided_json": "{not json"}, "guided_json"),
+    ],
+)
+def test_a_bad_constraint_is_a_400_naming_it_and_the_server_serves_on(stack, extra, named):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | extra
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        call(stack.settings.port, "/v1/chat/completions", body)
+    assert refused.value.code == 400
+    assert named in refused.value.read().decode()
+    ok = call(
+        stack.settings.port,
+        "/v1/chat/completions",
+        body
+        | {
+            "guided_regex": None,
+            "guided_choice": None,
+            "guided_grammar": None,
+            "guided_json": None,
+            "response_format": None,
+        },
+    )
+    assert ok["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# Bounded JSON schemas: every string has maxLength, every array maxItems, numbers are
+# bounded, objects closed, depth <= 3; so the longest output is bounded too.
+LEAVES = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 100),
+    ),
+    st.just({"type": "boolean"}),
+    st.builds(
+        lambda xs: {"enum": xs},
+        st.lists(st.sampled_from(["a", "b", 1, None]), min_size=1, max_size=3, unique=True),
+    ),
+)
+
+
+def _object(children):
+    return st.dictionaries(
+        st.from_regex(r"[a-z]{1,5}", fullmatch=True), children, min_size=1, max_size=3
+    ).map(
+        lambda props: {
+            "type": "object",
+            "properties": props,
+            "required": sorted(props)[: max(1, len(props) - 1)],
+            "additionalProperties": False,
+        }
+    )
+
+
+def _array(children):
+    return st.builds(
+        lambda item, n: {"type": "array", "items": item, "maxItems": n}, children, st.integers(0, 3)
+    )
+
+
+SCHEMAS = (
+    st.recursive(LEAVES, lambda c: st.one_of(_object(c), _array(c)), max_leaves=6)
+    .filter(lambda s: _depth(s) <= 3)
+    .map(
+        lambda s: (
+            s
+            if s.get("type") == "object"
+            else {
+                "type": "object",
+                "properties": {"v": s},
+                "required": ["v"],
+                "additionalProperties": False,
+            }
+        )
+    )
+)
+
+
+def _depth(schema: dict) -> int:
+    inner = list(schema.get("properties", {}).values()) + (
+        [schema["items"]] if "items" in schema else []
+    )
+    return 1 + max((_depth(s) for s in inner), default=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(st.lists(SCHEMAS, min_size=8, max_size=8))
+def test_generated_schemas_give_valid_json_that_stops(stack, schemas):
+    """200 schemas (25 examples of 8, sent at once): each output validates and ended by
+    itself (a length stop fails: max_tokens is above the longest output any of these
+    schemas allows in compact form)."""
+
+    async def one(aclient: openai.AsyncOpenAI, schema: dict, seed: int):
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        reply = await aclient.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=400,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,
+            extra_body=THINKING_OFF,
+        )
+        return reply.choices[0]
+
+    async def run():
+        url = f"http://127.0.0.1:{stack.settings.port}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="none") as aclient:
+            return await asyncio.gather(*(one(aclient, s, i) for i, s in enumerate(schemas)))
+
+    for schema, choice in zip(schemas, asyncio.run(run()), strict=True):
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+# ---- tool calls ----
+def test_required_tool_calls_parse_and_match_their_schemas(client):
+    for seed in range(3):
+        reply = ask(
+            client,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None and choice.message.tool_calls
+        for call_ in choice.message.tool_calls:
+            tool = {"get_weather": WEATHER, "get_time": CLOCK}[call_.function.name]
+            jsonschema.validate(
+                json.loads(call_.function.arguments), tool["function"]["parameters"]
+            )
+            assert call_.type == "function" and call_.id.startswith("call_")
+
+
+def test_a_named_tool_choice_calls_that_tool_once(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    reply = ask(client, tools=[WEATHER, CLOCK], tool_choice=named, temperature=1.0, seed=3)
+    calls = reply.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET", "PST")
+
+
+def test_streamed_tool_calls_assemble_in_the_clients_accumulator(client):
+    """`chat.completions.stream()` puts OpenAI's tool-call deltas together: its final
+    message must equal the unstreamed reply's (same seed)."""
+    args = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "wetter?"}],
+        "max_tokens": 200,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": 11,
+        "extra_body": THINKING_OFF,
+    }
+    whole = client.chat.completions.create(**args).choices[0]
+    with client.chat.completions.stream(**args) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert got == want and all(c.id.startswith("call_") for c in final.message.tool_calls)
+
+
+def test_tool_results_go_back_through_the_template(client, stack):
+    first = ask(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    calls = first.choices[0].message.tool_calls
+    messages = [
+        {"role": "user", "content": "Grüße aus Köln"},
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        *({"role": "tool", "tool_call_id": c.id, "content": "sonnig"} for c in calls),
+    ]
+    tokens = call(stack.settings.port, "/tokenize", {"messages": messages, "tools": [WEATHER]})
+    assert tokens["count"] > 0
+    again = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        extra_body=THINKING_OFF,
+    )
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_call_is_plain_content_and_none_parses_nothing(client):
+    reply = ask(client, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_reasoning_is_split_from_the_answer(client):
+    """Thinking on: the prompt opens <think>, so the reply's text before </think> is
+    reasoning; a grammar makes the model close the block and answer."""
+    ebnf = 'root ::= [a-z]{1,8} "</think>" [0-9]{2}'
+    reply = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=60,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_grammar": ebnf},
+    )
+    message = reply.choices[0].message
+    assert re.fullmatch(r"[a-z]{1,8}", message.reasoning_content), message
+    assert re.fullmatch(r"[0-9]{2}", message.content), message
+    with client.chat.completions.stream(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=60,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_grammar": ebnf},
+    ) as stream:
+        reasoning = content = ""
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                delta = event.chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
