@@ -184,6 +184,21 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 )
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = RESERVED_TEMPLATE_VARIABLES & set(kwargs or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+
+
+def prompt_ids(field: str, ids: list, limits: Limits) -> list[int]:
+    """A prompt's token ids, checked (a ValueError names `field`)."""
+    vocab = limits.vocab_size
+    if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+        raise ValueError(f"{field} must be a non-empty list of token ids in [0, {vocab})")
+    limits.check_input(field, ids)
+    return ids
+
+
 def prompt_forms(limits: Limits) -> Any:
     """Completions' `prompt` besides one text: token ids, or a batch of texts or of token
     id lists (OpenAI's four forms). msgspec types one array form per field, so the list
@@ -245,25 +260,17 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
             if isinstance(prompt, str):
                 return [prompt]
             if all(type(x) is int for x in prompt):
-                return [self._ids("prompt", prompt)]
+                return [prompt_ids("prompt", prompt, limits)]
             if len(prompt) > MAX_BATCH:
                 raise ValueError(f"a batch of prompts holds at most {MAX_BATCH}")
             if all(isinstance(x, str) and x for x in prompt):
                 return list(prompt)
             if all(isinstance(x, list) for x in prompt):
-                return [self._ids(f"prompt[{i}]", ids) for i, ids in enumerate(prompt)]
+                return [prompt_ids(f"prompt[{i}]", ids, limits) for i, ids in enumerate(prompt)]
             raise ValueError(
                 "prompt must be a text, a list of token ids, a list of texts or a list of "
                 "token id lists"
             )
-
-        @staticmethod
-        def _ids(field: str, ids: list) -> list[int]:
-            vocab = limits.vocab_size
-            if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-                raise ValueError(f"{field} must be a non-empty list of token ids in [0, {vocab})")
-            limits.check_input(field, ids)
-            return ids
 
         def wanted_logprobs(self) -> int | None:
             return self.logprobs
@@ -277,11 +284,10 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
 
         messages: Annotated[list[Message], Meta(min_length=1, max_length=limits.context_len)]
         tools: list[dict[str, Any]] | None = None  # given to the template as they come
-        # how the reply calls them (http/chat_tools.py): none, auto, required or one
+        # none, auto, required or one named (http/chat_tools.py)
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
         parallel_tool_calls: bool | None = None  # false: at most one call per reply
-        # extra variables for the chat template (its thinking switch, say); not the
-        # ones custody sets itself
+        # the chat template's other variables (its thinking switch, say)
         chat_template_kwargs: dict[str, Any] | None = None
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
@@ -294,9 +300,7 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
             refuse_unimplemented(self, ("echo",))
             if self.top_logprobs and not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs: true")
-            reserved = RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ())
-            if reserved:
-                raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+            check_template_kwargs(self.chat_template_kwargs)
 
         def template_variables(self) -> dict[str, Any]:
             """What the chat template sees besides the messages."""

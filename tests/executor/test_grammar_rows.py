@@ -1,0 +1,63 @@
+"""Constrained rows in the executor's batches, run in process on the built-in model
+(byte vocabulary): an unconstrained row's tokens do not depend on a constrained
+neighbour, outputs match their grammars, and a row whose matcher disagrees with the
+scheduler's count refuses the step before anything runs."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from custody.inprocess import InProcess
+from services.executor.runner import BatchRefused
+from services.scheduler.records.request import Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.config import Settings
+from shared.deferred_ops import DeferredOps
+from shared.messages.forward import StepRow
+from shared.messages.grammar import GrammarSpec, RowGrammar
+
+REGEX = GrammarSpec(kind="regex", source=r"[a-z]{3}-\d{2}")
+
+
+@pytest.fixture(scope="module")
+def runtime() -> InProcess:
+    return InProcess(Settings.ephemeral(compile=False))
+
+
+def run(runtime: InProcess, requests: list[Request]) -> None:
+    for r in requests:
+        runtime.engine.submit(r)
+    runtime.run_until_idle()
+
+
+def plain(rid: str, seed: int) -> Request:
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)
+    return Request(rid, np.array([72, 105, 33]), params)
+
+
+def test_a_constrained_neighbour_changes_no_unconstrained_row(runtime):
+    alone = [plain(f"alone{i}", i) for i in range(3)]
+    run(runtime, alone)
+    mixed = [plain(f"mixed{i}", i) for i in range(3)]
+    constrained = [
+        Request(
+            f"c{i}",
+            np.array([72, 105]),
+            SamplingParams(max_new_tokens=20, temperature=1.0, seed=9 + i, grammar=REGEX),
+        )
+        for i in range(2)
+    ]
+    run(runtime, [mixed[0], constrained[0], mixed[1], constrained[1], mixed[2]])
+    assert [r.output for r in mixed] == [r.output for r in alone]
+    for r in constrained:
+        assert r.finish_reason.type == "stop"
+        assert re.fullmatch(REGEX.source, bytes(t for t in r.output if t < 256).decode())
+
+
+def test_a_matcher_that_took_another_count_refuses_the_step(runtime):
+    row = StepRow.of([65], 0, [16], 1, rid="ghost", grammar=RowGrammar(key=REGEX.key, accepted=3))
+    with pytest.raises(BatchRefused, match="no matcher"):
+        runtime.runner.execute([row], DeferredOps())
