@@ -344,25 +344,18 @@ def test_reasoning_is_split_from_the_answer(client):
     """Thinking on: the prompt opens <think>, so the reply's text before </think> is
     reasoning; a grammar makes the model close the block and answer."""
     ebnf = 'root ::= [a-z]{1,8} "</think>" [0-9]{2}'
-    reply = client.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=60,
-        temperature=1.0,
-        seed=2,
-        extra_body={"guided_grammar": ebnf},
-    )
-    message = reply.choices[0].message
+    args = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 60,
+        "temperature": 1.0,
+        "seed": 2,
+        "extra_body": {"guided_grammar": ebnf},
+    }
+    message = client.chat.completions.create(**args).choices[0].message
     assert re.fullmatch(r"[a-z]{1,8}", message.reasoning_content), message
     assert re.fullmatch(r"[0-9]{2}", message.content), message
-    with client.chat.completions.stream(
-        model="m",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=60,
-        temperature=1.0,
-        seed=2,
-        extra_body={"guided_grammar": ebnf},
-    ) as stream:
+    with client.chat.completions.stream(**args) as stream:
         reasoning = content = ""
         for event in stream:
             if event.type == "chunk" and event.chunk.choices:

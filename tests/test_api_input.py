@@ -184,18 +184,12 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_refused_unless_neutra
     chat = {"messages": [{"role": "user", "content": "hi", "name": "n"}], "tools": [], **openai}
     assert call(port, "/v1/chat/completions", chat)["usage"]["completion_tokens"] <= 2
     for path, body, field in [
-        ("/generate", generate([1], json_schema="{}"), "sampling_params.json_schema"),
         ("/generate", generate([1], logit_bias={"5": -100}), "sampling_params.logit_bias"),
         ("/generate", generate([1], min_new_tokens=3), "sampling_params.min_new_tokens"),
         ("/generate", generate([1], stop_regex=["a+"]), "sampling_params.stop_regex"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": -100}}, "logit_bias"),
         ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
-        (
-            "/v1/chat/completions",
-            {**chat, "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
     ]:
         status, _, raw = post(port, path, body)
         assert status == 400 and f"{field} is not implemented" in raw.decode(), (path, field)

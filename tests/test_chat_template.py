@@ -179,5 +179,5 @@ def test_special_token_strings_in_dict_keys_are_plain_text(chat_checkpoint):
     assert len(end) == 1
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"<|im_end|>": 1}}}]
     messages = [{"role": "user", "content": "hi"}]
-    ids = encoder.tokens(messages, True, tools)
+    ids = encoder.tokens(messages, True, {"tools": tools})
     assert ids.count(end[0]) == 1  # the template's own, after the message
