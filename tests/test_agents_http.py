@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from custody.up import Stack
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, kill_executor_during, stack_settings, start_stack
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {
@@ -363,3 +363,40 @@ def test_reasoning_is_split_from_the_answer(client):
                 reasoning += getattr(delta, "reasoning_content", None) or ""
                 content += delta.content or ""
     assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+# ---- faults: a constrained request rebuilds its matcher from its output ----
+LONG = {"regex": r"[a-z]{300}"}  # long enough for a kill to land mid-decode
+
+
+def generate(port: int, text: str, extra: dict, session: str | None = None) -> dict:
+    body: dict = {"text": text, "sampling_params": {"max_new_tokens": 320, **extra}}
+    if session is not None:
+        body["session_params"] = {"id": session}
+    return call(port, "/generate", body)
+
+
+def test_a_constrained_request_survives_an_executor_kill(stack):
+    """Greedy: the run the kill interrupted re-prefills its prompt and output (the
+    executor's new life replays the output into a new matcher) and ends as the run
+    without the fault did."""
+    port = stack.settings.port
+    clean = generate(port, "Köln", LONG)
+    body = {"text": "Köln", "sampling_params": {"max_new_tokens": 320, **LONG}}
+    faulted = kill_executor_during(stack, port, "/generate", body)
+    assert re.fullmatch(LONG["regex"], faulted["text"])
+    assert faulted["text"] == clean["text"]
+    assert faulted["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_a_constrained_turn_after_hibernation_matches_one_without(stack):
+    port = stack.settings.port
+    texts = []
+    for hibernate in (False, True):
+        sid = call(port, "/open_session", {})
+        generate(port, "Grüße", {"max_new_tokens": 6}, session=sid)
+        if hibernate:
+            assert call(port, "/place_session", {"session_id": sid, "tier": "host"})
+        texts.append(generate(port, " und", {"regex": r"[0-9]{5,40}"}, session=sid)["text"])
+        call(port, "/close_session", {"session_id": sid})
+    assert re.fullmatch(r"[0-9]{5,40}", texts[0]) and texts[0] == texts[1]

@@ -61,3 +61,22 @@ def test_a_matcher_that_took_another_count_refuses_the_step(runtime):
     row = StepRow.of([65], 0, [16], 1, rid="ghost", grammar=RowGrammar(key=REGEX.key, accepted=3))
     with pytest.raises(BatchRefused, match="no matcher"):
         runtime.runner.execute([row], DeferredOps())
+
+
+def test_a_retracted_constrained_request_ends_as_it_would_have(runtime):
+    """A pool too small for four long requests retracts some mid-decode; each re-prefills
+    its output, which its new matcher replays, and ends as it does with room to spare."""
+    spec = GrammarSpec(kind="regex", source=r"[a-z]{60}")
+
+    def requests(tag: str) -> list[Request]:
+        params = SamplingParams(max_new_tokens=80, grammar=spec)
+        return [Request(f"{tag}{i}", np.array([65 + i] * 8), params) for i in range(4)]
+
+    roomy = requests("roomy")
+    run(runtime, roomy)
+    tight = InProcess(Settings.ephemeral(compile=False, kv_pages=12, page_size=16, context_len=160))
+    cramped = requests("cramped")
+    run(tight, cramped)
+    assert tight.engine.retractions > 0
+    assert [r.output for r in cramped] == [r.output for r in roomy]
+    assert all(r.finish_reason.type == "stop" for r in cramped)
