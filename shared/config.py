@@ -77,6 +77,9 @@ class Settings:
     # how it marks its reasoning (text/reasoning.py: nemotron_v3, deepseek_r1, qwen3);
     # empty: reasoning stays in the content
     reasoning_parser: str = ""
+    # a request header naming the session a stateless chat request continues (e.g.
+    # X-Session-ID; services/scheduler/http/header_sessions.py); empty: none
+    session_header: str = ""
     # SGLang's /generate stream: cumulative chunks (SGLang's default), or only what is new
     incremental_streaming_output: bool = False
     stream_maxlen: int = 100_000

@@ -84,6 +84,31 @@ def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def agent_stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
+    """The services serving `agent_checkpoint` as an agent deployment: tool calls in the
+    NemotronH MoE form, its reasoning, compact JSON, sessions by `X-Session-ID`; the
+    model is called "m"."""
+    running = start_stack(
+        stack_settings(
+            redis_url,
+            model=agent_checkpoint,
+            tool_call_parser="qwen3_coder",
+            reasoning_parser="nemotron_v3",
+            constrained_json_disable_any_whitespace=True,
+            session_header="X-Session-ID",
+            served_model_name="m",
+            # an agent's prompt lists its tools: longer contexts and chunks than the rest
+            context_len=4096,
+            kv_pages=2048,
+            chunk_size=256,
+            max_step_tokens=512,
+        )
+    )
+    yield running
+    running.stop()
+
+
 @pytest.fixture(scope="session")
 def chat_checkpoint_config_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same, with the template in tokenizer_config.json's chat_template."""

@@ -17,8 +17,6 @@ import asyncio
 import json
 import re
 import urllib.error
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -27,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from custody.up import Stack
-from tests.services_harness import call, kill_executor_during, stack_settings, start_stack
+from tests.services_harness import call, kill_executor_during
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {
@@ -61,19 +59,8 @@ CLOCK = {
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
-    running = start_stack(
-        stack_settings(
-            redis_url,
-            model=agent_checkpoint,
-            tool_call_parser="qwen3_coder",
-            reasoning_parser="nemotron_v3",
-            constrained_json_disable_any_whitespace=True,
-            served_model_name="m",
-        )
-    )
-    yield running
-    running.stop()
+def stack(agent_stack: Stack) -> Stack:
+    return agent_stack
 
 
 @pytest.fixture(scope="module")

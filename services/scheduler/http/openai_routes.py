@@ -29,6 +29,7 @@ from services.scheduler.http.constraints import one, openai_constraint
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
 from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
+from services.scheduler.http.header_sessions import bind, header_session_name
 from services.scheduler.http.logprobs import echoed_prompt, joined
 from services.scheduler.http.logprobs import openai as openai_logprobs
 from services.scheduler.http.tenancy import CACHE_SALT
@@ -340,10 +341,6 @@ async def chat(request: web.Request) -> web.StreamResponse:
     parser, grammar = chat_parsing(request.app[FRONT_DOOR].settings, body)
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
     variables = body.template_variables()
-    if sid is None:
-        tokens = encoder.tokens(messages, True, variables)
-        return await respond(request, body, [Prompt(tokens)], True, None, None, parser, grammar)
-    session = own_session(request, sid)  # the one lookup of its session
 
     def reply_message(r: Request) -> dict:
         """The turn's reply as the client gets it, and sends it back."""
@@ -352,6 +349,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
         message, _ = parser.message(r.rid, output_text(r))
         return {k: v for k, v in message.items() if v is not None}
 
+    named = header_session_name(request) if sid is None and (body.n or 1) == 1 else None
+    if named is not None:
+        bound = await bind(request, named, encoder, messages, variables, reply_message)
+        if bound is not None:
+            session, tokens, turn = bound
+            return await respond(
+                request, body, [Prompt(tokens)], True, session, turn, parser, grammar
+            )
+    if sid is None:
+        tokens = encoder.tokens(messages, True, variables)
+        return await respond(request, body, [Prompt(tokens)], True, None, None, parser, grammar)
+    session = own_session(request, sid)  # the one lookup of its session
     tokens, turn = plan_turn(encoder, session, messages, variables, reply_message)
     return await respond(request, body, [Prompt(tokens)], True, session, turn, parser, grammar)
 
