@@ -24,10 +24,19 @@ from shared.model_config import builtin_config
 POOLS = CAMPAIGN_POOLS | {"compile": False}
 
 
-def call(port: int, path: str, body: dict | None = None, timeout: float = 120) -> object:
+def call(
+    port: int,
+    path: str,
+    body: dict | None = None,
+    timeout: float = 120,
+    headers: dict[str, str] | None = None,
+) -> object:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, method="GET" if body is None else "POST"
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method="GET" if body is None else "POST",
+        headers=headers or {},
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())

@@ -21,11 +21,15 @@ import urllib.error
 import jsonschema
 import openai
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from custody.up import Stack
-from tests.services_harness import call, kill_executor_during
+from shared.placement import Placement
+from shared.session_ids import scoped_session_id
+from shared.streams import placement_key
+from tests.services_harness import call, kill_executor_during, metrics, stack_settings, start_stack
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {
@@ -387,3 +391,81 @@ def test_a_constrained_turn_after_hibernation_matches_one_without(stack):
         texts.append(generate(port, " und", {"regex": r"[0-9]{5,40}"}, session=sid)["text"])
         call(port, "/close_session", {"session_id": sid})
     assert re.fullmatch(r"[0-9]{5,40}", texts[0]) and texts[0] == texts[1]
+
+
+# ---- sessions by header ----
+def header_turns(port: int) -> dict[str, float]:
+    return {
+        labels[0][1]: value
+        for (name, labels), value in metrics(port).items()
+        if name == "custody_header_session_turns_total"
+    }
+
+
+def chat_ids(port: int, messages: list[dict], headers: dict[str, str]) -> dict:
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0.0} | THINKING_OFF
+    return call(port, "/v1/chat/completions", body, headers=headers)
+
+
+def test_a_session_header_binds_turns_and_each_equals_the_stateless_answer(stack):
+    """Opened, resumed (its state reused: cached_tokens at least the turn before's
+    prompt), and re-seeded by another conversation; every answer the stateless one."""
+    port, header = stack.settings.port, {"X-Session-ID": "conv-a"}
+    before = header_turns(port)
+    messages = [{"role": "user", "content": "Grüße"}]
+    prompts = []
+    for step in range(3):
+        bound = chat_ids(port, messages, header)
+        plain = chat_ids(port, messages, {})
+        assert bound["choices"][0]["message"] == plain["choices"][0]["message"], step
+        if prompts:
+            assert bound["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompts[-1]
+        prompts.append(bound["usage"]["prompt_tokens"])
+        reply = bound["choices"][0]["message"]
+        messages += [
+            {"role": "assistant", "content": reply["content"]},
+            {"role": "user", "content": f"und {step}"},
+        ]
+    other = [{"role": "user", "content": "ein anderes Gespräch"}]
+    assert chat_ids(port, other, header)["choices"] == chat_ids(port, other, {})["choices"]
+    after = header_turns(port)
+    gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: v for k, v in gained.items() if v} == {"opened": 1, "resumed": 2, "reseeded": 1}
+
+
+def test_behind_the_router_a_header_session_lives_on_one_replica(redis_url, agent_checkpoint):
+    """Two replicas: the router places the header's session in the directory on its
+    first turn, and every later turn goes there (never a second copy)."""
+    settings = stack_settings(
+        redis_url,
+        model=agent_checkpoint,
+        replicas=2,
+        session_header="X-Session-ID",
+        served_model_name="m",
+        context_len=4096,
+        kv_pages=2048,
+        chunk_size=256,
+        max_step_tokens=512,
+    )
+    routed = start_stack(settings)
+    try:
+        port = routed.settings.port
+        messages = [{"role": "user", "content": "hallo"}]
+        for step in range(4):
+            reply = chat_ids(port, messages, {"X-Session-ID": "conv-r"})
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"weiter {step}"},
+            ]
+        ports = [routed.layout[f"scheduler-{i}"][1].port for i in range(2)]
+        opened = [header_turns(p).get("opened", 0) for p in ports]
+        resumed = [header_turns(p).get("resumed", 0) for p in ports]
+        assert sorted(opened) == [0, 1] and sorted(resumed) == [0, 3]
+        assert opened.index(1) == resumed.index(3)
+        # the directory names that replica: a router without it would route later turns
+        # by prefix alone, and a second copy could open wherever that pointed
+        client = redis.Redis.from_url(redis_url)
+        placed = Placement.decode(client.get(placement_key(scoped_session_id(None, "conv-r"))))
+        assert placed is not None and placed.replica == str(opened.index(1))
+    finally:
+        routed.stop()

@@ -61,8 +61,11 @@ class Router:
         chooser: Chooser,
         mover: Mover,
         limits: SessionLimits,
+        session_header: str = "",
     ) -> None:
-        self.limits = limits
+        """`session_header`: the header naming a chat request's implicit session
+        (services/scheduler/http/header_sessions.py), as the replicas are told."""
+        self.limits, self.session_header = limits, session_header
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
         self.background = Background()
@@ -124,12 +127,15 @@ class Router:
         if request.path == "/admin/drain":
             return await self.drain(caller.operator, parsed)
         sid = session_of(request.path, parsed, caller.tenant)
+        implicit = sid is None and (sid := self.header_session(request, parsed, caller.tenant))
         if sid is not None:
             request[KIND] = "turn"
             await self.mover.settled(sid)
             response = await self.to_seen(request, body, sid, received)
             if response is None:
                 response = await self.to_session(request, body, sid, received)
+            if response is None and implicit:
+                response = await self.place_implicit(request, caller.tenant, body, sid, received)
             if response is not None:
                 return response
         choice = self.chooser.pick(request.path, parsed, caller.tenant)
@@ -138,6 +144,39 @@ class Router:
         if request.path == "/generate" and parsed is not None:
             self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
         return await self.send(request, body, choice.replica, choice.decision, received)
+
+    def header_session(
+        self, request: web.Request, parsed: dict | None, tenant: str | None
+    ) -> str | None:
+        """The session a chat request names by the session header (none in its body)."""
+        if not self.session_header or request.path != "/v1/chat/completions" or parsed is None:
+            return None
+        name = request.headers.get(self.session_header)
+        if parsed.get("session_id") is not None or not valid_session_name(name):
+            return None  # an invalid name: the replica answers it (or runs stateless)
+        return scoped_session_id(tenant, name)
+
+    async def place_implicit(
+        self,
+        request: web.Request,
+        tenant: str | None,
+        body: bytes,
+        sid: str,
+        received: float,
+    ) -> web.StreamResponse | None:
+        """The first turn of a session the header names, placed before it is sent (its
+        replica opens the session as it runs the turn): the directory, not this router,
+        decides where later turns go, so no two replicas ever hold it. None: no replica
+        is ready (the request is routed as any other)."""
+        replica = self.table.least_loaded()
+        if replica is None:
+            return None
+        refused = self.limits.refuse_open(tenant)
+        if refused is not None:
+            return refused
+        home, _ = await self.directory.place(sid, replica.id)
+        request[PLACING] = home.replica == replica.id
+        return await self.to_placed(request, body, home.replica, "affinity", received)
 
     async def to_seen(
         self, request: web.Request, body: bytes, sid: str, received: float

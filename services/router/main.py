@@ -47,7 +47,7 @@ async def serve(settings: Settings) -> None:
     await table.refresh()
     metrics, index = RouterMetrics(table), PrefixIndex()
     metrics.watch(index)
-    proxy = Proxy(metrics)
+    proxy = Proxy(metrics, settings.session_header)
     await proxy.start()
     tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
     chooser = Chooser(
@@ -65,7 +65,9 @@ async def serve(settings: Settings) -> None:
         settings.replica_forget_seconds,
     )
     limits = SessionLimits(table, settings.max_sessions_per_key, settings.max_sessions)
-    router = Router(table, directory, proxy, tenancy, chooser, mover, limits)
+    router = Router(
+        table, directory, proxy, tenancy, chooser, mover, limits, settings.session_header
+    )
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = GuardedRunner(

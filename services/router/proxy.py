@@ -35,8 +35,10 @@ class OutcomeUnknown(Exception):
 
 
 class Proxy:
-    def __init__(self, metrics: RouterMetrics) -> None:
+    def __init__(self, metrics: RouterMetrics, session_header: str = "") -> None:
+        """`session_header`: passed up too, so the replica binds the same session."""
         self.metrics = metrics
+        self.passed_up = (*PASSED_UP, session_header) if session_header else PASSED_UP
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -61,7 +63,7 @@ class Proxy:
         """`request` (its `body` already read) answered by `replica`; None, with the
         answer dropped, if its status is in `unless`. Raises `ReplicaDown` if the replica
         cannot be connected to."""
-        headers = {h: request.headers[h] for h in PASSED_UP if h in request.headers}
+        headers = {h: request.headers[h] for h in self.passed_up if h in request.headers}
         if request.get(PLACING):
             headers[PLACED_HEADER] = "1"
         replica.in_flight += 1

@@ -7,7 +7,8 @@ The answer is always what the same request without the header gets (chat.md's ru
 that a session turn equals the stateless request): when the messages extend the
 session's stored conversation, the turn resumes from the session's state; when they do
 not (another branch, an edited message, a retry of the same turn), the session is
-closed and opened again, and the turn runs from the start as its first. A session with
+re-seeded (its state and conversation dropped, its identity and placement kept) and
+the turn runs from the start as its first. A session with
 a turn in flight, or a conversation a first turn cannot take at once (more than
 `MAX_NEW_MESSAGES` messages), runs stateless and leaves the session as it was.
 """
@@ -47,24 +48,28 @@ async def bind(
 ) -> Bound | None:
     """The turn of session `name` these messages make (opening or re-seeding it), or
     None to run the request stateless."""
+    door = request.app[FRONT_DOOR]
     try:
-        session = own_session(request, name)
+        session, outcome = own_session(request, name), "resumed"
     except SessionError as err:
         if err.kind not in ("not_found", "closed"):
             raise
-        session = await _open(request, name)
-    if session.turn is not None:
-        return None  # a turn in flight: the session is left to it
+        session, outcome = await _open(request, name), "opened"
+    if session.turn is not None or (len(messages) > MAX_NEW_MESSAGES and outcome == "opened"):
+        door.count_header_turn("stateless")  # a turn in flight, or too much for a first turn
+        return None
     try:
-        return session, *plan_turn(encoder, session, messages, variables, reply_message)
+        bound = session, *plan_turn(encoder, session, messages, variables, reply_message)
     except (SessionError, InvalidRequest) as err:
         if isinstance(err, SessionError) and err.kind != "conflict":
             raise
-    if len(messages) > MAX_NEW_MESSAGES:
-        return None
-    await request.app[FRONT_DOOR].close_session(session)  # re-seeded from this turn
-    session = await _open(request, name)
-    return session, *plan_turn(encoder, session, messages, variables, reply_message)
+        if len(messages) > MAX_NEW_MESSAGES:
+            door.count_header_turn("stateless")
+            return None
+        session, outcome = door.reseed_session(session), "reseeded"
+        bound = session, *plan_turn(encoder, session, messages, variables, reply_message)
+    door.count_header_turn(outcome)
+    return bound
 
 
 async def _open(request: web.Request, name: str) -> Session:

@@ -142,6 +142,16 @@ class FrontDoor:
         """The last open's number, for the router (shared/placement.py `OPENED_HEADER`)."""
         return opened_mark(self._link.scheduler_epoch, self._engine.sessions.opened)
 
+    def reseed_session(self, session: Session) -> Session:
+        """`session` empty again (SessionManager.reseed)."""
+        reseeded = self._engine.sessions.reseed(session.sid)
+        self._intake.wake.set()
+        return reseeded
+
+    def count_header_turn(self, outcome: str) -> None:
+        """A chat request bound by the session header (http/header_sessions.py)."""
+        self._metrics.header_turns.labels(outcome).inc()
+
     async def close_session(self, session: Session) -> None:
         """Close `session` (resolved by the edge with `session`)."""
         await self._undo_stale_move(session)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -233,6 +233,13 @@ class SchedulerMetrics:
             "a step's result read to the next step on the stream: the part of the pipeline "
             "the executor's forward must cover, or it waits (bench e2e's overhead_share)",
             buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.header_turns = Counter(
+            "custody_header_session_turns",
+            "chat requests bound to a session by --session-header, by outcome: opened, "
+            "resumed, reseeded (another conversation), stateless (a turn in flight)",
+            ["outcome"],
             registry=self.registry,
         )
         self.faults = background_faults(self.registry)  # the registration and step loops'

@@ -529,6 +529,21 @@ class SessionManager:
         if session.closing:
             self._close_now(session)
 
+    def reseed(self, sid: str) -> Session:
+        """Session `sid` begins again, empty: its state and conversation go, its identity
+        (owner, epoch, placement, timeout) stays. For a session bound by a header whose
+        client sent another conversation (http/header_sessions.py): closing and opening
+        it would take its placement away with the old one."""
+        session = self.get(sid)
+        if session.turn is not None:
+            raise SessionError(f"session {session_name(sid)} has a turn in flight", "busy")
+        if session.moving:
+            raise SessionError(f"session {session_name(sid)} is moving; retry", "moving")
+        self._drop_state(session)
+        session.history = np.zeros(0, dtype=np.int64)
+        session.chat, session.cached_len = None, 0
+        return session
+
     def _drop_state(self, session: Session, keep_disk: bool = False) -> None:
         self.dirty.add(session.sid)
         if session.slots is not None:
