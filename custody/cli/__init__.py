@@ -32,11 +32,13 @@ BENCHMARK_NAMES = (
     "scaleout",
     "serving",
     "sessions",
+    "structured",
 )
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
 # benchmarks whose --repeats defaults to 1 (prefix: its series; serving: bench_serving's
 # percentiles over its own requests)
 ONCE = ("multiturn", "prefix", "serving")
+REPEATS_OF = {"structured": 3}  # interleaved runs of every cell: 3 keep it to a minute
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
 MULTITURN_FLAGS = {
@@ -187,6 +189,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         scaleout,
         serving,
         sessions,
+        structured,
     )
 
     return {
@@ -199,6 +202,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "scaleout": scaleout.run,
         "serving": serving.run,
         "sessions": sessions.run,
+        "structured": structured.run,
     }
 
 
@@ -225,7 +229,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     names = [args.name] if args.name else list(BENCHMARK_NAMES)
     combined = {}
     for name in names:
-        default = 1 if name in ONCE else REPEATS
+        default = 1 if name in ONCE else REPEATS_OF.get(name, REPEATS)
         result = runs[name](default if args.repeats is None else args.repeats)
         combined[name] = {k: v for k, v in result.items() if k != "table"}
         if not args.json:
