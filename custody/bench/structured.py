@@ -11,8 +11,9 @@ most 8 characters can write. The unconstrained side ignores its EOS. Reported: t
 per side (median of the runs), `ratio_constrained_b16` and `ratio_constrained_b1`
 (constrained ÷ unconstrained, JSON), the regex's ratios, and `mask_share`: the
 executor's time filling and unpacking masks (`custody_grammar_mask_seconds`) over its
-step time (`custody_forward_seconds`) in the constrained runs. The model is small (hidden 256) so its forward is short and the masks'
-share large: a larger model's forward only shrinks it.
+step time (`custody_forward_seconds`) in the constrained runs. The model is small
+(hidden 256), so its forward is short and the masks' share large: a larger model's
+forward only shrinks it.
 """
 
 from __future__ import annotations
