@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from custody.up import Stack
 from shared.placement import Placement
+from shared.redis_server import PrivateRedis
 from shared.session_ids import scoped_session_id
 from shared.streams import placement_key
 from tests.services_harness import call, kill_executor_during, metrics, stack_settings, start_stack
@@ -433,9 +434,15 @@ def test_a_session_header_binds_turns_and_each_equals_the_stateless_answer(stack
     assert {k: v for k, v in gained.items() if v} == {"opened": 1, "resumed": 2, "reseeded": 1}
 
 
-def test_behind_the_router_a_header_session_lives_on_one_replica(redis_url, agent_checkpoint):
+def test_behind_the_router_a_header_session_lives_on_one_replica(agent_checkpoint):
     """Two replicas: the router places the header's session in the directory on its
-    first turn, and every later turn goes there (never a second copy)."""
+    first turn, and every later turn goes there (never a second copy). Its own Redis:
+    its replica 0 must not fence the module's stack, which is replica 0 too."""
+    with PrivateRedis(appendonly=False) as server:
+        check_header_session_behind_router(server.url, agent_checkpoint)
+
+
+def check_header_session_behind_router(redis_url: str, agent_checkpoint: Path) -> None:
     settings = stack_settings(
         redis_url,
         model=agent_checkpoint,
@@ -469,3 +476,40 @@ def test_behind_the_router_a_header_session_lives_on_one_replica(redis_url, agen
         assert placed is not None and placed.replica == str(opened.index(1))
     finally:
         routed.stop()
+
+
+def test_a_session_keeps_exact_with_reasoning_the_template_truncates_later(stack):
+    """NemotronH's template empties a reply's <think> block once a user message follows
+    it (truncate_history_thinking), so each turn after a reasoning reply renders that
+    reply differently. The session turn still equals the stateless request (no 409), and
+    resumes from the state the turn before kept at its reply's start: its cached tokens
+    reach at least where the two turns' prompts part (what any reply's rendering shares
+    with the prompt; the generation prompt's opened <think> block is not in it)."""
+    port = stack.settings.port
+    ebnf = 'root ::= [a-z]{1,8} "</think>" [0-9]{2}'
+    sid = call(port, "/open_session", {})
+    messages = [{"role": "user", "content": "Grüße"}]
+    prompts = []
+    for turn in range(3):
+        body = {"messages": messages, "max_tokens": 30, "temperature": 1.0, "seed": turn}
+        body["guided_grammar"] = ebnf
+        got = call(port, "/v1/chat/completions", body | {"session_id": sid})
+        plain = call(port, "/v1/chat/completions", body)
+        assert got["choices"][0]["message"] == plain["choices"][0]["message"], turn
+        tokens = call(port, "/tokenize", {"messages": messages})["tokens"]
+        if prompts:
+            parted = next(
+                i for i, (a, b) in enumerate(zip(prompts[-1], tokens, strict=False)) if a != b
+            )
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= parted, turn
+        prompts.append(tokens)
+        reply = got["choices"][0]["message"]
+        assert reply["reasoning_content"] and reply["content"]
+        messages += [
+            {
+                "role": "assistant",
+                "content": reply["content"],
+                "reasoning_content": reply["reasoning_content"],
+            },
+            {"role": "user", "content": f"und weiter {turn}"},
+        ]

@@ -35,12 +35,18 @@ def session_after_one_turn(encoder: ChatEncoder) -> Session:
 
 
 def test_a_template_that_is_not_prefix_stable_cannot_continue_a_session():
+    """Not where the session's state lies: a difference within it is a 409; one past it
+    (the state at the reply's start, docs/chat.md step 4) is rendered anew."""
     encoder = ChatEncoder(ChatTemplate(UNSTABLE, {}), ByteTokenizer())
     session = session_after_one_turn(encoder)
+    session.cached_len = len(session.history)  # its state covers the reply
     messages = [USER, REPLY, {"role": "user", "content": "more"}]
     with pytest.raises(SessionError, match="not prefix-stable") as refused:
         plan_turn(encoder, session, messages, None, lambda req: "")
     assert refused.value.kind == "conflict"
+    session.cached_len = 2  # its state at the reply's start ("hi", then "ok")
+    tokens, turn = plan_turn(encoder, session, messages, None, lambda req: {})
+    assert turn.base == 2 and bytes(tokens) == b"[earlier reply]more"
     stable = ChatEncoder(ChatTemplate.load(None), ByteTokenizer())
     tokens, turn = plan_turn(stable, session_after_one_turn(stable), messages, None, str)
     assert bytes(tokens) == b"<|user|>\nmore\n<|assistant|>\n"

@@ -238,10 +238,12 @@ class Grammars:
         releases the GIL, so the step loop goes on). Redis faults are waited out."""
         while True:
             try:
-                popped = client.blpop([keys.grammar_checks], timeout=5)
+                popped = client.blpop([keys.grammar_checks], timeout=1)
                 if popped is None:
                     continue
                 self._answer(client, popped[1])
+            except redis.TimeoutError:
+                continue  # a read that outlasted its socket's timeout: nothing came
             except redis.RedisError as err:
                 log.warning("grammar checks: %s", err)
                 time.sleep(1.0)

@@ -86,8 +86,8 @@ class Endings:
         deepest node (a session's turn keeps that lock for its session, `save`)."""
         track, ps = req.slots.track, self.pools.config.page_size
         snap = track.latest_snapshot()
-        if snap is None or snap.seq_len <= req.slots.borrowed:
-            return
+        if snap is None or snap.seq_len <= req.slots.borrowed or snap.seq_len % ps:
+            return  # (a chat turn's reply start may lie inside a page: not the cache's)
         if not self.room.make(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
             return
         row = req.slots.row.slot

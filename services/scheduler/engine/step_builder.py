@@ -27,9 +27,10 @@ def pages_to_grow(page_size: int, length: int, n: int) -> int:
 
 def cut_at_checkpoint(req: Request, start: int, n: int, interval: int) -> int:
     """`n` positions from `start`, cut so the chunk ends at the first checkpoint it would
-    pass: the request's junction, or (`interval` > 0) a multiple of `interval`. A chunk
-    snapshots its state where it ends on a page, so the state there can be cached."""
-    stops = [req.checkpoint] if start < req.checkpoint else []
+    pass: the request's junction, a chat turn's reply start, or (`interval` > 0) a
+    multiple of `interval`. A chunk snapshots its state where it ends on a page, so the
+    state there can be cached (and at the reply start, for its session)."""
+    stops = [c for c in (req.checkpoint, req.reply_start) if start < c]
     if interval:
         stops.append(start - start % interval + interval)
     return min([n, *(stop - start for stop in stops)])
@@ -65,6 +66,8 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
             snap_len = end - ps
     else:
         snap_len = end if end % track_interval == 0 else 0
+    if req.reply_start and end >= req.reply_start:  # that state, and none after it
+        snap_len = end if end == req.reply_start else 0
     slot = 0
     if snap_len > max(start, req.slots.track.latest_len):
         slot = req.slots.track.begin_snapshot() or 0

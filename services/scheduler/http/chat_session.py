@@ -87,20 +87,18 @@ def plan_turn(
             f"{len(messages) - known}; send a longer conversation without session_id"
         )
     full = encoder.tokens(messages, True, variables)
-    history = session.history
-    if len(full) < len(history) or not np.array_equal(full[: len(history)], history):
-        raise SessionError(
-            f"the chat template renders session {session.name}'s conversation differently "
-            "once these messages follow (it is not prefix-stable here), so the session "
-            "cannot continue it; send the conversation without session_id",
-            "conflict",
-        )
-    entries = list(session.chat or ())
+    base = kept_history(session, full)
+    entries = [
+        e
+        if e.end <= base
+        else ChatEntry(e.digest, len(encoder.tokens(messages[: j + 1], False, variables)))
+        for j, e in enumerate(session.chat or ())
+    ]
     for j in range(known, len(messages)):
         end = len(encoder.tokens(messages[: j + 1], False, variables))
         entries.append(ChatEntry(digests[j], end))
 
-    def reply(req: Request) -> tuple[ChatEntry, np.ndarray] | None:
+    def reply(req: Request) -> tuple[ChatEntry, np.ndarray, bool] | None:
         """Run by the engine at the turn's end; it must not raise."""
         try:
             message = template_message(reply_message(req), encoder.template.takes_lists)
@@ -108,7 +106,57 @@ def plan_turn(
         except Exception:
             log.exception("session %s: its reply has no canonical rendering", session.sid)
             return None
-        return ChatEntry(digest(message), len(canonical)), np.asarray(canonical, dtype=np.int64)
+        try:
+            followed = encoder.tokens([*messages, message, FOLLOWER], False, variables)
+        except Exception:  # a template that refuses this follower: nothing to compare
+            followed = canonical
+        stable = followed[: len(canonical)] == canonical
+        entry = ChatEntry(digest(message), len(canonical))
+        return entry, np.asarray(canonical, dtype=np.int64), stable
 
-    turn = ChatTurn(len(history), tuple(entries), reply)
-    return full[len(history) :], turn
+    turn = ChatTurn(base, len(session.history), tuple(entries), reply)
+    turn.reply_start = reply_start(encoder, messages, variables, full)
+    return full[base:], turn
+
+
+# what follows a reply when the session asks whether the template renders it the same
+# with a message after it; and a reply with reasoning, to ask it of the template at all
+FOLLOWER = {"role": "user", "content": "."}
+PROBE = {"role": "assistant", "content": ".", "reasoning_content": "."}
+
+
+def reply_start(
+    encoder: ChatEncoder, messages: list[dict], variables: dict, full: list[int]
+) -> int:
+    """Where the turn's state must be kept, if its template renders a reply otherwise once
+    a message follows it (NemotronH's `truncate_history_thinking`): the end of what the
+    prompt `full` shares with the conversation rendered with a reply and a message after
+    it (the assistant's header, say). 0 for a template that renders replies the same."""
+    try:
+        alone = encoder.tokens([*messages, PROBE], False, variables)
+        followed = encoder.tokens([*messages, PROBE, FOLLOWER], False, variables)
+    except Exception:  # a template that refuses the probe: nothing learnt
+        return 0
+    if followed[: len(alone)] == alone:
+        return 0
+    shared = next((i for i, (a, b) in enumerate(zip(full, followed, strict=False)) if a != b), None)
+    return min(len(full), len(followed)) if shared is None else shared
+
+
+def kept_history(session: Session, full: list[int]) -> int:
+    """How much of the session's history the turn keeps: all of it when it is a prefix of
+    the conversation's rendering `full`; else, when the difference lies past the
+    session's state (a reply the template renders otherwise now that a message follows
+    it), the history up to the state, the rest rendered anew; else a 409, nothing
+    changes."""
+    history, state = session.history, session.cached_len
+    if len(full) >= len(history) and np.array_equal(full[: len(history)], history):
+        return len(history)
+    if len(full) >= state and np.array_equal(full[:state], history[:state]):
+        return state
+    raise SessionError(
+        f"the chat template renders session {session.name}'s conversation differently "
+        "once these messages follow (it is not prefix-stable here), so the session "
+        "cannot continue it; send the conversation without session_id",
+        "conflict",
+    )

@@ -189,14 +189,49 @@ class Completion(Struct):
     sglext: SglExt | None = None
 
 
+class CalledFunction(Struct):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallReply(Struct):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(Struct):
+    """`content` null when the model only called tools; `tool_calls` and
+    `reasoning_content` with the server's parsers (docs/api.md)."""
+
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallReply] | None = None
+    reasoning_content: str | None = None
+
+
+class ToolCallDelta(Struct):
+    """A streamed call: first its `index`, `id`, `type` and name, then its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
+class AssistantDelta(Struct):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
+
+
+ChatFinish = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(Struct):
     index: int
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: ChatFinish | None
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None  # with logprobs: true
     matched_stop: int | str | None = None  # SGLang's: the stop token id or string
@@ -214,8 +249,8 @@ class ChatCompletion(Struct):
 
 class ChatDeltaChoice(Struct):
     index: int
-    finish_reason: Literal["stop", "length", "abort"] | None
-    delta: AssistantMessage
+    finish_reason: ChatFinish | None
+    delta: AssistantDelta
     logprobs: ChatLogprobs | None = None  # with logprobs: true
     matched_stop: int | str | None = None  # SGLang's, on the finishing chunk
 

@@ -43,14 +43,20 @@ class Status(Enum):
 @dataclass(eq=False)
 class ChatTurn:
     """What a chat turn hands its session, prepared by the HTTP edge (which owns the
-    template) so the engine never renders: the history length its new tokens follow,
-    the conversation's entries through the prompt, and `reply`, which gives the reply's
-    entry and the canonical history (the conversation with the reply, rendered without
-    a generation prompt and tokenized), or None if that cannot be rendered."""
+    template) so the engine never renders: the length of the session's history its new
+    tokens follow (the rest of the history, past the session's state, is rendered anew:
+    chat_session.py), the conversation's entries through the prompt, and `reply`, which
+    gives the reply's entry, the canonical history (the conversation with the reply,
+    rendered without a generation prompt and tokenized) and whether the reply renders
+    the same once a message follows it; or None if that cannot be rendered."""
 
     base: int
+    seen: int  # the history's length the turn was prepared against (a changed one: busy)
     messages: tuple[ChatEntry, ...]
-    reply: Callable[[Request], tuple[ChatEntry, np.ndarray] | None]
+    reply: Callable[[Request], tuple[ChatEntry, np.ndarray, bool] | None]
+    # where any reply's rendering leaves the prompt's (the assistant's header, say): the
+    # turn keeps its state there, for a reply the session cannot keep (chat_log.py)
+    reply_start: int = 0
 
 
 @dataclass(eq=False)
@@ -69,6 +75,8 @@ class Request:
     # a junction: where its prompt leaves the cache's KV past the deepest cached state; a
     # chunk ends there, and the state there is cached for the next request (0: none)
     checkpoint: int = 0
+    # a chat turn's state kept at this prompt position (ChatTurn.reply_start); 0: none
+    reply_start: int = 0
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
     chat: ChatTurn | None = None  # a chat turn's conversation

@@ -136,8 +136,10 @@ class LiveState(Collector):
             "another record claimed them",
             sessions.conflicting_records,
         )
-        redo = "chat replies re-encoded from their text (docs/chat.md)"
+        redo = "chat replies re-encoded from their text or rendered anew (docs/chat.md)"
         yield _counter("custody_session_reencodes", redo, sessions.reencoded)
+        kept = "of them, the session resuming at the reply's start, not the turn's"
+        yield _counter("custody_session_reply_starts", kept, sessions.reply_starts)
 
     def _tiers(self) -> Iterator:
         """Session state below the device: where it is, what moved, what was given up."""

@@ -24,9 +24,14 @@ def turn_history(req: Request) -> np.ndarray:
     return np.concatenate([req.prompt, np.asarray(req.committed_output(), dtype=np.int64)])
 
 
-def settle(req: Request) -> np.ndarray | None:
+def settle(req: Request) -> tuple[np.ndarray, bool] | None:
     """Record the turn's conversation in its session; returns the canonical history when
-    the turn's own history is not a prefix of it (the reply must be re-encoded)."""
+    the turn's own history is not a prefix of it (the reply must be re-encoded), or when
+    the reply renders otherwise once a message follows it (a template that empties an
+    earlier reply's reasoning, NemotronH's `truncate_history_thinking`): then the state
+    past the turn's start would not match the next turn's rendering. With the canonical
+    history: whether the turn's state at its reply start (`Request.reply_start`) is a
+    state of it (the canonical history agrees with the prompt up to there)."""
     session: Session = req.session
     if req.chat is None:
         session.chat = None  # raw tokens (/generate): the history is no conversation now
@@ -35,9 +40,13 @@ def settle(req: Request) -> np.ndarray | None:
     if settled is None:
         session.chat = None
         return None
-    entry, canonical = settled
+    entry, canonical, stable = settled
     session.chat = (*req.chat.messages, entry)
     history = turn_history(req)
+    start = req.reply_start
+    at_start = 0 < start <= len(canonical) and np.array_equal(canonical[:start], req.prompt[:start])
+    if not stable:
+        return canonical, at_start
     if len(history) <= len(canonical) and np.array_equal(canonical[: len(history)], history):
         return None
-    return canonical
+    return canonical, at_start

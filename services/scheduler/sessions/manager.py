@@ -23,6 +23,7 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
@@ -88,7 +89,8 @@ class SessionManager:
         # that closed it die before it does, or no router know of the close at all
         self.unplaced: list[tuple[str, int]] = []
         self.states_dropped = 0
-        self.reencoded = 0  # chat replies re-encoded (chat_log.py)
+        self.reencoded = 0  # chat replies the session could not keep (chat_log.py)
+        self.reply_starts = 0  # of them, resumed at the reply's start (_keep_reply_start)
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
         self.tiers = TierPolicy(self.moves, self.sessions)
@@ -183,11 +185,14 @@ class SessionManager:
             raise SessionError(
                 f"session {session_name(sid)} is moving to another replica; retry", "moving"
             )
-        if chat is not None and chat.base != len(session.history):
+        if chat is not None and (
+            chat.seen != len(session.history) or not session.cached_len <= chat.base
+        ):
             raise SessionError(
                 f"session {session_name(sid)} changed while this turn was prepared", "busy"
             )
-        prompt = np.concatenate([session.history, np.asarray(new_tokens, dtype=np.int64)])
+        kept = session.history if chat is None else session.history[: chat.base]
+        prompt = np.concatenate([kept, np.asarray(new_tokens, dtype=np.int64)])
         if len(prompt) >= context_len:
             raise InvalidRequest(
                 f"session {session_name(sid)}: history ({len(session.history)}) plus input "
@@ -196,6 +201,8 @@ class SessionManager:
         req = Request(
             rid, prompt, params, session=session, chat=chat, cache_namespace=cache_namespace
         )
+        if chat is not None and session.cached_len < chat.reply_start <= len(prompt):
+            req.reply_start = chat.reply_start
         session.turn = req
         self._touch(session, self.clock())
         return req
@@ -336,8 +343,11 @@ class SessionManager:
         """The turn finished: its state and history become the session's. False when a
         chat reply was re-encoded and the turn had no state to return to: the caller
         releases its slots."""
-        session, canonical = req.session, settle(req)
-        if canonical is not None:
+        session, settled = req.session, settle(req)
+        if settled is not None:
+            canonical, at_reply_start = settled
+            if at_reply_start and self._keep_reply_start(req, canonical):
+                return True
             return self._reencode(req, canonical)
         row = req.slots.row.slot
         # an over-allocated tail (scenario S5, docs/scenarios.md)
@@ -381,6 +391,33 @@ class SessionManager:
         self.dirty.add(session.sid)
         self._end_turn(req)
         return kept
+
+    def _keep_reply_start(self, req: Request, canonical: np.ndarray) -> bool:
+        """A reply the session cannot keep as generated: the session keeps the turn's
+        state at the reply's start instead (its track snapshot there, which moves to the
+        session; the turn's working state and the KV past it are freed), so the next turn
+        prefills only the reply as rendered then. False, nothing moved, when the snapshot
+        is not there (not taken, or not the latest) or no slot can refill the track."""
+        session, start, track = req.session, req.turn_start, req.slots.track
+        snap = track.latest_snapshot()
+        if snap is None or snap.seq_len != req.reply_start:
+            return False
+        try:
+            kept = track.donate_latest(session.owner, "reply_start")
+        except PoolExhausted:
+            return False
+        self.reencoded += 1
+        self.reply_starts += 1
+        if start is not None and start.rollback is not None:
+            start.rollback.release("turn_done")
+        self.pools.kv.free_tail(req.slots.row.slot, kept.seq_len, "reply_start")
+        state = new_lease(self.pools.mamba, session.owner, kept.slot)
+        session.slots = handover.save(self.pools, req.slots, session.owner, state)
+        session.cache_node, req.cache_node = req.cache_node, None
+        session.history, session.cached_len = canonical, kept.seq_len
+        self.dirty.add(session.sid)
+        self._end_turn(req)
+        return True
 
     def _back_to_start(self, req: Request) -> None:
         """The session takes back its state copied at the turn's start (the turn's state
