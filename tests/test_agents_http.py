@@ -17,6 +17,7 @@ import asyncio
 import json
 import re
 import urllib.error
+from pathlib import Path
 
 import jsonschema
 import openai
