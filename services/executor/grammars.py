@@ -42,6 +42,7 @@ from shared.messages.grammar import (
     decode_check,
 )
 from shared.model_config import ModelConfig
+from shared.retry import Retry
 
 log = logging.getLogger("custody.executor")
 COMPILES = Counter(
@@ -233,20 +234,22 @@ class Grammars:
         return ended
 
     # ---- the check thread ----
-    def serve_checks(self, client: redis.Redis, keys: streams.Keys) -> None:
+    def serve_checks(self, client: redis.Redis, keys: streams.Keys, retry: Retry) -> None:
         """Answer the scheduler's compile checks, forever (a thread of its own: compiling
-        releases the GIL, so the step loop goes on). Redis faults are waited out."""
+        releases the GIL, so the step loop goes on). Any fault, Redis away or one of the
+        thread's own, is counted, logged (rate-limited) and waited out with backoff: a
+        thread that died would leave every constrained request a 503."""
         while True:
             try:
                 popped = client.blpop([keys.grammar_checks], timeout=1)
-                if popped is None:
-                    continue
-                self._answer(client, popped[1])
+                if popped is not None:
+                    self._answer(client, popped[1])
             except redis.TimeoutError:
                 continue  # a read that outlasted its socket's timeout: nothing came
-            except redis.RedisError as err:
-                log.warning("grammar checks: %s", err)
-                time.sleep(1.0)
+            except Exception as err:
+                retry.wait_sync(err)
+                continue
+            retry.ok()
 
     def _answer(self, client: redis.Redis, raw: bytes) -> None:
         try:

@@ -109,8 +109,9 @@ class ExecutorService:
         group = self.keys.forward, streams.EXECUTOR_GROUP
         when_up(lambda: streams.ensure_group(self.client, *group), starting)
         checks = when_up(lambda: connect(settings.redis_url), starting)  # its own connection
+        retry = Retry("grammar_checks", log, FAULTS)
         threading.Thread(
-            target=self.grammars.serve_checks, args=(checks, self.keys), daemon=True
+            target=self.grammars.serve_checks, args=(checks, self.keys, retry), daemon=True
         ).start()
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
