@@ -234,7 +234,8 @@ def test_every_service_serves_its_loops_faults_with_its_labels(two: Stack) -> No
     for i in ("0", "1"):
         loops = {"registration", "step_loop", "scheduler_start"}
         assert found[f"scheduler-{i}"] == {(loop, i) for loop in loops}
-        assert found[f"executor-{i}"] == {("executor_serve", i), ("executor_heartbeat", i)}
+        loops = {"executor_serve", "executor_heartbeat", "grammar_checks"}
+        assert found[f"executor-{i}"] == {(loop, i) for loop in loops}
     discover = ("store_discover", two.settings.replica)
     assert found["session-store"] == {discover, ("store_consume", "0"), ("store_consume", "1")}
 
