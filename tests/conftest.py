@@ -13,7 +13,7 @@ import redis
 from custody.up import Stack
 from shared.redis_server import PrivateRedis
 from tests.checkpoints import AGENT_TEMPLATE, build_chat_checkpoint, reference
-from tests.services_harness import stack_settings, start_stack
+from tests.services_harness import agent_settings, stack_settings, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -86,25 +86,8 @@ def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def agent_stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
-    """The services serving `agent_checkpoint` as an agent deployment: tool calls in the
-    NemotronH MoE form, its reasoning, compact JSON, sessions by `X-Session-ID`; the
-    model is called "m"."""
-    running = start_stack(
-        stack_settings(
-            redis_url,
-            model=agent_checkpoint,
-            tool_call_parser="qwen3_coder",
-            reasoning_parser="nemotron_v3",
-            constrained_json_disable_any_whitespace=True,
-            session_header="X-Session-ID",
-            served_model_name="m",
-            # an agent's prompt lists its tools: longer contexts and chunks than the rest
-            context_len=4096,
-            kv_pages=2048,
-            chunk_size=256,
-            max_step_tokens=512,
-        )
-    )
+    """The services serving `agent_checkpoint` as an agent deployment (agent_settings)."""
+    running = start_stack(agent_settings(redis_url, agent_checkpoint))
     yield running
     running.stop()
 

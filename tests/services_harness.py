@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,6 +89,25 @@ def stack_settings(redis_url: str, **overrides: object) -> Settings:
         executor_timeout_seconds=1.5,
         **(POOLS | overrides),
     )
+
+
+def agent_settings(redis_url: str, model: Path, **overrides: object) -> Settings:
+    """A stack serving `model` as an agent deployment: tool calls in the NemotronH MoE
+    form, its reasoning, compact JSON, sessions by `X-Session-ID`, the model called "m",
+    and room for an agent's prompt (it lists its tools)."""
+    agent = {
+        "model": model,
+        "tool_call_parser": "qwen3_coder",
+        "reasoning_parser": "nemotron_v3",
+        "constrained_json_disable_any_whitespace": True,
+        "session_header": "X-Session-ID",
+        "served_model_name": "m",
+        "context_len": 4096,
+        "kv_pages": 2048,
+        "chunk_size": 256,
+        "max_step_tokens": 512,
+    }
+    return stack_settings(redis_url, **(agent | overrides))
 
 
 def capacities(settings: Settings) -> dict[str, int]:

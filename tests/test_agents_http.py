@@ -31,7 +31,7 @@ from shared.placement import Placement
 from shared.redis_server import PrivateRedis
 from shared.session_ids import scoped_session_id
 from shared.streams import placement_key
-from tests.services_harness import call, kill_executor_during, metrics, stack_settings, start_stack
+from tests.services_harness import agent_settings, call, kill_executor_during, metrics, start_stack
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {
@@ -444,18 +444,7 @@ def test_behind_the_router_a_header_session_lives_on_one_replica(agent_checkpoin
 
 
 def check_header_session_behind_router(redis_url: str, agent_checkpoint: Path) -> None:
-    settings = stack_settings(
-        redis_url,
-        model=agent_checkpoint,
-        replicas=2,
-        session_header="X-Session-ID",
-        served_model_name="m",
-        context_len=4096,
-        kv_pages=2048,
-        chunk_size=256,
-        max_step_tokens=512,
-    )
-    routed = start_stack(settings)
+    routed = start_stack(agent_settings(redis_url, agent_checkpoint, replicas=2))
     try:
         port = routed.settings.port
         messages = [{"role": "user", "content": "hallo"}]
