@@ -37,12 +37,7 @@ from services.scheduler.records.session import (
 )
 from services.scheduler.sessions.chat_log import settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
-from services.scheduler.sessions.records import (
-    DurableRecords,
-    conflicting_claims,
-    malformed,
-    without_device_state,
-)
+from services.scheduler.sessions.records import DurableRecords, trusted_records
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
@@ -491,37 +486,14 @@ class SessionManager:
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back (records.py): the history always,
         a valid blob on disk, device slots when the executor that holds their contents is
-        the same one. Records whose slots do not add up (`malformed`), and records that
-        claim one slot twice (`conflicting_claims`), keep their history only: which of
-        them holds the slot's contents cannot be known, and the history is the session
-        either way."""
-        records = [self._well_formed(rec) if state_valid else rec for rec in records]
-        doubtful = conflicting_claims(records, state_valid, self.pools.config.page_size)
-        if doubtful:
-            log.error(
-                "%d session records claim slots another record claims too; "
-                "they are taken back from their history only: %s",
-                len(doubtful),
-                sorted(doubtful),
-            )
-            self.conflicting_records += len(doubtful)
-            records = [
-                without_device_state(r, disk=True) if r.sid in doubtful else r for r in records
-            ]
+        the same one and the records are trusted (`trusted_records`)."""
+        records, cut = trusted_records(records, state_valid, self.pools)
+        self.conflicting_records += cut
         for rec in records:
             self.pending.discard(rec.sid)
             if not rec.closed:
                 session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
                 self.records.take_back(session, rec, state_valid)
-
-    def _well_formed(self, rec: SessionRecord) -> SessionRecord:
-        """`rec`, or without its device slots when they do not add up (counted)."""
-        wrong = malformed(rec, self.pools)
-        if wrong is None:
-            return rec
-        log.error("session %s: taken back from its history only (%s)", rec.sid, wrong)
-        self.conflicting_records += 1
-        return without_device_state(rec)
 
     def discard_unnamed_blobs(self) -> None:
         """After a rebuild: delete every blob no record named (its deletion was still

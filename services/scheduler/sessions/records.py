@@ -205,3 +205,32 @@ def without_device_state(rec: SessionRecord, disk: bool = False) -> SessionRecor
         rec, row=None, working=None, pages=None, shared_pages=0, cache_namespace=""
     )
     return msgspec.structs.replace(rec, disk=None) if disk else rec
+
+
+def trusted_records(
+    records: list[SessionRecord], state_valid: bool, pools: Pools
+) -> tuple[list[SessionRecord], int]:
+    """The records a restarted scheduler takes back: each whose slots do not add up
+    (`malformed`), or that claims a slot another record claims too (`conflicting_claims`),
+    without its device state (which of them holds the slot's contents cannot be known,
+    and the history is the session either way); and how many were so cut (logged)."""
+    cut = 0
+    if state_valid:
+        kept = []
+        for rec in records:
+            wrong = malformed(rec, pools)
+            if wrong is not None:
+                log.error("session %s: taken back from its history only (%s)", rec.sid, wrong)
+                rec, cut = without_device_state(rec), cut + 1
+            kept.append(rec)
+        records = kept
+    doubtful = conflicting_claims(records, state_valid, pools.config.page_size)
+    if doubtful:
+        log.error(
+            "%d session records claim slots another record claims too; "
+            "they are taken back from their history only: %s",
+            len(doubtful),
+            sorted(doubtful),
+        )
+        records = [without_device_state(r, disk=True) if r.sid in doubtful else r for r in records]
+    return records, cut + len(doubtful)
