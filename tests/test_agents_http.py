@@ -197,7 +197,7 @@ def _array(children):
 
 SCHEMAS = (
     st.recursive(LEAVES, lambda c: st.one_of(_object(c), _array(c)), max_leaves=6)
-    .filter(lambda s: _depth(s) <= 3)
+    .filter(lambda s: _depth(s) <= 3 and longest(s) < 3000)  # within the context
     .map(
         lambda s: (
             s
@@ -220,19 +220,37 @@ def _depth(schema: dict) -> int:
     return 1 + max((_depth(s) for s in inner), default=0)
 
 
+def longest(schema: dict) -> int:
+    """The most bytes compact JSON matching `schema` can take (a token spells at least
+    one byte, so also the most tokens): a string character escaped as \\uXXXX is 6."""
+    if "enum" in schema:
+        return max(len(json.dumps(v).encode()) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + 6 * schema["maxLength"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "boolean":
+        return 5
+    if kind == "array":
+        return 2 + schema["maxItems"] * (longest(schema["items"]) + 2)
+    fields = schema["properties"].items()
+    return 2 + sum(len(json.dumps(k).encode()) + 4 + longest(v) for k, v in fields)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(st.lists(SCHEMAS, min_size=8, max_size=8))
 def test_generated_schemas_give_valid_json_that_stops(stack, schemas):
     """200 schemas (25 examples of 8, sent at once): each output validates and ended by
-    itself (a length stop fails: max_tokens is above the longest output any of these
-    schemas allows in compact form)."""
+    itself (a length stop fails: each request's max_tokens is above the longest output
+    its schema allows in compact form, `longest`)."""
 
     async def one(aclient: openai.AsyncOpenAI, schema: dict, seed: int):
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         reply = await aclient.chat.completions.create(
             model="m",
             messages=[{"role": "user", "content": "x"}],
-            max_tokens=400,
+            max_tokens=longest(schema) + 1,  # and the stop token
             temperature=1.0,
             seed=seed,
             response_format=fmt,
