@@ -98,7 +98,6 @@ class _Matcher:
 
 class Grammars:
     def __init__(self, info: xgr.TokenizerInfo | None, max_matchers: int) -> None:
-        self.info = info
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False) if info else None
         self.vocab = info.vocab_size if info else 0
         self.compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
