@@ -164,13 +164,27 @@ def assert_clean(stack: Stack) -> None:
 
 
 def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict:
-    """POST `body` to `path` and SIGKILL the executor while it runs; supervise until the
-    reply comes (the executor restarted once) and return it."""
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(out=call(port, path, body)))
+    """POST `body` to `path` streamed, SIGKILL the executor once the first output has
+    streamed (so mid-decode however fast the request runs), supervise until the stream
+    ends (the executor restarted once) and return its last chunk: SGLang's chunks are
+    cumulative, so the last is the whole reply."""
+    streamed = threading.Event()
+    chunks: list[dict] = []
+
+    def read() -> None:
+        data = json.dumps(body | {"stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST")
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            for line in resp:
+                text = line.decode().strip()
+                if text.startswith("data:") and text != "data: [DONE]":
+                    chunks.append(json.loads(text[len("data:") :]))
+                    streamed.set()
+
+    worker = threading.Thread(target=read)
     worker.start()
-    time.sleep(0.5)
-    assert worker.is_alive(), result
+    assert streamed.wait(timeout=120), "nothing streamed"
+    assert worker.is_alive(), chunks[-1]
     stack.kill("executor")  # SIGKILL in the middle of the request's decode
     deadline = time.monotonic() + 120
     while worker.is_alive() and time.monotonic() < deadline:
@@ -178,4 +192,4 @@ def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict
         time.sleep(0.2)
     worker.join(timeout=1)
     assert stack.restarts["executor"] == 1
-    return result["out"]
+    return chunks[-1]

@@ -263,15 +263,20 @@ class Grammars:
         pipe.execute()
 
 
-# xgrammar 0.2.8 writes a string with maxLength (or minLength) as characters that may be
-# control characters, which JSON forbids unescaped (its unbounded strings exclude them):
-# so a strict parser would refuse the output. Such characters are excluded here.
-LOOSE_CHARACTER = '[^\\"\\\\\\r\\n]'
-STRICT_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+# xgrammar 0.2.8 writes a JSON string's character as a class that lets through what
+# strict JSON in UTF-8 cannot hold: a string with maxLength (or minLength) takes control
+# characters, which JSON forbids unescaped; every string takes the three-byte encoding of
+# a UTF-16 surrogate (U+D800-U+DFFF), invalid UTF-8, which decodes as three replacement
+# characters (one character the grammar counted becomes three: past a maxLength). Both
+# classes are replaced with one that excludes them.
+LOOSE_CHARACTERS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+STRICT_CHARACTER = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
 def _strict_strings(ebnf: str) -> str:
-    return ebnf.replace(LOOSE_CHARACTER, STRICT_CHARACTER)
+    for loose in LOOSE_CHARACTERS:
+        ebnf = ebnf.replace(loose, STRICT_CHARACTER)
+    return ebnf
 
 
 def _reason(err: Exception) -> str:

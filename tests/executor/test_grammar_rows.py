@@ -5,12 +5,15 @@ scheduler's count refuses the step before anything runs."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
+import xgrammar as xgr
 
 from custody.inprocess import InProcess
+from services.executor.grammars import Grammars
 from services.executor.runner import BatchRefused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
@@ -80,3 +83,27 @@ def test_a_retracted_constrained_request_ends_as_it_would_have(runtime):
     assert tight.engine.retractions > 0
     assert [r.output for r in cramped] == [r.output for r in roomy]
     assert all(r.finish_reason.type == "stop" for r in cramped)
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"),
+    [
+        (b"a", True),
+        ("é".encode(), True),
+        (b"\xed\x9f\xbf", True),  # U+D7FF, the last code point before the surrogates
+        (b"\x01", False),  # a control character JSON forbids unescaped
+        (b"\xed\xa0\x80", False),  # U+D800: a surrogate, invalid UTF-8 (three U+FFFD)
+        (b"\xed\xbf\xbf", False),  # U+DFFF
+    ],
+)
+@pytest.mark.parametrize("bound", [{}, {"maxLength": 1}])
+def test_a_json_string_holds_only_what_strict_json_in_utf8_can(value, valid, bound):
+    """xgrammar's own string classes let control characters (bounded strings) and UTF-16
+    surrogates (every string) through; a hypothesis run saw `maxLength: 1` answered with
+    three replacement characters. custody's grammar refuses both, byte by byte."""
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)], vocab_type=xgr.VocabType.RAW)
+    schema = {"type": "object", "properties": {"a": {"type": "string", **bound}}}
+    spec = GrammarSpec(kind="json_schema", source=json.dumps(schema | {"required": ["a"]}))
+    matcher = xgr.GrammarMatcher(Grammars(info, 1).compile(spec, "test"))
+    text = b'{"a": "' + value + b'"}'
+    assert all(matcher.accept_token(b) for b in text) is valid

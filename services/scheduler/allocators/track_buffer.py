@@ -49,6 +49,10 @@ class PingPongTrack:
                 return slot
         return None
 
+    def can_snapshot(self) -> bool:
+        """Whether `begin_snapshot` would give a slot now."""
+        return any(e not in self.pending and e != self.latest for e in (0, 1))
+
     def record(self, slot: int, seq_len: int) -> None:
         """The step that wrote `slot` (a value `begin_snapshot` gave) has run: the
         snapshot there, at `seq_len`, is now the latest. The length comes from the step

@@ -32,6 +32,7 @@ from services.scheduler.engine.room import Room
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.engine.step_builder import (
     StepBudget,
+    awaits_track_slot,
     cut_at_checkpoint,
     grow_kv,
     pages_to_grow,
@@ -294,7 +295,7 @@ class EngineCore:
             return 0  # the token in flight is surely its last
         n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
         n = cut_at_checkpoint(req, req.planned, n, self.config.checkpoint_interval)
-        if n <= 0:
+        if n <= 0 or awaits_track_slot(req, n):
             return 0
         need = pages_to_grow(self.pools.config.page_size, req.planned, n)
         planned = {id(r) for r, _ in chosen}

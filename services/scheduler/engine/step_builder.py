@@ -36,6 +36,14 @@ def cut_at_checkpoint(req: Request, start: int, n: int, interval: int) -> int:
     return min([n, *(stop - start for stop in stops)])
 
 
+def awaits_track_slot(req: Request, n: int) -> bool:
+    """A chunk of `n` positions that ends at a chat turn's reply start must snapshot
+    there: the session keeps that state (sessions/manager.py, `_keep_reply_start`). While
+    both track entries are busy (the latest snapshot, and one a step in flight writes) it
+    waits for that step rather than run without the snapshot."""
+    return req.planned + n == req.reply_start and not req.slots.track.can_snapshot()
+
+
 def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
     """One batched KV allocation for the whole step: decodes, then chunks."""
     kv, lens = pools.kv, pools.rows.lens

@@ -397,6 +397,8 @@ class SessionManager:
         snap = track.latest_snapshot()
         if snap is None or snap.seq_len != req.reply_start:
             return False
+        if not self.pools.mamba.free_count:  # the track refills the slot it gives
+            self.cache.evict_mamba(1)  # the cache gives way, as for a donation to it
         try:
             kept = track.donate_latest(session.owner, "reply_start")
         except PoolExhausted:

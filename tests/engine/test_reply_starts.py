@@ -1,0 +1,75 @@
+"""A chat turn whose reply the template renders otherwise once a message follows it
+(NemotronH's reasoning): the session keeps the turn's state at the reply's start
+(docs/chat.md), whatever else holds the pools when the turn ends."""
+
+import numpy as np
+
+from services.scheduler.records.request import ChatTurn, Request
+from services.scheduler.records.sampling import SamplingParams
+from shared.messages.ownership import ChatEntry
+from tests.engine.driver import Driver
+from tests.engine.test_sessions import close_all, text
+
+
+def truncating_turn(prompt: list[int], reply_start: int, base: int = 0, seen: int = 0) -> ChatTurn:
+    """A chat turn whose canonical history keeps the prompt up to `reply_start` and
+    renders the rest (the generation prompt's opened reasoning, say) otherwise."""
+
+    def reply(req: Request) -> tuple[ChatEntry, np.ndarray, bool]:
+        canonical = np.asarray([*prompt[:reply_start], 7, 7, *req.output], dtype=np.int64)
+        return ChatEntry("reply", len(canonical)), canonical, False
+
+    return ChatTurn(base, seen, (), reply, reply_start)
+
+
+def test_the_reply_start_is_kept_when_the_cache_holds_every_free_state():
+    """The session takes the turn's snapshot at its reply start, and the track refills
+    the slot it gives. With the cache holding every free Mamba slot (the turn's admission
+    and its chunk's donation to the cache each evict just enough), the cache gives way
+    again, as for a donation to it, rather than the session losing that state (a loaded
+    CI run once saw it lost: the next turn re-prefilled from the cache's page)."""
+    d = Driver(page_size=4, mamba_slots=12, chunk=8)
+    for seed in range(20):  # distinct prompts: their states fill the pool
+        d.generate(text(16, 100 + seed), max_new=2)
+        d.run()
+    assert d.pools.mamba.free_count == 4  # what the turn takes: then the cache holds the rest
+    sid = d.engine.sessions.open().sid
+    session = d.engine.sessions.get(sid)
+    prompt = text(18, 1)
+    chat = truncating_turn(prompt, 13)
+    d.engine.submit_turn(
+        session, np.asarray(prompt), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
+    )
+    d.run()
+    assert d.engine.sessions.reply_starts == 1
+    assert session.cached_len == 13 and session.history[:13].tolist() == prompt[:13]
+    close_all(d)
+
+
+def test_the_chunk_ending_at_a_reply_start_waits_for_a_track_slot():
+    """A later turn's chunks keep their snapshots (none goes to the cache: the turn
+    began from its session's state), so pipelined, both track entries can be busy when
+    the chunk ending at the reply start is planned: the latest snapshot, and the one the
+    step in flight writes. That chunk waits for the step rather than run without the
+    snapshot its session must keep."""
+    d = Driver(page_size=4, chunk=4)
+    sid = d.engine.sessions.open().sid
+    session = d.engine.sessions.get(sid)
+    first = text(18, 1)
+    d.engine.submit_turn(
+        session,
+        np.asarray(first),
+        d.rid(),
+        SamplingParams(max_new_tokens=3),
+        chat=truncating_turn(first, 13),
+    )
+    d.run()
+    assert session.cached_len == 13
+    prompt = [*session.history[:13].tolist(), *text(20, 2)]
+    chat = truncating_turn(prompt, 30, base=13, seen=len(session.history))
+    d.engine.submit_turn(
+        session, np.asarray(text(20, 2)), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
+    )
+    d.run()
+    assert d.engine.sessions.reply_starts == 2 and session.cached_len == 30
+    close_all(d)
