@@ -10,6 +10,7 @@ from pathlib import Path
 from shared.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB
 
 MIXERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UnsupportedModel(ValueError):
@@ -56,6 +57,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     max_position_embeddings: int = 8192
     torch_dtype: str | None = None  # the weights' dtype as saved (`--dtype auto` on a GPU)
+    # the SSM state pool's dtype, whatever `--dtype` (vLLM serves recent releases with a
+    # 16-bit one; transformers keeps float32 whatever this says)
+    mamba_ssm_cache_dtype: str = "float32"
+    # mixture-of-experts layers ("moe", pattern "E"); transformers' defaults
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    # 0: no shared experts; n: one MLP n times moe_shared_expert_intermediate_size wide
+    # (as vLLM reads it; transformers always builds one of that width)
+    n_shared_experts: int = 1
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None  # the experts' width, if not hidden_size
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
 
     # ---- derived ----
     @property
@@ -87,11 +104,36 @@ class ModelConfig:
                 f"layers_block_type must list known mixers, got {unknown or 'none'}"
             )
         if "moe" in self.layers_block_type:
-            raise UnsupportedModel("moe layers are not supported by custody's executor")
+            self._validate_moe()
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            raise UnsupportedModel(
+                f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, "
+                f"not {self.mamba_ssm_cache_dtype!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModel("num_attention_heads must be a multiple of num_key_value_heads")
         if self.mamba_num_heads % self.n_groups or self.mamba_intermediate % self.n_groups:
             raise UnsupportedModel("mamba heads must split evenly into n_groups")
+
+    def _validate_moe(self) -> None:
+        """The routing transformers computes needs these (its group score sums each
+        group's two best experts)."""
+        experts, groups = self.n_routed_experts, self.n_group
+        if experts < 1 or groups < 1 or experts % groups or experts // groups < 2:
+            raise UnsupportedModel(
+                f"n_routed_experts ({experts}) must split into n_group ({groups}) groups "
+                "of at least two experts"
+            )
+        if not 1 <= self.topk_group <= groups:
+            raise UnsupportedModel(f"topk_group ({self.topk_group}) must lie in 1..n_group")
+        reachable = self.topk_group * experts // groups
+        if not 1 <= self.num_experts_per_tok <= reachable:
+            raise UnsupportedModel(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in 1..{reachable} "
+                "(the experts of topk_group groups)"
+            )
+        if self.n_shared_experts < 0:
+            raise UnsupportedModel(f"n_shared_experts must be >= 0, not {self.n_shared_experts}")
 
     # ---- loading ----
     @classmethod
@@ -100,6 +142,11 @@ class ModelConfig:
         refused = {k: raw[k] for k, ok in IMPLEMENTED_ONLY.items() if raw.get(k, ok[0]) not in ok}
         if refused:
             raise UnsupportedModel(f"custody's executor does not implement {refused}")
+        if raw.get("quantization_config"):
+            raise UnsupportedModel(
+                "custody's executor serves unquantized weights only, not quantization_config "
+                + quantization_name(raw["quantization_config"])
+            )
         if "layers_block_type" not in raw:
             if "hybrid_override_pattern" not in raw:
                 raise UnsupportedModel(
@@ -113,6 +160,7 @@ class ModelConfig:
             ("mamba_conv_bias", "use_conv_bias"),
             ("mamba_dt_min", "time_step_min"),
             ("dtype", "torch_dtype"),  # transformers >= 4.56 writes `dtype`
+            ("num_local_experts", "n_routed_experts"),  # transformers' alias
         ):
             if old in raw:
                 raw[new] = raw.pop(old)
@@ -131,6 +179,15 @@ class ModelConfig:
         out["model_type"] = "nemotron_h"
         out["mamba_hidden_act"], out["mlp_hidden_act"] = "silu", "relu2"
         return out
+
+
+def quantization_name(quantization: object) -> str:
+    """A checkpoint's quantization as its config names it (FP8: quant_method `fp8`;
+    NVFP4: quant_method `modelopt`, quant_algo `NVFP4`)."""
+    if not isinstance(quantization, dict):
+        return repr(quantization)
+    named = {k: quantization[k] for k in ("quant_method", "quant_algo") if k in quantization}
+    return ", ".join(f"{k} = {v!r}" for k, v in named.items()) or repr(quantization)
 
 
 def builtin_config() -> ModelConfig:

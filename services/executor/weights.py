@@ -5,7 +5,9 @@ model's dtype from its weights, so one setting decides both."""
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from shared.dtypes import resolve_dtype
 from shared.model_config import ModelConfig, builtin_config
 
 BUILTIN_SEED = 20261122
+log = logging.getLogger("custody.executor")
 
 
 def load_model(path: Path | None, device: torch.device, dtype: str = "auto") -> NemotronH:
@@ -35,16 +38,37 @@ def load_checkpoint(
 ) -> NemotronH:
     """The model built without memory (meta device) and its parameters taken from the
     files, each converted once to `dtype` on `device`: a 16-bit checkpoint never exists
-    as a float32 copy. Multi-token-prediction weights (`mtp.*`) are skipped, as
-    transformers skips them: custody does not speculate."""
+    as a float32 copy. Either layout of MoE experts loads: a released checkpoint's
+    tensors per expert are fused as read into transformers' two tensors per layer.
+    Multi-token-prediction weights (`mtp.*`) are skipped, by name in the log: custody
+    does not speculate."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors")
     state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    skipped: list[str] = []
     for f in files:
         for name, tensor in load_file(str(f), device=str(device)).items():
-            if not name.startswith("mtp."):
-                state[_checkpoint_name(name)] = tensor.to(dtype)
+            if name.startswith("mtp."):
+                skipped.append(name)
+                continue
+            name = _checkpoint_name(name)
+            kept = tensor if name.endswith(FLOAT32_BUFFERS) else tensor.to(dtype)
+            expert = PER_EXPERT.fullmatch(name)
+            if expert is None:
+                state[name] = kept
+            else:
+                layer, index, proj = expert.groups()
+                experts.setdefault(f"{layer}.experts.{proj}", {})[int(index)] = kept
+    for name, pieces in experts.items():
+        state[name] = _fused(name, pieces)
+    if skipped:
+        log.info(
+            "skipped %d multi-token-prediction tensors (%s, ...): custody does not speculate",
+            len(skipped),
+            skipped[0],
+        )
     with torch.device("meta"):
         model = NemotronH(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -53,6 +77,21 @@ def load_checkpoint(
             f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     return model
+
+
+# a released checkpoint's expert tensors: backbone.layers.{i}.mixer.experts.{j}.{up,down}_proj
+PER_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(up_proj|down_proj)\.weight")
+# kept in float32 whatever the dtype, as transformers keeps them
+FLOAT32_BUFFERS = ("e_score_correction_bias",)
+
+
+def _fused(name: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One layer's per-expert tensors stacked in expert order, as transformers fuses them."""
+    if sorted(pieces) != list(range(len(pieces))):
+        raise ValueError(f"checkpoint does not match: {name} lacks experts of 0..{max(pieces)}")
+    fused = torch.stack([pieces[i] for i in range(len(pieces))])
+    pieces.clear()  # each expert's tensor is freed once it is in the fused one
+    return fused
 
 
 def model_dtype(model: NemotronH) -> torch.dtype:

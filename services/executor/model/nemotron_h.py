@@ -1,7 +1,7 @@
 """NemotronH (transformers' `NemotronHForCausalLM`) over custody's pools: a per-layer
-list of Mamba2, attention and MLP mixers, each after an RMS norm and with a residual.
-Parameter names are those of NemotronH checkpoints (`backbone.*`, `lm_head.*`; weights
-named `model.*`, transformers' in-memory names, are accepted too)."""
+list of Mamba2, attention, MLP and mixture-of-experts mixers, each after an RMS norm and
+with a residual. Parameter names are those of NemotronH checkpoints (`backbone.*`,
+`lm_head.*`; weights named `model.*`, transformers' in-memory names, are accepted too)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from services.executor.model.attention import Attention
 from services.executor.model.batch import DecodeRows, ForwardBatch
 from services.executor.model.layers import MLP, RMSNorm
 from services.executor.model.mamba2 import Mamba2Mixer
+from services.executor.model.moe import MoE
 from services.executor.model.pools import DevicePools
 from shared.model_config import ModelConfig
 
@@ -27,6 +28,8 @@ class Block(nn.Module):
             self.mixer = Mamba2Mixer(cfg)
         elif kind == "full_attention":
             self.mixer = Attention(cfg)
+        elif kind == "moe":
+            self.mixer = MoE(cfg)
         else:
             self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
