@@ -79,6 +79,18 @@ AGENT_TEMPLATE = (
 )
 
 LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention", "mlp"]
+# the agent checkpoint is a MoE hybrid, as NemotronH's agent releases are: served through
+# `custody up --model` by the agent tests
+AGENT_LAYERS = ["linear_attention", "full_attention", "moe", "linear_attention", "mlp"]
+AGENT_MOE = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "moe_shared_expert_intermediate_size": 32,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.5,
+}
 
 
 def train_tokenizer():
@@ -102,10 +114,15 @@ def train_tokenizer():
 
 
 def build_chat_checkpoint(
-    directory: Path, template_in: str = "jinja", template: str = TEMPLATE
+    directory: Path,
+    template_in: str = "jinja",
+    template: str = TEMPLATE,
+    layers: list[str] | None = None,
+    **config: object,
 ) -> Path:
     """Save tokenizer and model into `directory`. `template_in`: "jinja" (transformers'
-    default, chat_template.jinja) or "config" (tokenizer_config.json's chat_template)."""
+    default, chat_template.jinja) or "config" (tokenizer_config.json's chat_template);
+    `layers` and `config`: the model's, else the dense test model's."""
     from transformers import NemotronHForCausalLM, PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -115,9 +132,18 @@ def build_chat_checkpoint(
     fast.save_pretrained(directory, save_jinja_files=template_in == "jinja")
     torch.manual_seed(0)
     cfg = tiny_config(
-        len(fast), LAYERS, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id
+        len(fast),
+        layers or LAYERS,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        **config,
     )
-    NemotronHForCausalLM(cfg).float().eval().save_pretrained(directory, safe_serialization=True)
+    model = NemotronHForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # transformers initialises the routers' score correction to 0
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
     return directory
 
 

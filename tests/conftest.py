@@ -12,7 +12,13 @@ import redis
 
 from custody.up import Stack
 from shared.redis_server import PrivateRedis
-from tests.checkpoints import AGENT_TEMPLATE, build_chat_checkpoint, reference
+from tests.checkpoints import (
+    AGENT_LAYERS,
+    AGENT_MOE,
+    AGENT_TEMPLATE,
+    build_chat_checkpoint,
+    reference,
+)
 from tests.services_harness import agent_settings, stack_settings, start_stack
 
 
@@ -78,9 +84,13 @@ def checkpoint_reference(chat_checkpoint: Path):
 
 @pytest.fixture(scope="session")
 def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The chat checkpoint with the agent template (tools, calls, thinking)."""
+    """The chat checkpoint with the agent template (tools, calls, thinking), its model a
+    MoE hybrid."""
     return build_chat_checkpoint(
-        tmp_path_factory.mktemp("agent-checkpoint"), template=AGENT_TEMPLATE
+        tmp_path_factory.mktemp("agent-checkpoint"),
+        template=AGENT_TEMPLATE,
+        layers=AGENT_LAYERS,
+        **AGENT_MOE,
     )
 
 

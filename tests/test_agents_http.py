@@ -31,6 +31,7 @@ from shared.placement import Placement
 from shared.redis_server import PrivateRedis
 from shared.session_ids import scoped_session_id
 from shared.streams import placement_key
+from tests.checkpoints import reference
 from tests.services_harness import agent_settings, call, kill_executor_during, metrics, start_stack
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -86,6 +87,22 @@ def ask(client: openai.OpenAI, **extra: object):
 
 
 # ---- structured output ----
+def test_the_stack_serves_its_moe_checkpoint_as_transformers_generates(stack, agent_checkpoint):
+    """The agent checkpoint is a MoE hybrid (tests/checkpoints.py), served through the
+    services as `custody up --model` serves it: greedy tokens equal transformers'."""
+    import torch
+
+    _, ref = reference(agent_checkpoint)
+    prompt = [5, 17, 40, 3, 99, 12, 64, 8]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+    served = call(stack.settings.port, "/generate", body)["output_ids"]
+    with torch.no_grad():
+        out = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
+    assert served == out[0, len(prompt) :].tolist()
+
+
 def test_a_json_schema_response_parses_validates_and_stops(client):
     schema = WEATHER["function"]["parameters"]
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}

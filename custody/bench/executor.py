@@ -15,7 +15,10 @@ all cores but one as the executor service sets it on a CPU host:
   `logits_to_keep=1`), then the argmax;
 - max_abs_logit_diff: the largest logit difference between the two over decode steps of
   8 rows on custody's compiled decode path (and over a prompt's last position, prefill
-  being eager), and whether the greedy decode tokens agree.
+  being eager), and whether the greedy decode tokens agree;
+- the same decode at batch 8 and the same logit check on a mixture-of-experts variant of
+  the built-in model (`MOE`: its MLP layers made MoE layers; `ratio_decode_b8_moe`,
+  `max_abs_logit_diff_moe`), transformers running its own experts as it does by default.
 
 Custody's decode runs compiled (services/executor/compiled_decode.py), as the services
 run it by default; the eager decode is measured beside it (`ratio_decode_b8_eager`), and
@@ -24,6 +27,7 @@ the compilation's time is reported (`compile_seconds`, paid once at start-up).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -38,8 +42,22 @@ from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
+from shared.model_config import ModelConfig, builtin_config
 
 PROMPT, DECODE_STEPS, PREFILL = 64, 32, 512
+# the built-in model with its MLP layers as MoE layers: 8 experts in 4 groups, 2 groups
+# and 2 experts a token, a shared expert, a non-trivial scaling
+MOE = dataclasses.replace(
+    builtin_config(),
+    layers_block_type=["moe" if k == "mlp" else k for k in builtin_config().layers_block_type],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    moe_shared_expert_intermediate_size=128,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+)
 
 
 def _transformers_twin(model):
@@ -201,20 +219,38 @@ def run(repeats: int = 5) -> dict:
         torch.set_num_threads(threads)
 
 
+class Sides:
+    """A model on custody's executor (compiled and eager) and its transformers twin."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        torch.manual_seed(0)
+        model = builtin_model(cfg)
+        self.hf = _transformers_twin(model)
+        self.pools = DevicePools(
+            model.cfg,
+            PoolSizes(kv_pages=8 * (PROMPT + DECODE_STEPS + 1) + 8, page_size=1, mamba_slots=16),
+            torch.device("cpu"),
+        )
+        self.eager = ModelRunner(model, self.pools)
+        self.compiled = CompiledDecode(model, self.pools, max_rows=8)
+        self.runner = ModelRunner(model, self.pools, compiled=self.compiled)
+        self.runner.warm_up()  # compiles every bucket, as the executor does before its heartbeat
+
+
 def _measure(repeats: int) -> dict:
-    torch.manual_seed(0)
-    model = builtin_model()
-    hf = _transformers_twin(model)
-    pools = DevicePools(
-        model.cfg,
-        PoolSizes(kv_pages=8 * (PROMPT + DECODE_STEPS + 1) + 8, page_size=1, mamba_slots=16),
-        torch.device("cpu"),
+    dense, moe = Sides(builtin_config()), Sides(MOE)
+    runner, hf = dense.runner, dense.hf
+    specs = _specs(runner, dense.eager, hf)
+    specs.append(
+        (
+            "ratio_decode_b8_moe",
+            "decode step, batch 8, MoE variant (compiled)",
+            lambda: _ours_decode(moe.runner, 8),
+            lambda: _hf_decode(moe.hf, 8),
+            0,
+            8,
+        )
     )
-    eager = ModelRunner(model, pools)
-    compiled = CompiledDecode(model, pools, max_rows=8)
-    runner = ModelRunner(model, pools, compiled=compiled)
-    runner.warm_up()  # compiles every bucket, as the executor does before its heartbeat
-    specs = _specs(runner, eager, hf)
     for _, _, ours, theirs, _, _ in specs:  # warm-up, untimed
         ours(), theirs()
     rows, extra = [], {}
@@ -232,18 +268,23 @@ def _measure(repeats: int) -> dict:
         }
     extra["max_abs_logit_diff"] = _logit_diff(runner, hf)
     extra["decode_tokens_equal"] = _same_tokens(runner, hf, 8)
+    extra["max_abs_logit_diff_moe"] = _logit_diff(moe.runner, moe.hf)
+    extra["decode_tokens_equal_moe"] = _same_tokens(moe.runner, moe.hf, 8)
     extra["target_decode_b8"] = {"ratio": 2.0, "met": rows[1].ratio >= 2.0}
-    extra["compile_seconds"] = round(compiled.compile_seconds, 1)
+    extra["compile_seconds"] = round(dense.compiled.compile_seconds, 1)
+    extra["compile_seconds_moe"] = round(moe.compiled.compile_seconds, 1)
     extra["torch_threads"] = torch.get_num_threads()
     extra["load_average_1m"] = os.getloadavg()[0]
-    extra["bytes_per_kv_token"] = pools.bytes_per_kv_token()
-    extra["bytes_per_mamba_slot"] = pools.bytes_per_mamba_slot()
+    extra["bytes_per_kv_token"] = dense.pools.bytes_per_kv_token()
+    extra["bytes_per_mamba_slot"] = dense.pools.bytes_per_mamba_slot()
     payload = write_results("executor", rows, extra | {"repeats": repeats})
     payload["table"] = (
         table(rows) + f"\n\nmax |logit difference| (compiled decode, batch 8): "
         f"{extra['max_abs_logit_diff']:.2e}; compiled in {extra['compile_seconds']} s; "
         f"greedy decode tokens equal (batch 8, {DECODE_STEPS} steps): "
-        f"{extra['decode_tokens_equal']}"
+        f"{extra['decode_tokens_equal']}; MoE variant: max |logit difference| "
+        f"{extra['max_abs_logit_diff_moe']:.2e}, tokens equal "
+        f"{extra['decode_tokens_equal_moe']}"
     )
     (RESULTS_DIR / "executor.md").write_text(payload["table"] + "\n")
     return payload

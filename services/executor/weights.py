@@ -103,9 +103,10 @@ def _checkpoint_name(name: str) -> str:
     return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
-def builtin_model() -> NemotronH:
-    """Seeded random weights, initialised the way transformers initialises NemotronH."""
-    cfg = builtin_config()
+def builtin_model(cfg: ModelConfig | None = None) -> NemotronH:
+    """Seeded random weights, initialised the way transformers initialises NemotronH: of
+    the built-in config, or of `cfg` (a benchmark's variant of it)."""
+    cfg = cfg or builtin_config()
     generator = torch.Generator().manual_seed(BUILTIN_SEED)
     model = NemotronH(cfg)
     with torch.no_grad():

@@ -24,7 +24,9 @@ def test_events_sweep_reports_entries_against_entries_of_the_same_size(
     assert not redis_client.exists("custody:raw", "custody:ownership")
 
 
-def test_executor_decode_gives_the_same_tokens_as_transformers():
+@pytest.mark.parametrize("moe", [False, True])
+def test_executor_decode_gives_the_same_tokens_as_transformers(moe: bool):
+    """The dense built-in model, and its MoE variant (`ratio_decode_b8_moe`)."""
     pytest.importorskip("transformers")
     import torch
 
@@ -34,7 +36,7 @@ def test_executor_decode_gives_the_same_tokens_as_transformers():
     from services.executor.weights import builtin_model
 
     torch.manual_seed(0)
-    model = builtin_model()
+    model = builtin_model(ex.MOE if moe else None)
     hf = ex._transformers_twin(model)
     sizes = PoolSizes(
         kv_pages=2 * (ex.PROMPT + ex.DECODE_STEPS + 1) + 8, page_size=1, mamba_slots=4

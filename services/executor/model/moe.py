@@ -104,7 +104,8 @@ def routed_experts(
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // per_token
-    counts = torch.bincount(flat, minlength=up.shape[0])
+    counts = torch.zeros(up.shape[0], dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # (bincount syncs)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     inner = torch._grouped_mm(x[token], up.transpose(1, 2), offs=offsets)
     y = torch._grouped_mm(torch.relu(inner).square(), down.transpose(1, 2), offs=offsets)
