@@ -7,6 +7,7 @@ the scheduler tokenizes."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,12 @@ class Tokenizer(Protocol):
         """The strings `encode` turns into special tokens (none for bytes)."""
         ...
 
+    @property
+    def cleans_up(self) -> bool:
+        """Whether `decode` applies transformers' clean-up of spaces, which deletes a
+        space once later text shows what it precedes (a stream must hold it back)."""
+        ...
+
     def encode_plain(self, text: str) -> list[int]:
         """`text` with special-token strings in it encoded as plain text (chat message
         content, docs/chat.md); no special tokens added."""
@@ -63,9 +70,24 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     special_tokens: tuple[str, ...] = tuple(BYTE_SPECIALS)
+    cleans_up = False
 
     def encode_plain(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+
+# The clean-up's rewrites, applied in this order, each to the text the one before left:
+# each pattern loses its spaces (" ' " both, the others the leading one).
+_CLEAN_UPS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+_BPE_TOO = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization`, rewrite for rewrite (a decoded text must be
+    the same text transformers decodes)."""
+    for pattern in _CLEAN_UPS:
+        text = text.replace(pattern, pattern.strip(" "))
+    return text
 
 
 class FileTokenizer:
@@ -75,12 +97,21 @@ class FileTokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(str(path))
+        config_path = path.parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text("utf-8")) if config_path.exists() else {}
+        # As transformers 5.23 decodes: the clean-up when the config asks for it, except
+        # for a BPE model, whose real spaces before punctuation it would delete, unless
+        # the config insists (values taken by truthiness, as transformers does).
+        self.cleans_up = bool(config.get("clean_up_tokenization_spaces")) and (
+            type(self._tok.model).__name__ != "BPE" or bool(config.get(_BPE_TOO))
+        )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        text = self._tok.decode(list(ids), skip_special_tokens=True)
+        return clean_up_tokenization(text) if self.cleans_up else text
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
@@ -111,6 +142,7 @@ class NoTokenizer:
         return ""
 
     special_tokens: tuple[str, ...] = ()
+    cleans_up = False
 
     def encode_plain(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False)

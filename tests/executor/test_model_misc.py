@@ -1,6 +1,5 @@
 """The built-in model, pool sizes, and tokenizers."""
 
-
 import torch
 
 from services.executor.model.pools import DevicePools, PoolSizes

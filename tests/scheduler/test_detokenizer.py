@@ -73,7 +73,7 @@ TEXTS = st.text(alphabet="ab日🙂 ", max_size=30)
 def test_the_stream_view_grows_into_the_final_text_cut_at_the_first_stop(text, stops):
     """As the engine drives it: a stop check after every token, a stream view at each."""
     tok = ByteTokenizer()
-    ids, out = tok.encode(text, False), OutputText(tok.decode, tuple(stops), trim=True)
+    ids, out = tok.encode(text, False), OutputText(tok, tuple(stops), trim=True)
     views, matched, fed = [], None, []
     for token in ids:
         fed.append(token)

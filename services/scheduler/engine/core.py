@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from services.scheduler.text.output import OutputText
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult
 from shared.session_ids import session_name
+from shared.tokenizer import Tokenizer
 
 
 class EngineCore:
@@ -65,12 +66,12 @@ class EngineCore:
         pools: Pools,
         config: EngineConfig,
         strict: bool = True,
-        decode: Callable[[Sequence[int]], str] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         config.check(pools.config)
         self.pools = pools
         self.config = config
-        self.decode = decode  # the tokenizer's, for each request's output text
+        self.tokenizer = tokenizer  # for each request's output text
         self.cache = RadixCache(pools)
         self.sessions = SessionManager(
             pools, self.cache, limit=config.max_sessions, idle_timeout=config.idle_timeout
@@ -137,8 +138,9 @@ class EngineCore:
 
     def _queue(self, req: Request) -> Request:
         """Queue a checked request, its output text to be detokenized incrementally."""
-        if self.decode is not None:
-            req.text = OutputText(self.decode, req.params.stop, not req.params.no_stop_trim)
+        if self.tokenizer is not None:
+            trim = not req.params.no_stop_trim
+            req.text = OutputText(self.tokenizer, req.params.stop, trim)
         self.queue.by_rid[req.rid] = req
         self.queue.waiting.append(req)
         return req

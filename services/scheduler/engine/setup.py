@@ -40,4 +40,4 @@ def build_engine(
         max_sessions=settings.session_limit(tiers),
         idle_timeout=settings.session_idle_timeout or None,
     )
-    return EngineCore(pools, config, strict=strict, decode=tokenizer.decode)
+    return EngineCore(pools, config, strict=strict, tokenizer=tokenizer)

@@ -10,16 +10,15 @@ strings is decoded once, when it ends, outside the step loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from services.scheduler.text.detokenizer import Detokenizer
+from shared.tokenizer import Tokenizer
 
 
 class OutputText:
-    def __init__(
-        self, decode: Callable[[Sequence[int]], str], stops: tuple[str, ...], trim: bool
-    ) -> None:
-        self._detok = Detokenizer(decode)
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], trim: bool) -> None:
+        self._detok = Detokenizer(tokenizer.decode, tokenizer.cleans_up)
         self.stops = stops
         self.trim = trim  # cut a matched stop string (and what follows) from the text
         self.stop_at: int | None = None  # where the matched stop string starts
