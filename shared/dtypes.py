@@ -1,7 +1,7 @@
 """The `--dtype` setting: the one dtype of the model's weights, the KV pool and the conv
-state (device, host tier and disk blobs alike). The SSM state stays float32 whatever it
-is, as transformers keeps it (NemotronH's `mamba_ssm_cache_dtype`): it accumulates over
-the whole history, where 16 bits would drift. Pure data: no torch here, so the
+state (device, host tier and disk blobs alike). The SSM state is not its: it is stored
+in the checkpoint's `mamba_ssm_cache_dtype` (ModelConfig; float32 unless the config
+names a 16-bit one), and always computed in float32. Pure data: no torch here, so the
 scheduler sizes the tiers from the same names the executor allocates with.
 """
 
@@ -12,7 +12,6 @@ from shared.model_config import ModelConfig
 AUTO = "auto"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element
 CHOICES = (AUTO, *ITEMSIZE)
-SSM_DTYPE = "float32"
 
 
 def check_dtype(setting: str) -> None:

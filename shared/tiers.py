@@ -3,8 +3,9 @@
 The scheduler (its ledger pools) and the executor (its host tensors and blob budget)
 compute them with this one function from the same settings and model shapes, so slot
 numbers the scheduler plans always exist on the executor. KV and conv state take the
-`--dtype`'s bytes (shared/dtypes.py; `auto` is sized as float32), SSM state float32, so
-bytes follow from the shapes and the setting alone, without torch or a device.
+`--dtype`'s bytes (shared/dtypes.py; `auto` is sized as float32), SSM state those of the
+model's `mamba_ssm_cache_dtype`, so bytes follow from the config and the setting alone,
+without torch or a device.
 
 - Host tier: KV pages and Mamba slots, like the device pools, in the device pools'
   proportion of pages to slots, as many as `host_state_bytes` pays for.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.dtypes import ITEMSIZE, SSM_DTYPE
+from shared.dtypes import ITEMSIZE
 from shared.model_config import ModelConfig
 
 BLOB_OVERHEAD = 4096  # header and checksum of a blob, bounded
@@ -26,7 +27,8 @@ BLOB_OVERHEAD = 4096  # header and checksum of a blob, bounded
 @dataclass(frozen=True)
 class StateShapes:
     """Bytes of one KV page (every attention layer, K and V) and one Mamba slot (every
-    Mamba layer, conv and SSM state) in `dtype` (a concrete name of shared/dtypes.py)."""
+    Mamba layer, conv and SSM state): KV and conv in `dtype` (a concrete name of
+    shared/dtypes.py), SSM state in the model's `mamba_ssm_cache_dtype`."""
 
     page_size: int
     kv_page_bytes: int
@@ -40,7 +42,7 @@ class StateShapes:
         return cls(
             page_size,
             kv_token * page_size * ITEMSIZE[dtype],
-            len(model.mamba_layers) * (conv + ssm * ITEMSIZE[SSM_DTYPE]),
+            len(model.mamba_layers) * (conv + ssm * ITEMSIZE[model.mamba_ssm_cache_dtype]),
         )
 
     def session_bytes(self, tokens: int) -> int:

@@ -1,7 +1,8 @@
 """`--dtype`: one setting decides the model's dtype and its pools' (KV and conv state;
-SSM state stays float32), on the device, in the host tier and in disk blobs, and the
-tiers' sizes every service derives from it. bfloat16 runs on CPU and agrees with
-float32 within a bf16 tolerance; float16 loads and runs a tiny step."""
+the SSM state's is the config's `mamba_ssm_cache_dtype`, float32 here), on the
+device, in the host tier and in disk blobs, and the tiers' sizes every service
+derives from it. bfloat16 runs on CPU and agrees with float32 within a bf16
+tolerance; float16 loads and runs a tiny step."""
 
 from __future__ import annotations
 

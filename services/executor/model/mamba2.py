@@ -2,10 +2,11 @@
 state from one slot and writes the state after its tokens to another (or the same), and
 can leave a snapshot of both, taken after a given position, in a third.
 
-The conv window is computed in the model's dtype, the SSM scan and its state in float32
-(the pool keeps it so), and the scan's output is gated and normed in float32 before the
-out projection, as transformers does; a conv state read from or written to a pool of
-another dtype converts."""
+The conv window is computed in the model's dtype, the SSM scan and its state in float32,
+and the scan's output is gated and normed in float32 before the out projection, as
+transformers does. A state read from or written to a pool of another dtype converts: the
+conv state to the model's dtype and back, the SSM state to float32 and back to the
+pool's (`mamba_ssm_cache_dtype`, which may be 16-bit: only the storage rounds)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class Mamba2Mixer(nn.Module):
         count, groups = slots.shape[0], self.cfg.n_groups
         x, B, C = F.silu(conv).split([self.inner, self.n * groups, self.n * groups], dim=-1)
         per_group = (groups, self.heads // groups)
-        state = pools.ssm[layer, slots].view(count, *per_group, self.head_dim, self.n)
+        state = pools.ssm[layer, slots].float().view(count, *per_group, self.head_dim, self.n)
         out, state = recurrent_step(
             x.reshape(count, *per_group, self.head_dim),
             dt.view(count, *per_group),
@@ -124,7 +125,7 @@ class Mamba2Mixer(nn.Module):
         full = torch.cat([pools.conv[layer, row.mamba_slot].to(xbc.dtype), xbc[span].T], dim=-1)
         conv = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         x, B, C = self._split(F.silu(conv[0].T))
-        dts, D, state = dt[span], self.D.float(), pools.ssm[layer, row.mamba_slot]
+        dts, D, state = dt[span], self.D.float(), pools.ssm[layer, row.mamba_slot].float()
         n = len(row.tokens)
         cut = row.snapshot_len - row.start if row.snapshot_slot else 0
         bounds = [0, cut, n] if 0 < cut < n else [0, n]

@@ -4,7 +4,8 @@ the Mamba layers. Index 0 of every pool is the padding sink.
 KV is stored flat by token index, `[attention layers, (pages + 1) * page_size, kv heads,
 head dim]`: token index `page * page_size + offset` is a row, so the scheduler's indices
 address it directly and page 0 (indices 0 .. page_size - 1) is the sink. Mamba state has
-the layer first so one slot op covers every layer: `[mamba layers, slots + 1, ...]`.
+the layer first so one slot op covers every layer: `[mamba layers, slots + 1, ...]`. KV
+and conv state take the model's dtype, SSM state the config's `mamba_ssm_cache_dtype`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from shared.model_config import ModelConfig
+
+
+def ssm_dtype(model: ModelConfig) -> torch.dtype:
+    """The SSM state's storage dtype, whatever the model's: the config's
+    `mamba_ssm_cache_dtype` (float32 unless it names a 16-bit one). The scan computes in
+    float32 whatever it is (mamba2.py)."""
+    return getattr(torch, model.mamba_ssm_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -41,10 +49,9 @@ class DevicePools:
         self.conv = torch.zeros(
             (mamba, slots, model.conv_dim, model.conv_kernel - 1), dtype=dtype, device=device
         )
-        # SSM state stays float32 whatever the model dtype (as transformers keeps it).
         self.ssm = torch.zeros(
             (mamba, slots, model.mamba_num_heads, model.mamba_head_dim, model.ssm_state_size),
-            dtype=torch.float32,
+            dtype=ssm_dtype(model),
             device=device,
         )
         self.kv_layer = {layer: i for i, layer in enumerate(model.attention_layers)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from services.executor.model.pools import ssm_dtype
 from shared.model_config import ModelConfig
 from shared.tiers import TierSizes
 
@@ -34,7 +35,7 @@ class HostTier:
         self.v = empty(kv_shape, dtype)
         slots, mamba = self.mamba_slots + 1, len(model.mamba_layers)
         self.conv = empty((mamba, slots, model.conv_dim, model.conv_kernel - 1), dtype)
-        # SSM state stays float32 whatever the model dtype, as on the device.
+        # SSM state in the config's cache dtype whatever the model's, as on the device
         ssm_shape = (
             mamba,
             slots,
@@ -42,7 +43,7 @@ class HostTier:
             model.mamba_head_dim,
             model.ssm_state_size,
         )
-        self.ssm = empty(ssm_shape, torch.float32)
+        self.ssm = empty(ssm_shape, ssm_dtype(model))
 
     @property
     def kv_tensors(self) -> list[torch.Tensor]:
