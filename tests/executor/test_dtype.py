@@ -1,7 +1,7 @@
 """`--dtype`: one setting decides the model's dtype and its pools' (KV and conv state;
-the SSM state's is the config's `mamba_ssm_cache_dtype`, float32 here), on the
-device, in the host tier and in disk blobs, and the tiers' sizes every service
-derives from it. bfloat16 runs on CPU and agrees with float32 within a bf16
+the SSM state's is the config's `mamba_ssm_cache_dtype`, float32 here), and the tiers'
+sizes every service derives from it (each dtype's round trip through the tiers is in
+test_ssm_cache_dtype.py). bfloat16 runs on CPU and agrees with float32 within a bf16
 tolerance; float16 loads and runs a tiny step."""
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from shared.config import Settings
 from shared.deferred_ops import DeferredOps
 from shared.dtypes import resolve_dtype
 from shared.messages.forward import StepRow
-from shared.messages.tiers import TierMove
 from shared.model_config import builtin_config
 from shared.tokenizer import ByteTokenizer
-from tests.executor.test_tiers import positions
 from tests.services_harness import POOLS
 
 CPU = torch.device("cpu")
@@ -127,31 +125,6 @@ def test_the_scheduler_and_the_executor_size_the_tiers_alike_in_bfloat16(tmp_pat
     assert engine.pools.host_kv.capacity == host.kv_pages
     held = sum(t.numel() * t.element_size() for t in host.kv_tensors + host.state_tensors)
     assert held <= settings.host_state_bytes + half.shapes.kv_page_bytes + conv * 2 + ssm * 4
-
-
-def test_a_bfloat16_session_survives_every_tier_bit_for_bit(tmp_path: Path):
-    """Hibernate, spill (a blob of bf16 K, V and conv, float32 SSM), load, restore."""
-    settings = Settings(page_size=4, dtype="bfloat16", state_dir=tmp_path, context_len=48)
-    device = DevicePools(builtin_config(), PoolSizes(16, 4, 6), CPU, torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    for t in (device.k, device.v, device.conv, device.ssm):
-        t.copy_(torch.randn(t.shape, generator=g))
-    mover = build_tiers(settings, builtin_config(), device)
-    src, dst = positions([2, 5, 7]), positions([10, 11, 1])
-    expected = [device.k[:, src].clone(), device.v[:, src].clone()]
-    expected += [device.conv[:, 3].clone(), device.ssm[:, 3].clone()]
-    moves = [
-        TierMove.of("hibernate", "s", 10, 3, 2, [2, 5, 7], [4, 1, 3]),
-        TierMove.of("spill", "s", 10, 2, 1, src_pages=[4, 1, 3]),
-        TierMove.of("load", "s", 10, 1, 4, dst_pages=[3, 6, 8]),
-        TierMove.of("restore", "s", 10, 4, 5, [3, 6, 8], [10, 11, 1]),
-    ]
-    for move in moves:
-        assert mover.apply([move], []) == []
-    blob = mover.blobs.read(1, "s", 10)
-    assert [a.dtype for a in blob] == [torch.bfloat16] * 3 + [torch.float32]
-    got = [device.k[:, dst], device.v[:, dst], device.conv[:, 5], device.ssm[:, 5]]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def test_the_in_process_runtime_generates_in_bfloat16():
