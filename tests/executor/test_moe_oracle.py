@@ -241,3 +241,18 @@ def test_bfloat16_agrees_with_transformers_bfloat16(case):
     error = (torch.cat(logits) - expected).abs().max(dim=-1).values / expected.abs().max()
     assert float((error <= BF16_TOLERANCE).float().mean()) >= 0.9
     assert float(error.median()) <= 0.01
+
+
+def test_multi_token_prediction_heads_are_skipped_by_name(checkpoints, tmp_path, caplog):
+    """A release's `mtp.` tensors load as nothing, and the log names them."""
+    import shutil
+
+    ref, directory = checkpoints("ME*E")
+    shutil.copytree(directory, tmp_path / "with_mtp")
+    files = tmp_path / "with_mtp" / "model.safetensors"
+    tensors = load_file(str(files)) | {"mtp.layers.0.eh_proj.weight": torch.ones(4, 4)}
+    save_file(tensors, str(files))
+    with caplog.at_level("INFO", logger="custody.executor"):
+        model = load_model(tmp_path / "with_mtp", torch.device("cpu"))
+    assert "skipped 1 multi-token-prediction tensors (mtp.layers.0.eh_proj.weight" in caplog.text
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
