@@ -152,7 +152,14 @@ class ModelConfig:
                 raise UnsupportedModel(
                     "config has neither layers_block_type nor hybrid_override_pattern"
                 )
-            raw["layers_block_type"] = [MIXERS[c] for c in raw["hybrid_override_pattern"]]
+            pattern = str(raw["hybrid_override_pattern"])
+            unknown = sorted(set(pattern) - set(MIXERS))
+            if unknown:
+                raise UnsupportedModel(
+                    f"hybrid_override_pattern {pattern!r} holds {unknown}: custody knows "
+                    f"{', '.join(f'{c} ({m})' for c, m in MIXERS.items())}"
+                )
+            raw["layers_block_type"] = [MIXERS[c] for c in pattern]
         for old, new in (
             ("mamba_n_groups", "n_groups"),
             ("mamba_d_conv", "conv_kernel"),

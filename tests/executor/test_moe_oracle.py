@@ -192,6 +192,7 @@ def test_a_malformed_moe_config_is_refused_naming_its_keys():
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ({"mamba_ssm_cache_dtype": "int8"}, "mamba_ssm_cache_dtype"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quant_method = 'fp8'"),
+        ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern 'M\\*X' holds \\['X'\\]"),
         ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "NVFP4"),
     ):
         with pytest.raises(UnsupportedModel, match=named):
