@@ -132,8 +132,16 @@ class ModelConfig:
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must lie in 1..{reachable} "
                 "(the experts of topk_group groups)"
             )
-        if self.n_shared_experts < 0:
-            raise UnsupportedModel(f"n_shared_experts must be >= 0, not {self.n_shared_experts}")
+        widths = {
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+            "moe_latent_size": 1 if self.moe_latent_size is None else self.moe_latent_size,
+        }
+        bad = {k: v for k, v in widths.items() if v < 1} | (
+            {"n_shared_experts": self.n_shared_experts} if self.n_shared_experts < 0 else {}
+        )
+        if bad:
+            raise UnsupportedModel(f"MoE sizes must be positive (n_shared_experts >= 0): {bad}")
 
     # ---- loading ----
     @classmethod
