@@ -188,7 +188,8 @@ class EngineMachine(RuleBasedStateMachine):
         if not self.d.engine.in_flight:
             return
         plan = self.d.engine.in_flight[0]
-        if ops_ran:
+        if ops_ran:  # the executor runs a step's tier moves, then its ops (runner.py)
+            self.d.model.move(plan.moves, plan.discards)
             self.d.model.apply_ops(plan)
         self.settle(self.d.engine.step_refused(plan, "refused by the test", ops_ran))
 
@@ -309,3 +310,25 @@ TestEnginePage1 = _machine(1, 0, checkpoint_every=5, host_tier=False).TestCase
 TestEnginePage16 = _machine(16, 0, checkpoint_every=0, host_tier=True).TestCase
 TestEnginePage1Pipelined = _machine(1, 1, checkpoint_every=0, host_tier=True).TestCase
 TestEnginePage16Pipelined = _machine(16, 1, checkpoint_every=2, host_tier=False).TestCase
+
+
+def test_a_turn_refused_after_its_restore_and_ops_ran_leaves_its_session_whole():
+    """A sequence a CI run found: a session hibernated by a crowding prompt, then a turn
+    whose step (restoring the session from the host tier) is refused after its ops ran.
+    The executor runs a step's tier moves before its ops, so the turn's rollback copy is
+    of the restored state; the machine's executor once ran the ops alone."""
+
+    class Draw:
+        def draw(self, strategy: object) -> str:
+            return "s1"
+
+    machine = _machine(16, 0, checkpoint_every=0, host_tier=True)()
+    machine.fork(system=PREFIXES[0], own=[1], max_new=0)
+    machine.crowd(seed=0)
+    machine.run_until_idle()
+    assert machine.d.engine.sessions.sessions["s1"].state_tier == "host"
+    machine.turn(Draw(), [1], 0, False, False)
+    machine.refuse_step(True)
+    machine.sessions_hold_their_historys_state()
+    machine.run_until_idle()
+    machine.teardown()
