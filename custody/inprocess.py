@@ -41,7 +41,14 @@ class InProcess:
             else None
         )
         self.grammars = grammars_for(settings, self.model.cfg)
-        self.runner = ModelRunner(self.model, device_pools, tiers, compiled, self.grammars)
+        self.runner = ModelRunner(
+            self.model,
+            device_pools,
+            tiers,
+            compiled,
+            self.grammars,
+            settings.max_running_requests,
+        )
         self.runner.warm_up()
 
     def step(self) -> list[Request]:

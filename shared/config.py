@@ -82,6 +82,9 @@ class Settings:
     session_header: str = ""
     # SGLang's /generate stream: cumulative chunks (SGLang's default), or only what is new
     incremental_streaming_output: bool = False
+    # a stream sends every this many tokens (and at the end), as SGLang's flag: fewer,
+    # larger chunks for a client that does not need every token at once
+    stream_interval: int = 1
     stream_maxlen: int = 100_000
     heartbeat_seconds: float = 1.0
     executor_timeout_seconds: float = 5.0  # no heartbeat for this long: the executor is dead
@@ -127,6 +130,7 @@ class Settings:
             "max_step_tokens",
             "track_interval",
             "replicas",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -120,7 +120,16 @@ def broken_steps() -> dict[str, tuple[dict, str]]:
     case("a row not a row", "$.rows[0]", ("rows", 0), "not a row")
     case("truncated tokens", "packed <i4 array of 7 bytes", ("rows", 0, "tokens"), b"\0" * 7)
     case("truncated owners", "packed <i8 array of 4 bytes", ("clear_owners",), b"\0" * 4)
-    case("kv against tokens", "3 KV indices for 2 tokens from 2", ("rows", 0, "kv"), b"\0" * 12)
+    case(
+        "kv against tokens",
+        "3 KV indices from position 0 for 2 tokens from 2",
+        ("rows", 0, "kv"),
+        b"\0" * 12,
+    )
+    case("negative start", "from position 0 for 2 tokens from -1", ("rows", 0, "start"), -1)
+    case("a delta past the start", "from position 3 for 2 tokens from 2", ("rows", 0, "row"), 1)
+    cases["a delta past the start"][0]["rows"][0]["kv_from"] = 3
+    case("a delta of no row", "a KV delta from 2 names no row", ("rows", 0, "kv_from"), 2)
     case("odd copies", "copies: 3 slots", ("copies",), b"\0" * 12)
     case("owners against clears", "2 owners for 1 clears", ("clear_owners",), b"\0" * 16)
     case("owners against copies", "0 owners for 1 copies", ("copy_owners",), b"")

@@ -31,7 +31,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kernels.slot_ops import clear_slots, copy_slots
@@ -40,21 +39,19 @@ from services.executor.grammars import GrammarRefused, Grammars
 from services.executor.model.batch import ForwardBatch, to_device
 from services.executor.model.nemotron_h import NemotronH
 from services.executor.model.pools import DevicePools
+from services.executor.page_tables import PageTables
+from services.executor.refusal import BatchRefused
 from services.executor.sampling import sample, score_inputs, top_logprobs
+from services.executor.step_checks import check_rows, check_slots
 from services.executor.tiers import no_tiers
 from services.executor.tiers.checks import TierMoveRefused
 from services.executor.tiers.mover import TierMover
-from shared.deferred_ops import DeferredOps, DeferredOpsError
+from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult, StepRow
-from shared.messages.sampling import MAX_TOP_LOGPROBS, RowScores, Top
+from shared.messages.sampling import RowScores, Top
 from shared.messages.tiers import TierMove
 
 log = logging.getLogger("custody.executor")
-
-
-class BatchRefused(ValueError):
-    """A step names the padding sink, an index out of range or a slot twice, or does not
-    follow the step it was planned on top of."""
 
 
 class StepFailed(RuntimeError):
@@ -105,15 +102,21 @@ class ModelRunner:
         mover: TierMover | None = None,
         compiled: CompiledDecode | None = None,
         grammars: Grammars | None = None,
+        max_rows: int = 1024,
     ) -> None:
         """`compiled`: the compiled decode path (steps of one-token rows), else eager;
-        `grammars`: constrained decoding (None: a constrained row is refused)."""
+        `grammars`: constrained decoding (None: a constrained row is refused);
+        `max_rows`: the scheduler's request rows, whose page tables are kept here."""
         self.model, self.pools, self.compiled = model, pools, compiled
+        sizes = pools.sizes
+        kv_rows = (sizes.kv_pages + 1) * sizes.page_size
+        self.tables = PageTables(sizes.page_size, kv_rows, max_rows)
         self.grammars = grammars
         self.mover = mover if mover is not None else no_tiers(pools)
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.last_ops_seconds = 0.0  # host time to queue the last step's state ops
+        self.last_ops_bytes = 0  # and the bytes they move
 
     def execute(
         self,
@@ -123,8 +126,9 @@ class ModelRunner:
         moves: Sequence[TierMove] = (),
         discards: Sequence[int] = (),
     ) -> Sampled:
-        """BatchRefused before anything ran, StepFailed after (see the module's doc)."""
-        self.validate(rows, ops, moves, discards)
+        """BatchRefused before anything ran, StepFailed after (see the module's doc).
+        Rows may carry KV deltas: they run with their whole contexts (page_tables.py)."""
+        rows = self.validate(rows, ops, moves, discards)
         context = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with context, torch.inference_mode():
             try:
@@ -134,6 +138,9 @@ class ModelRunner:
             except Exception as err:
                 raise StepFailed(err, ops_ran=False) from err
             self.last_ops_seconds = time.perf_counter() - start
+            self.last_ops_bytes = (len(ops.clears) + len(ops.copies)) * (
+                self.pools.bytes_per_mamba_slot()
+            )
             if not rows:
                 return Sampled([], [], failed_moves=failed)
             try:
@@ -251,36 +258,22 @@ class ModelRunner:
         ops: DeferredOps,
         moves: Sequence[TierMove] = (),
         discards: Sequence[int] = (),
-    ) -> None:
-        """Refuse, before anything runs, a step that would touch the wrong memory."""
+    ) -> list[StepRow]:
+        """Refuse, before anything runs, a step that would touch the wrong memory; the
+        rows with their whole contexts, their page tables kept once all is checked."""
         if not rows and not moves and not discards:
             raise BatchRefused("a step without rows or tier moves")
         try:
             self.mover.validate(moves, discards)
         except TierMoveRefused as err:
             raise BatchRefused(f"tier moves: {err}") from err
-        sizes = self.pools.sizes
-        slots = sizes.mamba_slots + 1
-        kv_rows = (sizes.kv_pages + 1) * sizes.page_size
-        vocab = self.model.cfg.vocab_size
-        try:
-            ops.validate(slots)
-        except DeferredOpsError as err:
-            raise BatchRefused(f"deferred ops: {err}") from err
-        reads = [r.mamba_slot for r in rows]
-        writes = [r.mamba_out for r in rows] + [r.snapshot_slot for r in rows if r.snapshot_slot]
-        if any(not 0 < s < slots for s in reads + writes):
-            raise BatchRefused(f"Mamba slots {reads + writes} must lie in 1..{slots - 1}")
-        if len(set(writes)) != len(writes):
-            raise BatchRefused(f"a Mamba slot is written twice: {writes}")
-        for r in rows:
-            if r.mamba_slot in writes and r.mamba_slot != r.mamba_out:
-                raise BatchRefused(
-                    f"Mamba slot {r.mamba_slot} is read by one row, written by another"
-                )
+        check_slots(rows, ops, self.pools.sizes.mamba_slots + 1)
+        rows, tables = self.tables.resolve(rows)
         if rows:
-            self._validate_rows(rows, sizes.page_size, kv_rows, vocab)
+            check_rows(rows, self.model.cfg.vocab_size)
             self._validate_grammars(rows)
+        self.tables.commit(tables)
+        return rows
 
     def _validate_grammars(self, rows: list[StepRow]) -> None:
         constrained = [r for r in rows if r.grammar is not None]
@@ -291,34 +284,3 @@ class ModelRunner:
                 self.grammars.validate(constrained)
             except GrammarRefused as err:
                 raise BatchRefused(str(err)) from err
-
-    @staticmethod
-    def _validate_rows(rows: list[StepRow], page_size: int, kv_rows: int, vocab: int) -> None:
-        for i, r in enumerate(rows):  # a row holds a KV index per position (StepRow)
-            if len(r.tokens) == 0 or r.start < 0:
-                raise BatchRefused(f"row {i}: {len(r.tokens)} tokens from position {r.start}")
-            if r.snapshot_slot and not r.start < r.snapshot_len <= r.end:
-                raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
-            if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise BatchRefused(
-                    f"row {i}: {r.top_logprobs} top logprobs (0..{MAX_TOP_LOGPROBS})"
-                )
-        kv = np.concatenate([r.kv_indices for r in rows])
-        if int(kv.min()) < page_size or int(kv.max()) >= kv_rows:
-            raise BatchRefused(
-                f"KV indices outside {page_size}..{kv_rows - 1} (page 0 is the padding sink)"
-            )
-        tokens = np.concatenate(
-            [r.tokens for r in rows] + [r.scored for r in rows] + _penalty_ids(rows)
-        )
-        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-            raise BatchRefused(f"token ids (fed, scored or penalised) outside [0, {vocab})")
-        new = np.concatenate([r.kv_indices[r.start :] for r in rows])
-        if len(np.unique(new)) != len(new):
-            raise BatchRefused("two positions of this step write the same KV index")
-
-
-def _penalty_ids(rows: list[StepRow]) -> list[np.ndarray]:
-    """The ids the rows' penalties count: indices into the logits, checked like tokens."""
-    pens = [r.penalties for r in rows if r.penalties is not None]
-    return [a for p in pens for a in (p.prompt_ids, p.output_ids)]

@@ -28,7 +28,8 @@ from services.executor.fence import SchedulerFence
 from services.executor.grammars import grammars_for
 from services.executor.metrics_http import serve_metrics
 from services.executor.model.pools import DevicePools, PoolSizes
-from services.executor.runner import BatchRefused, ModelRunner, StepFailed
+from services.executor.refusal import BatchRefused
+from services.executor.runner import ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
 from services.executor.tiers import build_tiers
 from services.executor.weights import load_model, model_dtype
@@ -46,6 +47,10 @@ STEPS = Counter(
     "forward steps by outcome: ok, refused, error, stale (an earlier executor life), fenced",
     ["outcome"],
 )
+STEP_BYTES = Counter(
+    "custody_step_bytes", "bytes of the step messages read (a row's KV indices travel as deltas)"
+)
+STEP_ROWS = Counter("custody_step_rows", "rows of the steps read")
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
 OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
@@ -66,36 +71,7 @@ class ExecutorService:
         self.keys = streams.Keys(settings.replica)
         self.epoch = secrets.token_hex(8)
         self.name = f"executor-{self.epoch}"
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cpu":
-            # On a CPU host the scheduler, Redis and the session store need a core while a
-            # forward runs (the scheduler plans the next step meanwhile); torch's idle
-            # threads spin-waiting on every core would take it from them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-        model = load_model(settings.model, device, settings.dtype)
-        self.pools = DevicePools(
-            model.cfg,
-            PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
-            model.lm_head.weight.device,
-            model_dtype(model),
-        )
-        mover = build_tiers(settings, model.cfg, self.pools, mark=self._mark_in_flight)
-        compiled = (
-            CompiledDecode(model, self.pools, settings.max_running_requests)
-            if settings.compile
-            else None
-        )
-        self.grammars = grammars_for(settings, model.cfg)
-        self.runner = ModelRunner(model, self.pools, mover, compiled, self.grammars)
-        started = time.perf_counter()
-        self.runner.warm_up()  # before the first heartbeat: no step waits for set-up
-        DECODE_COMPILED.set_function(lambda: self.runner.compiled is not None)
-        log.info(
-            "warmed up in %.2f s (%s, decode %s)",
-            time.perf_counter() - started,
-            self.pools.dtype,
-            "compiled" if self.runner.compiled else "eager",
-        )
+        self.runner = self.load_runner()
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client, self.keys.scheduler_epoch)
         self._next_beat = 0.0  # monotonic time of the next heartbeat
@@ -108,11 +84,52 @@ class ExecutorService:
         self._recovering = False  # after a Redis fault: read the pending steps first
         group = self.keys.forward, streams.EXECUTOR_GROUP
         when_up(lambda: streams.ensure_group(self.client, *group), starting)
-        checks = when_up(lambda: connect(settings.redis_url), starting)  # its own connection
-        retry = Retry("grammar_checks", log, FAULTS)
-        threading.Thread(
-            target=self.grammars.serve_checks, args=(checks, self.keys, retry), daemon=True
-        ).start()
+        if self.runner.grammars is not None:
+            checks = when_up(lambda: connect(settings.redis_url), starting)  # its own link
+            retry = Retry("grammar_checks", log, FAULTS)
+            threading.Thread(
+                target=self.runner.grammars.serve_checks,
+                args=(checks, self.keys, retry),
+                daemon=True,
+            ).start()
+
+    def load_runner(self) -> ModelRunner:
+        """The model on its device, its pools and tiers, warmed up. (The orchestration
+        bench's stand-in executor replaces this, and only this: custody/bench/.)"""
+        settings = self.settings
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu":
+            # On a CPU host the scheduler, Redis and the session store need a core while a
+            # forward runs (the scheduler plans the next step meanwhile); torch's idle
+            # threads spin-waiting on every core would take it from them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+        model = load_model(settings.model, device, settings.dtype)
+        pools = DevicePools(
+            model.cfg,
+            PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
+            model.lm_head.weight.device,
+            model_dtype(model),
+        )
+        mover = build_tiers(settings, model.cfg, pools, mark=self._mark_in_flight)
+        compiled = (
+            CompiledDecode(model, pools, settings.max_running_requests)
+            if settings.compile
+            else None
+        )
+        grammars = grammars_for(settings, model.cfg)
+        runner = ModelRunner(model, pools, mover, compiled, grammars, settings.max_running_requests)
+        started = time.perf_counter()
+        runner.warm_up()  # before the first heartbeat: no step waits for set-up
+        DECODE_COMPILED.set_function(lambda: runner.compiled is not None)
+        log.info(
+            "warmed up in %.2f s (%s, decode %s; %d B per KV token, %d B per Mamba slot)",
+            time.perf_counter() - started,
+            pools.dtype,
+            "compiled" if runner.compiled else "eager",
+            pools.bytes_per_kv_token(),
+            pools.bytes_per_mamba_slot(),
+        )
+        return runner
 
     def _mark_in_flight(self, counts: dict[str, int]) -> None:
         """For fault drills: what a step's tier moves are while they run ({}: done). A
@@ -150,12 +167,7 @@ class ExecutorService:
         is waited out: exiting would lose every session's device state. A fault of the
         loop itself still ends the process, whose state is then in doubt: the supervisor
         starts a new life, and the scheduler re-queues (the device-lost path)."""
-        log.info(
-            "executor %s ready (%d B per KV token, %d B per Mamba slot)",
-            self.epoch,
-            self.pools.bytes_per_kv_token(),
-            self.pools.bytes_per_mamba_slot(),
-        )
+        log.info("executor %s ready", self.epoch)
         while True:
             try:
                 self.heartbeat()
@@ -237,6 +249,8 @@ class ExecutorService:
             return self._malformed(raw, err)
         if not self._for_me(step.epoch, step.step, step.executor_epoch):
             return None
+        STEP_BYTES.inc(len(raw))
+        STEP_ROWS.inc(len(step.rows))
         sampling = [r.rid for r in step.rows if r.sample]
         try:
             self.chain.resolve(step.epoch, step.after, step.rows)
@@ -250,7 +264,7 @@ class ExecutorService:
         self.chain.ran(step.epoch, step.step, sampling, result.tokens)
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
-        OPS_BYTES.inc((len(ops.clears) + len(ops.copies)) * self.pools.bytes_per_mamba_slot())
+        OPS_BYTES.inc(self.runner.last_ops_bytes)
         return encode(result.reply(self.epoch, step.step, step.epoch, sampling))
 
     def _for_me(self, scheduler: str, step: int, planned_for: str) -> bool:

@@ -9,7 +9,7 @@ refused too, and never runs against state that step did not write.
 
 from __future__ import annotations
 
-from services.executor.runner import BatchRefused
+from services.executor.refusal import BatchRefused
 from shared.messages.forward import StepRow
 
 

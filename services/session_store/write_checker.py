@@ -25,6 +25,10 @@ a step whose number the ledger already stands at is checked as soon as it is rea
 step whose point is behind the ledger (after a snapshot past it) is counted unchecked,
 never guessed at.
 
+A row carries the KV indices of the positions it writes whether it sends its whole
+context or only a delta (`StepRow.kv_from`): the checker needs no copy of the
+executor's page tables, so none can go stale across a gap or a snapshot.
+
 It cannot see a write the scheduler does not put in a step (the executor's own faults),
 what a step reads (its read slot, the KV before `start`, copy sources), the content
 written, or a slot that was right at planning but is reused while the step is still in
@@ -118,8 +122,7 @@ class PlannedStep:
                 self.claims.add((owner, kind, row.rid))
             if owner:
                 self.parties.add(owner)
-        end = row.start + len(row.tokens)
-        pages = np.unique(row.kv_indices[row.start : end] // page_size).tolist()
+        pages = np.unique(row.written_kv // page_size).tolist()
         self.writes.append(Write("mamba", (row.mamba_out,), row.owner, f"mamba_out of {row.rid}"))
         self.writes.append(Write("kv", tuple(pages), row.owner, f"KV of {row.rid}"))
         if row.snapshot_slot:

@@ -7,6 +7,11 @@ the executor runs the rows it decodes. Integer arrays travel packed (`<i4`, owne
 `<i8`, log probabilities `<f4`: array fields, envelope.py). Decoding checks what the
 types cannot: every packed length, and the arrays that must agree (a KV index per
 position, an owner per op, a token per sampling row).
+
+A row's KV indices travel as a delta: the executor keeps each request row's page table
+(services/executor/page_tables.py), so a row sends only the positions from `kv_from`
+on, which always include the positions it writes. A step's size then follows the
+tokens it computes, not the contexts it reads (docs/architecture.md, "Step deltas").
 """
 
 from __future__ import annotations
@@ -43,7 +48,11 @@ class StepRow(Arrays, kw_only=True):
     rid: str
     tokens: I4  # fed at positions start..end-1
     start: int
-    kv_indices: I4 = msgspec.field(name="kv")  # the KV token index of positions 0..end-1
+    # The KV token index of positions kv_from..end-1; the executor's page table of `row`
+    # holds those before kv_from. kv_from 0: the whole context, a new table for `row`.
+    kv_indices: I4 = msgspec.field(name="kv")
+    kv_from: int = 0  # at most start: the positions a row writes always travel
+    row: int = 0  # the request row (the scheduler's row slot); 0: a table kept nowhere
     mamba_slot: int  # the state is read from here
     mamba_out: int  # and written here after the row's tokens (may be mamba_slot)
     snapshot_slot: int = 0  # 0: no snapshot this step
@@ -71,8 +80,13 @@ class StepRow(Arrays, kw_only=True):
     def __post_init__(self) -> None:
         """A row whose arrays are cut or disagree is refused as it is decoded."""
         n, kv = len(self.tokens), len(self.kv_indices)
-        if kv != self.start + n:
-            raise WireError(f"row {self.rid}: {kv} KV indices for {n} tokens from {self.start}")
+        if self.kv_from and not self.row:
+            raise WireError(f"row {self.rid}: a KV delta from {self.kv_from} names no row")
+        if not 0 <= self.kv_from <= self.start or kv != self.start + n - self.kv_from:
+            raise WireError(
+                f"row {self.rid}: {kv} KV indices from position {self.kv_from} for {n} "
+                f"tokens from {self.start}"
+            )
         scored = len(self.scored)
         if scored and not self.start <= self.scored_from <= self.end - scored:
             raise WireError(
@@ -111,6 +125,12 @@ class StepRow(Arrays, kw_only=True):
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def written_kv(self) -> np.ndarray:
+        """The KV indices of the positions this row writes (start..end-1): the last
+        ones it carries, whether it holds its whole context or a delta."""
+        return self.kv_indices[len(self.kv_indices) - len(self.tokens) :]
 
     def fill_future(self, token: int) -> None:
         """The executor's part: tokens[0] becomes what the step before sampled."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
+from services.executor.page_tables import PageTables
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.engine.step import StepPlan
 from shared.deferred_ops import DeferredOps
@@ -87,25 +88,33 @@ class DataModelExecutor:
         self.sequence_of = sequence_of  # when given, each row's starting state is checked
         self.rows_checked = 0
         self.sampled: dict[str, int] = {}  # by the last step run: the next one's future tokens
+        # the executor's own page tables: rows arrive as deltas, as on the wire
+        self.tables = PageTables(cfg.page_size, cells, cfg.max_running_requests)
 
     def apply_ops(self, plan: StepPlan) -> None:
         apply_to_arrays(plan.ops, self.state)
 
-    def run(self, plan: StepPlan) -> dict[str, int]:
+    def run(self, plan: StepPlan, contexts: list[np.ndarray] | None = None) -> dict[str, int]:
+        """Run `plan`; `contexts`: each row's whole context when it was planned, which
+        its KV delta and the page tables here must give back exactly."""
+        wires, tables = self.tables.resolve([r.wire for r in plan.rows])
+        self.tables.commit(tables)
+        for row, context in zip(wires, contexts or [[]] * len(wires), strict=True):
+            assert contexts is None or np.array_equal(row.kv_indices, context), row.rid
         self.move(plan.moves, plan.discards)
         self.apply_ops(plan)
         out = {}
-        for row in plan.rows:
-            assert len(row.kv_indices) == row.end and row.mamba_slot > 0 and row.mamba_out > 0
+        for plan_row, row in zip(plan.rows, wires, strict=True):
+            assert row.mamba_slot > 0 and row.mamba_out > 0
             h = int(self.state[row.mamba_slot])
-            if self.sequence_of is not None and not row.dropped:
+            if self.sequence_of is not None and not plan_row.dropped:
                 expected = state_of(self.sequence_of(row.rid)[: row.start])
                 assert h == expected, f"{row.rid} starts from a wrong state at {row.start}"
                 self.rows_checked += 1
             tokens = row.tokens.copy()
             if row.future:
                 tokens[0] = self.sampled[row.rid]
-            new = row.kv_indices[row.start :]
+            new = row.written_kv
             self.kv_tokens[new] = tokens
             self.kv_positions[new] = np.arange(row.start, row.end)
             for i, token in enumerate(tokens):
@@ -114,7 +123,7 @@ class DataModelExecutor:
                     self.state[row.snapshot_slot] = h
             self.state[row.mamba_out] = h
             if row.sample:
-                idx = row.kv_indices
+                idx = row.kv_indices  # the whole context, as the page tables resolved it
                 out[row.rid] = next_token(
                     h, self.kv_tokens[idx], self.kv_positions[idx], self.vocab
                 )

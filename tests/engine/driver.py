@@ -13,6 +13,7 @@ import numpy as np
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from tests.engine.data_model import DataModelExecutor, result_of
@@ -69,6 +70,7 @@ class Driver:
         self.ended: dict[str, Request] = {}
         self.steps = 0
         self.depth = depth
+        self.contexts: dict[int, list[np.ndarray]] = {}  # by step: each row's context
 
     def _sequence(self, rid: str) -> np.ndarray:
         return self.engine.requests[rid].sequence
@@ -82,7 +84,7 @@ class Driver:
         engine = self.engine
         if len(engine.in_flight) > self.depth:  # left in flight by `plan_ahead`
             return self._complete_oldest()
-        plan = engine.plan_step()
+        plan = self._plan()
         self.steps += plan is not None
         if not engine.in_flight or (plan is not None and len(engine.in_flight) <= self.depth):
             return []
@@ -91,12 +93,23 @@ class Driver:
     def plan_ahead(self) -> None:
         """Plan a step and leave it in flight, as the service does while it awaits the
         result (a fault can strike then)."""
-        self.steps += self.engine.plan_step() is not None
+        self.steps += self._plan() is not None
+
+    def _plan(self) -> StepPlan | None:
+        """Plan a step, noting each row's whole context as the row table has it now: the
+        data model's page tables must resolve the rows' deltas to exactly that."""
+        plan = self.engine.plan_step()
+        if plan is not None:
+            rows = self.pools.rows
+            self.contexts[plan.step_id] = [
+                rows.token_indices(r.wire.row, 0, r.end) for r in plan.rows
+            ]
+        return plan
 
     def _complete_oldest(self) -> list[Request]:
         engine = self.engine
         oldest = engine.in_flight[0]
-        sampled = self.model.run(oldest)
+        sampled = self.model.run(oldest, self.contexts.pop(oldest.step_id, None))
         ended = engine.complete(oldest, result_of(oldest, sampled, self.model.failed))
         for req in ended:
             self.ended[req.rid] = req

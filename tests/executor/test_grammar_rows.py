@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from custody.inprocess import InProcess
 from services.executor.grammars import Grammars
-from services.executor.runner import BatchRefused
+from services.executor.refusal import BatchRefused
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings

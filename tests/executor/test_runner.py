@@ -4,7 +4,8 @@ whether a failing step's ops ran."""
 import pytest
 import torch
 
-from services.executor.runner import BatchRefused, ModelRunner, StepFailed
+from services.executor.refusal import BatchRefused
+from services.executor.runner import ModelRunner, StepFailed
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
 from shared.messages.sampling import Penalties
@@ -102,7 +103,12 @@ def bad_steps(kv: torch.Tensor) -> dict[str, tuple[list[StepRow], DeferredOps]]:
         "source and destination": ([ok()], DeferredOps(clears=[5], copies=[(6, 7), (7, 8)])),
         "kv in the sink page": ([StepRow.of(torch.tensor([1]), 0, torch.tensor([0]), 1)], fine()),
         "kv out of range": ([StepRow.of(torch.tensor([1]), 0, torch.tensor([10**6]), 1)], fine()),
-        "negative start": ([StepRow.of(torch.tensor([1, 2]), -1, kv[:1], 1)], fine()),
+        "a delta without a table": ([StepRow.of([1], 1, kv[1:2], 1, row=3, kv_from=1)], fine()),
+        "request row out of range": ([StepRow.of([1], 0, kv[:1], 1, row=5000)], fine()),
+        "one request row twice": (
+            [ok(row=2), StepRow.of([3], 0, kv[2:3], 2, row=2, mamba_out=3)],
+            fine(),
+        ),
         "token out of vocab": ([StepRow.of(torch.tensor([500]), 0, kv[:1], 1)], fine()),
         "snapshot outside the step": ([ok(snapshot_slot=4, snapshot_len=9)], fine()),
         "penalised id out of vocab": ([ok(penalties=Penalties.of(1.2, 0, 0, [900], []))], fine()),

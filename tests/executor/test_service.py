@@ -63,7 +63,7 @@ def malformed() -> float:
 
 def greedy(service: ExecutorService, tokens: list[int]) -> int:
     """The token a fresh runner picks for `tokens` from empty state."""
-    pools = DevicePools(service.runner.model.cfg, service.pools.sizes, torch.device("cpu"))
+    pools = DevicePools(service.runner.model.cfg, service.runner.pools.sizes, torch.device("cpu"))
     row = wire_row(tokens)
     return ModelRunner(service.runner.model, pools).execute([row], DeferredOps()).tokens[0]
 

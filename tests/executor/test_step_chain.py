@@ -4,7 +4,7 @@ with its future tokens filled in from that step's samples; a refusal breaks the 
 import numpy as np
 import pytest
 
-from services.executor.runner import BatchRefused
+from services.executor.refusal import BatchRefused
 from services.executor.step_chain import StepChain
 from shared.messages.forward import StepRow
 

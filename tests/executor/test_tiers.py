@@ -16,7 +16,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.executor.model.pools import DevicePools, PoolSizes
-from services.executor.runner import BatchRefused, ModelRunner
+from services.executor.refusal import BatchRefused
+from services.executor.runner import ModelRunner
 from services.executor.service import ExecutorService
 from services.executor.tiers.blob_store import (
     BlobBadMagic,

@@ -194,7 +194,7 @@ def test_an_op_for_an_owner_outside_the_step_and_a_foreign_kv_page_are_named(red
     i = next(i for i, r in enumerate(rows) if r.rid == other.rid)
     foreign = int(d.pools.rows.pages[bystander.slots.row.slot, 0])  # the bystander's KV
     kv = rows[i].kv_indices.copy()
-    kv[rows[i].start] = foreign * 4
+    kv[rows[i].start - rows[i].kv_from] = foreign * 4
     rows[i] = msgspec.structs.replace(rows[i], kv_indices=array(kv, I4))
     # and the clear claims to be for a bystander
     step = msgspec.structs.replace(step, rows=rows, clear_owners=array([idle], I8))

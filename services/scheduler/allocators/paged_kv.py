@@ -106,6 +106,7 @@ class PagedKV:
                 table.pages[row, first:end] = pages
                 raise OwnershipError(f"row {row}: {err}") from err
         table.lens[row] = start
+        table.changed(row, start)
 
     def borrow(self, row: int, pages: np.ndarray) -> None:
         """Start an empty row on pages someone else owns (a matched cache prefix)."""
@@ -115,6 +116,7 @@ class PagedKV:
         table.pages[row, : len(pages)] = pages
         self.refs[pages] += 1
         table.lens[row] = len(pages) * self.page_size
+        table.changed(row, 0)
 
     def adopt_prefix(self, row: int, tree_pages: np.ndarray, reason: str = "dedup") -> None:
         """After the row's prefix was inserted into the cache: use the cache's pages for
@@ -128,6 +130,7 @@ class PagedKV:
         self.refs[own] -= 1
         self.refs[tree_pages[differ]] += 1
         current[differ] = tree_pages[differ]
+        self.table.changed(row, int(np.argmax(differ)) * self.page_size)
         self.pool.free(own, int(self.table.rows.owner_of(row)), reason)
 
     def restore_row(self, row: int, pages: np.ndarray, length: int) -> None:
@@ -137,6 +140,7 @@ class PagedKV:
         self.table.pages[row, : len(pages)] = pages
         self.refs[pages] += 1
         self.table.lens[row] = length
+        self.table.changed(row, 0)
 
     def forget(self, row: int) -> None:
         """Drop an emptied row's references to pages it borrowed; it must own none."""
@@ -148,6 +152,7 @@ class PagedKV:
         self.refs[pages] -= 1
         table.pages[row, :] = 0
         table.lens[row] = 0
+        table.changed(row, 0)
 
     def _refuse_referenced(self, pages: np.ndarray) -> None:
         used = pages[self.refs[pages] > 0]

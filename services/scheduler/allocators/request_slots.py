@@ -70,6 +70,7 @@ def admit(pools: Pools, rid: str) -> RequestSlots:
         _give_back(pools, taken, (owner, track_owner))
         raise
     pools.rows.lens[row.held] = 0
+    pools.rows.changed(row.slot, 0)
     track = PingPongTrack(pools.mamba, track_owner, track_slots.tolist())
     return RequestSlots(owner, row, WorkingPair((taken[1], taken[2])), track)
 

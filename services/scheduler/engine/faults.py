@@ -99,4 +99,5 @@ class Faults:
         self.sessions.drop_volatile_state()
         self.cache.evict_kv(self.pools.kv_pages.capacity)
         self.cache.evict_mamba(self.pools.mamba.capacity)
+        self.pools.rows.unsync()  # a new executor holds no page table
         return ended

@@ -84,12 +84,15 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     # prefill-only request: max_new_tokens 0)
     params, sample = req.params, end == req.length + future and req.params.max_new_tokens > 0
     scored = req.scored(start, end)
+    kv_from, kv = pools.rows.delta(req.slots.row.slot, req.rid, start, end)
     wire = StepRow.of(
         np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,
-        pools.rows.token_indices(req.slots.row.slot, 0, end),
+        kv,
         read,
         rid=req.rid,
+        kv_from=kv_from,
+        row=req.slots.row.slot,
         mamba_out=write,
         snapshot_slot=slot,
         snapshot_len=snap_len if slot else 0,

@@ -56,15 +56,22 @@ class Chunk:
 
 class StreamCursor:
     """What a stream has sent of one request, so each chunk carries only what is new
-    and the last one (at the end) the rest: streamed text joined is the final text."""
+    and the last one (at the end) the rest: streamed text joined is the final text.
 
-    def __init__(self) -> None:
+    `interval` (`--stream-interval`, SGLang's flag): after the first token, which goes
+    at once, a chunk waits until that many tokens are unsent, or the end. Every kind of
+    stream cuts its chunks here, so each keeps its shape, only with fewer chunks."""
+
+    def __init__(self, interval: int = 1) -> None:
+        self.interval = interval
         self.chars = self.tokens = 0
         self.ended = False
 
     def next(self, req: Request) -> Chunk | None:
         """The chunk to send now; None when nothing is new (or the end was sent)."""
         if self.ended:
+            return None
+        if not req.done and self.tokens and len(req.output) - self.tokens < self.interval:
             return None
         text = "" if req.text is None else req.text.shown(req.output, req.done)
         start, end = self.tokens, len(req.output)

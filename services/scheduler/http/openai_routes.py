@@ -283,7 +283,8 @@ def streamer(
     (its text and logprobs), as vLLM's does; with `details`, the finishing chunk carries
     the choice's `sglext` (SGLang's); with `running` (vLLM's continuous usage stats),
     each chunk its choice's `usage` so far."""
-    tokenizer, cursor = request.app[FRONT_DOOR].tokenizer, StreamCursor()
+    door = request.app[FRONT_DOOR]
+    tokenizer, cursor = door.tokenizer, StreamCursor(door.settings.stream_interval)
     head = echo
     parsed: ReplyStream | None = None
 

@@ -289,7 +289,8 @@ def streamer(
     do with that flag; a batch item's carry `index`. Refuses (400) a logprob request
     over the cap before anything streams."""
     check_streamed(params, prompt_len)
-    cursor, tag = StreamCursor(), {} if index is None else {"index": index}
+    cursor = StreamCursor(door.settings.stream_interval)
+    tag = {} if index is None else {"index": index}
     incremental = door.settings.incremental_streaming_output
     entries = None if logprobs is None else SglangStream(logprobs, params.top_logprobs > 0)
 

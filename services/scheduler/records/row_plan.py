@@ -38,11 +38,6 @@ class RowPlan:
         return self.wire.end
 
     @property
-    def kv_indices(self) -> np.ndarray:
-        """The KV token index of positions 0..end-1."""
-        return self.wire.kv_indices
-
-    @property
     def mamba_slot(self) -> int:
         """The state is read from here."""
         return self.wire.mamba_slot

@@ -1,0 +1,251 @@
+"""`custody bench orchestration`: the scheduler measured against a GPU-like step.
+
+The real scheduler, session store and Redis serve streaming OpenAI completions to
+`batch` concurrent clients, each with a prompt of `context` tokens; the executor is
+the stand-in (standin_executor.py), which decodes, checks and resolves every step as
+the executor does and then sleeps out a fixed step time. With every client decoding,
+over a window of steady decode it reads:
+
+- the executor's idle share: the part of the window it spent waiting for a step (1 -
+  its busy time / the window); what a GPU of that step time would lose to the
+  scheduler;
+- the scheduler's CPU per step and per row-step (its process's CPU time over the
+  window), and the store's and Redis's;
+- step bytes per row (the step messages' bytes over their rows: flat in the context,
+  since rows carry KV deltas);
+- the clients' inter-token gaps, p50 and p99;
+- the load generator's own CPU and the load average: on two cores the clients, the
+  store and Redis share the core the scheduler does not use, and a cell whose
+  processes together used more than 90% of the machine is marked saturated: its idle
+  share then says as much about the machine as about the scheduler.
+
+What it cannot see: a real forward's host work (the stand-in builds no tensors), tier
+moves and grammars (none here), and anything beyond one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from custody.bench.harness import RESULTS_DIR, plot, progress
+from custody.bench.standin_executor import STEP_MS
+from custody.up import SERVICES, Stack
+from shared.config import Settings
+from shared.model_config import builtin_config
+
+BATCHES, CONTEXTS, STEPS_MS = (8, 64, 256), (1024, 8192, 32768), (2, 5, 10)
+OUTPUT = 4096  # tokens a client may get: more than any window needs (clients stop first)
+WARMUP_SECONDS, WINDOW_SECONDS = 0.5, 2.0
+SATURATED = 0.9  # share of the machine's CPU used by the stack and the clients
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Cell:
+    batch: int
+    context: int
+    step_ms: int
+
+    @property
+    def key(self) -> str:
+        return f"b{self.batch}_ctx{self.context // 1024}k_{self.step_ms}ms"
+
+
+def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
+    """One replica sized for the cell: every client runs at once, and a prefill step
+    takes many prompts' chunks (the stand-in's step time does not grow with them)."""
+    tokens = cell.context + OUTPUT + 64
+    pages = cell.batch * (-(-tokens // 16) + 1) + 64
+    return Settings.ephemeral(
+        kv_pages=pages,
+        mamba_slots=8 * cell.batch + 64,  # running requests hold 4, cached states 1
+        max_running_requests=cell.batch,
+        context_len=tokens,
+        chunk_size=8192,
+        max_step_tokens=16384,
+        host_state_bytes=0,
+        stream_interval=stream_interval,
+    )
+
+
+def _standin(settings: Settings) -> dict[str, tuple[str, Settings]]:
+    """One replica whose executor is the stand-in."""
+    modules = {**SERVICES, "executor": "custody.bench.standin_executor"}
+    return {name: (module, settings) for name, module in modules.items()}
+
+
+def _metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    wanted = {
+        "busy": r"custody_forward_seconds_sum",
+        "bytes": r"custody_step_bytes_total",
+        "rows": r"custody_step_rows_total",
+        "steps": r'custody_executor_steps_total\{[^}]*outcome="ok"[^}]*\}',
+    }
+    found = {}
+    for key, name in wanted.items():
+        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        found[key] = sum(float(v) for v in values)
+    return found
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+
+async def _client(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], times: list[float]
+) -> None:
+    body = {"prompt": prompt, "max_tokens": OUTPUT, "stream": True, "ignore_eos": True}
+    async with http.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+
+
+def _snapshot(stack: Stack) -> dict[str, float]:
+    pids = {name: child.pid for name, child in stack.children.items()}
+    if stack.redis is not None and stack.redis.proc is not None:
+        pids["redis"] = stack.redis.proc.pid
+    snap = {f"cpu_{name}": _cpu_seconds(pid) for name, pid in pids.items()}
+    snap |= _metrics(stack.settings.executor_metrics_port)
+    snap["cpu_clients"] = time.process_time()
+    snap["wall"] = time.perf_counter()
+    return snap
+
+
+async def _measure(stack: Stack, cell: Cell, window: float) -> dict:
+    url = f"http://127.0.0.1:{stack.settings.port}/v1/completions"
+    rng = np.random.default_rng(cell.batch * 7919 + cell.context)
+    vocab = builtin_config().vocab_size
+    times: list[list[float]] = [[] for _ in range(cell.batch)]
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        prompts = [rng.integers(0, vocab, cell.context).tolist() for _ in times]
+        tasks = [
+            asyncio.create_task(_client(http, url, prompt, t))
+            for prompt, t in zip(prompts, times, strict=True)
+        ]
+        while not all(times):  # every client decoding
+            if any(t.done() for t in tasks):
+                for t in tasks:
+                    if t.done():
+                        t.result()  # a client that failed says why
+                raise RuntimeError("a client ended before every client was decoding")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(WARMUP_SECONDS)
+        before = _snapshot(stack)
+        await asyncio.sleep(window)
+        after = _snapshot(stack)
+        finished = sum(t.done() for t in tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if finished:
+        raise RuntimeError(f"{finished} clients finished inside the window: raise OUTPUT")
+    return _figures(cell, before, after, times)
+
+
+def _figures(cell: Cell, before: dict, after: dict, times: list[list[float]]) -> dict:
+    delta = {k: after[k] - before[k] for k in after}
+    wall, steps, rows = delta["wall"], max(delta["steps"], 1), max(delta["rows"], 1)
+    gaps = np.concatenate(
+        [np.diff([x for x in t if before["wall"] <= x <= after["wall"]]) for t in times]
+    )
+    cpu = {k[4:]: round(v / wall, 3) for k, v in delta.items() if k.startswith("cpu_")}
+    used = sum(cpu.values()) / (os.cpu_count() or 1)
+    return {
+        "idle_share": round(max(0.0, 1 - delta["busy"] / wall), 4),
+        "steps_per_s": round(steps / wall, 1),
+        "rows_per_step": round(rows / steps, 1),
+        "scheduler_cpu_us_per_step": round(delta["cpu_scheduler"] / steps * 1e6, 1),
+        "scheduler_cpu_us_per_row_step": round(delta["cpu_scheduler"] / rows * 1e6, 2),
+        "step_bytes_per_row": round(delta["bytes"] / rows, 1),
+        "itl_ms_p50": round(float(np.percentile(gaps, 50)) * 1e3, 2) if len(gaps) else None,
+        "itl_ms_p99": round(float(np.percentile(gaps, 99)) * 1e3, 2) if len(gaps) else None,
+        "cores_used": cpu,  # CPU seconds per second of each process, the clients' too
+        "machine_share": round(used, 3),
+        "load_average": round(os.getloadavg()[0], 2),
+        "saturated": used > SATURATED,
+    }
+
+
+def measure_cell(cell: Cell, stream_interval: int = 1, window: float = WINDOW_SECONDS) -> dict:
+    """One cell on a stack of its own."""
+    os.environ[STEP_MS] = str(cell.step_ms)
+    stack = Stack(settings_for(cell, stream_interval), plan=_standin)
+    try:
+        stack.start_all().wait_healthy()
+        return asyncio.run(_measure(stack, cell, window))
+    finally:
+        stack.stop()
+
+
+def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
+    """Every cell of the sweep (`repeats` runs each: the median idle share is kept)."""
+    cells = cells or [Cell(b, c, ms) for b in BATCHES for c in CONTEXTS for ms in STEPS_MS]
+    results: dict[str, dict] = {}
+    for i, cell in enumerate(cells):
+        runs = [measure_cell(cell) for _ in range(repeats)]
+        runs.sort(key=lambda r: r["idle_share"])
+        results[cell.key] = runs[len(runs) // 2]
+        progress("orchestration", i + 1, len(cells))
+    payload: dict = {f"idle_share_{k}": r["idle_share"] for k, r in results.items()}
+    payload |= {
+        f"scheduler_cpu_us_per_row_step_{k}": r["scheduler_cpu_us_per_row_step"]
+        for k, r in results.items()
+    }
+    small, large = results.get("b64_ctx1k_10ms"), results.get("b64_ctx32k_10ms")
+    if small and large:
+        payload["step_bytes_ratio_32k_vs_1k"] = round(
+            large["step_bytes_per_row"] / small["step_bytes_per_row"], 3
+        )
+    payload["cells"] = results
+    payload["table"] = _table(results)
+    _write(payload, results)
+    return payload
+
+
+def _table(results: dict[str, dict]) -> str:
+    lines = [
+        "| cell | idle share | scheduler CPU per step / per row-step | bytes per row "
+        "| inter-token p50 / p99 | machine used | load avg |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        mark = " (saturated)" if r["saturated"] else ""
+        lines.append(
+            f"| {key} | {r['idle_share']:.3f}{mark} | {r['scheduler_cpu_us_per_step']:.0f} us / "
+            f"{r['scheduler_cpu_us_per_row_step']:.1f} us | {r['step_bytes_per_row']:.0f} B "
+            f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} ms | {r['machine_share']:.2f} "
+            f"| {r['load_average']} |"
+        )
+    return "\n".join(lines)
+
+
+def _write(payload: dict, results: dict[str, dict]) -> None:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    saved = {k: v for k, v in payload.items() if k != "table"}
+    (RESULTS_DIR / "orchestration.json").write_text(json.dumps(saved, indent=2) + "\n")
+    (RESULTS_DIR / "orchestration.md").write_text(payload["table"] + "\n")
+    plot(
+        "orchestration",
+        "executor idle share with the scheduler against a fixed step time",
+        list(results),
+        {"idle share": [r["idle_share"] for r in results.values()]},
+        "share of the window",
+    )
