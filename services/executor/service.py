@@ -21,7 +21,6 @@ import time
 import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
-from redis.client import Pipeline
 
 from services.executor.compiled_decode import CompiledDecode
 from services.executor.fence import SchedulerFence
@@ -31,12 +30,13 @@ from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.refusal import BatchRefused
 from services.executor.runner import ModelRunner, StepFailed
 from services.executor.step_chain import StepChain
+from services.executor.step_io import StepIO
 from services.executor.tiers import build_tiers
 from services.executor.weights import load_model, model_dtype
 from shared import streams
 from shared.config import Settings
 from shared.messages.envelope import WireError, encode
-from shared.messages.forward import StepHead, StepResult, decode_step, decode_step_head
+from shared.messages.forward import Step, StepHead, StepResult, decode_step, decode_step_head
 from shared.redis_client import connect
 from shared.retry import DEPENDENCY_FAULTS, Retry, background_faults, when_up
 from shared.service_main import start
@@ -77,13 +77,17 @@ class ExecutorService:
         self._next_beat = 0.0  # monotonic time of the next heartbeat
         # retried at least once a heartbeat: the alive key must not lapse for a backoff
         beat = settings.heartbeat_seconds
-        self.serving = Retry("executor_serve", log, FAULTS, ceiling=beat)
         self.beating = Retry("executor_heartbeat", log, FAULTS, ceiling=beat)
-        self._next: list = []  # steps read with the answer to the last, not yet run
-        self._answer: tuple[bytes, bytes | None] | None = None  # run, not known written
-        self._recovering = False  # after a Redis fault: read the pending steps first
         group = self.keys.forward, streams.EXECUTOR_GROUP
         when_up(lambda: streams.ensure_group(self.client, *group), starting)
+        self.io = StepIO(
+            self.client,
+            self.keys,
+            self.name,
+            settings.stream_maxlen,
+            lambda thread: Retry(thread, log, FAULTS, ceiling=beat),
+            block_ms=int(beat * 500),
+        )
         if self.runner.grammars is not None:
             checks = when_up(lambda: connect(settings.redis_url), starting)  # its own link
             retry = Retry("grammar_checks", log, FAULTS)
@@ -164,79 +168,25 @@ class ExecutorService:
 
     def serve_forever(self) -> None:
         """Serve until killed. Redis away or refusing (any error class, shared/retry.py)
-        is waited out: exiting would lose every session's device state. A fault of the
-        loop itself still ends the process, whose state is then in doubt: the supervisor
-        starts a new life, and the scheduler re-queues (the device-lost path)."""
+        is waited out by the thread that met it (step_io.py, the heartbeat): exiting
+        would lose every session's device state. A fault of the loop itself still ends
+        the process, whose state is then in doubt: the supervisor starts a new life, and
+        the scheduler re-queues (the device-lost path)."""
         log.info("executor %s ready", self.epoch)
+        self.io.start()
         while True:
-            try:
-                self.heartbeat()
-                self.serve_once(block_ms=int(self.settings.heartbeat_seconds * 500))
-            except DEPENDENCY_FAULTS as err:
-                self.dependency_fault(err)
-                continue
-            self.serving.ok()
-
-    def dependency_fault(self, err: Exception) -> None:
-        """Redis failed a round trip of `serve_once`: what it read may be lost, so the
-        next one reads the pending steps first; then wait (counted, logged, backoff)."""
-        self._next, self._recovering = [], True
-        self.serving.wait_sync(err)
-
-    def serve_once(self, block_ms: int) -> int:
-        """Run the steps read (or read them), in stream order, answering each. The answer
-        to the last one goes in one round trip with the read of the next steps: with the
-        scheduler pipelining, the next step is usually on the stream already, so the
-        forward starts one round trip sooner.
-
-        After a Redis fault (`_recovering`), the answer that round trip may have lost is
-        written again (the scheduler passes over a duplicate), then the steps read but
-        not run are read again from this consumer's pending entries: without that, a
-        write refused mid-step (OOM, READONLY) would leave the scheduler waiting for good
-        on a step that was delivered and never run."""
-        if self._answer is not None:
-            self._send_answer(self.client.pipeline(transaction=False), *self._answer).execute()
-            self._answer = None
-        if self._recovering:
-            entries = _entries(self._xread(self.client, None, pending=True))
-            self._recovering = False
-        else:
-            entries = self._next or _entries(self._xread(self.client, block_ms))
-        self._next = []
-        for i, (entry_id, fields) in enumerate(entries):
             self.heartbeat()
-            result = self.run_step(fields.get(b"m", b"")) if fields else None
-            self._answer = (entry_id, result)
-            pipe = self._send_answer(self.client.pipeline(transaction=False), entry_id, result)
-            if i == len(entries) - 1:
-                self._xread(pipe, block_ms)
-                self._next = _entries(pipe.execute()[-1])
-            else:
-                pipe.execute()
-            self._answer = None
-        return len(entries)
+            self.serve_one(timeout=self.settings.heartbeat_seconds / 2)
 
-    def _send_answer(self, pipe: Pipeline, entry_id: bytes, result: bytes | None) -> Pipeline:
-        """Queue a step's result (if anyone waits for one) and its acknowledgement."""
-        if result is not None:
-            pipe.xadd(
-                self.keys.results,
-                {"m": result},
-                maxlen=self.settings.stream_maxlen,
-                approximate=True,
-            )
-        pipe.xack(self.keys.forward, streams.EXECUTOR_GROUP, entry_id)
-        return pipe
-
-    def _xread(
-        self, client: redis.Redis | Pipeline, block_ms: int | None, pending: bool = False
-    ) -> object:
-        """Read up to 8 new steps, or those read before and not acknowledged (`pending`);
-        on a pipeline, queue the read."""
-        start = "0" if pending else ">"
-        return client.xreadgroup(
-            streams.EXECUTOR_GROUP, self.name, {self.keys.forward: start}, count=8, block=block_ms
-        )
+    def serve_one(self, timeout: float) -> bool:
+        """Run the next entry of the forward stream if one comes within `timeout`, and
+        hand its answer to the writer; False if none came."""
+        entry = self.io.next(timeout)
+        if entry is None:
+            return False
+        result = None if entry.raw is None else self.run_entry(entry.raw, entry.step, entry.error)
+        self.io.answer(entry.entry_id, result)
+        return True
 
     def run_step(self, raw: bytes) -> bytes | None:
         """The result to publish for one step message, or None when nobody waits for one
@@ -244,9 +194,14 @@ class ExecutorService:
         whose it is). No step ends the process: whatever it raises refuses it, named in
         its result."""
         try:
-            step = decode_step(raw)
+            return self.run_entry(raw, decode_step(raw), None)
         except WireError as err:
-            return self._malformed(raw, err)
+            return self.run_entry(raw, None, err)
+
+    def run_entry(self, raw: bytes, step: Step | None, error: WireError | None) -> bytes | None:
+        """`run_step` of a message decoded already (the reader thread decodes ahead)."""
+        if step is None:
+            return self._malformed(raw, error or WireError("no step"))
         if not self._for_me(step.epoch, step.step, step.executor_epoch):
             return None
         STEP_BYTES.inc(len(raw))
@@ -309,11 +264,6 @@ class ExecutorService:
             self.epoch, step.step, step.epoch, rids, error=cause, ops_ran=ops_ran
         )
         return encode(result)
-
-
-def _entries(reply: object) -> list:
-    """The (entry id, fields) pairs of an XREADGROUP reply on one stream."""
-    return reply[0][1] if reply else []
 
 
 def main(argv: list[str] | None = None) -> None:

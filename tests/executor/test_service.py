@@ -4,6 +4,7 @@ acknowledged; steps of a replaced scheduler are fenced."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -29,9 +30,11 @@ PROMPT = [5, 9, 33, 71, 2, 8]
 @pytest.fixture
 def service(redis_url: str, redis_client: redis.Redis) -> Iterator[ExecutorService]:
     threads = torch.get_num_threads()
-    yield ExecutorService(
+    service = ExecutorService(
         Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8, compile=False)
     )
+    yield service
+    service.io.stop()  # its reader must not take the next test's entries
     torch.set_num_threads(threads)  # the service leaves a core to the others
 
 
@@ -108,7 +111,7 @@ def test_a_message_that_is_no_step_is_counted_acknowledged_and_passed_over(servi
     before, refused = malformed(), outcome("refused")
     redis_client.xadd(streams.SINGLE.forward, {"m": b"not a step"})
     redis_client.xadd(streams.SINGLE.forward, {"m": step(service, "s", 1, [wire_row(PROMPT)])})
-    assert service.serve_once(block_ms=100) == 2
+    serve(service, 2)
     assert malformed() == before + 1 and outcome("refused") == refused + 1
     (published,) = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
     assert (published.step, published.error) == (1, None)
@@ -130,7 +133,7 @@ def test_steps_of_a_replaced_scheduler_are_acknowledged_and_dropped(service, red
         redis_client.xadd(
             streams.SINGLE.forward, {"m": step(service, scheduler, step_id, [wire_row([3])])}
         )
-    assert service.serve_once(block_ms=100) == 2
+    serve(service, 2)
     assert outcome("fenced") == fenced + 1
     published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
     assert [(m.scheduler_epoch, m.step, m.error) for m in published] == [("B", 1, None)]
@@ -148,38 +151,65 @@ def test_the_fence_reads_the_key_again_only_for_another_epoch(redis_client):
     assert fence.admits("C") and not fence.admits("B")
 
 
-def test_a_result_refused_by_redis_is_written_again_and_the_steps_read_with_it_run(
-    service, redis_client, monkeypatch
-):
-    """OOM refuses the result of the first of two steps read together: the round trip
-    fails, the second step is read but never run. After the fault both are answered
-    (the first written again, the second read back from this consumer's pending
-    entries), and nothing stays pending: the scheduler is never left waiting for good."""
+def serve(service: ExecutorService, entries: int) -> None:
+    """Run `entries` entries as the service's loop does, then wait for their answers."""
+    service.io.start()
+    for _ in range(entries):
+        assert service.serve_one(timeout=5)
+    assert service.io.flush(timeout=5)
+
+
+def test_answers_refused_by_redis_wait_and_are_written_once_it_takes_writes(service, redis_client):
+    """OOM refuses the writer's answers: they wait (the compute thread runs on), and
+    once Redis takes writes again both are written, in order, and nothing stays
+    pending: the scheduler is never left waiting for good."""
     for step_id in (1, 2):
         redis_client.xadd(
             streams.SINGLE.forward, {"m": step(service, "s", step_id, [wire_row(PROMPT)])}
         )
-    run_step = service.run_step
     saved = redis_client.config_get("maxmemory*")
-
-    def run_then_refuse_writes(raw: bytes) -> bytes | None:
-        answer = run_step(raw)
-        redis_client.config_set("maxmemory-policy", "noeviction")
-        redis_client.config_set("maxmemory", 1)
-        return answer
-
-    monkeypatch.setattr(service, "run_step", run_then_refuse_writes)
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", 1)
     try:
-        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
-            service.serve_once(block_ms=100)
+        service.io.start()
+        assert service.serve_one(timeout=5) and service.serve_one(timeout=5)
+        assert not service.io.flush(timeout=0.5)
+        assert redis_client.xlen(streams.SINGLE.results) == 0
     finally:
         redis_client.config_set("maxmemory", saved["maxmemory"])
         redis_client.config_set("maxmemory-policy", saved["maxmemory-policy"])
-    monkeypatch.undo()
-    assert redis_client.xlen(streams.SINGLE.results) == 0
-    service.dependency_fault(redis.exceptions.ResponseError("OOM"))
-    assert service.serve_once(block_ms=100) == 1  # the second, read back
+    assert service.io.flush(timeout=10)
     published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
     assert [(m.step, m.error) for m in published] == [(1, None), (2, None)]
     pending = redis_client.xpending(streams.SINGLE.forward, streams.EXECUTOR_GROUP)
     assert pending["pending"] == 0
+
+
+def kill_blocked_read(client: redis.Redis) -> None:
+    """Close the reader's connection while it waits in a read: its fault."""
+    for _ in range(100):
+        blocked = [c for c in client.client_list() if c["cmd"] == "xreadgroup"]
+        if blocked:
+            client.client_kill_filter(_id=blocked[0]["id"])
+            return
+        time.sleep(0.05)
+    raise AssertionError("the reader never waited in a read")
+
+
+def test_an_entry_whose_read_reply_was_lost_is_read_back_after_the_fault(service, redis_client):
+    """A read Redis delivered but whose reply never arrived leaves the entry pending
+    for this consumer, never to be read with ">" again: after a fault the reader reads
+    its pending entries first. The entry runs once; the one after it too."""
+    group, forward = streams.EXECUTOR_GROUP, streams.SINGLE.forward
+    redis_client.xadd(forward, {"m": step(service, "s", 1, [wire_row(PROMPT)])})
+    # delivered to the executor's consumer behind its reader's back: the reply "lost"
+    redis_client.xreadgroup(group, service.name, {forward: ">"}, count=1)
+    service.io.start()
+    assert not service.serve_one(timeout=0.5)  # the reader never sees it
+    kill_blocked_read(redis_client)
+    redis_client.xadd(forward, {"m": step(service, "s", 2, [wire_row([3])])})
+    assert service.serve_one(timeout=10) and service.serve_one(timeout=10)
+    assert service.io.flush(timeout=5)
+    published = [decode_result(f[b"m"]) for _, f in redis_client.xrange(streams.SINGLE.results)]
+    assert [m.step for m in published] == [1, 2]
+    assert redis_client.xpending(forward, group)["pending"] == 0
