@@ -94,7 +94,9 @@ def stack_settings(redis_url: str, **overrides: object) -> Settings:
 def agent_settings(redis_url: str, model: Path, **overrides: object) -> Settings:
     """A stack serving `model` as an agent deployment: tool calls in the NemotronH MoE
     form, its reasoning, compact JSON, sessions by `X-Session-ID`, the model called "m",
-    and room for an agent's prompt (it lists its tools)."""
+    and room for an agent's prompt (it lists its tools). It streams every 3 tokens
+    (`--stream-interval`): its streamed tool calls and reasoning are checked against
+    the one-shot answers, so the interval is seen to keep every stream's shape."""
     agent = {
         "model": model,
         "tool_call_parser": "qwen3_coder",
@@ -106,6 +108,7 @@ def agent_settings(redis_url: str, model: Path, **overrides: object) -> Settings
         "kv_pages": 2048,
         "chunk_size": 256,
         "max_step_tokens": 512,
+        "stream_interval": 3,
     }
     return stack_settings(redis_url, **(agent | overrides))
 

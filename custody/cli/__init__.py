@@ -28,6 +28,7 @@ BENCHMARK_NAMES = (
     "events",
     "executor",
     "multiturn",
+    "orchestration",
     "prefix",
     "scaleout",
     "serving",
@@ -35,9 +36,9 @@ BENCHMARK_NAMES = (
     "structured",
 )
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
-# benchmarks whose --repeats defaults to 1 (prefix: its series; serving: bench_serving's
-# percentiles over its own requests)
-ONCE = ("multiturn", "prefix", "serving")
+# benchmarks whose --repeats defaults to 1 (prefix: its series; orchestration: its sweep of
+# cells, a stack each; serving: bench_serving's percentiles over its own requests)
+ONCE = ("multiturn", "orchestration", "prefix", "serving")
 REPEATS_OF = {"structured": 3}  # interleaved runs of every cell: 3 keep it to a minute
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
@@ -185,6 +186,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         events,
         executor,
         multiturn,
+        orchestration,
         prefix,
         scaleout,
         serving,
@@ -198,6 +200,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "events": events.run,
         "executor": executor.run,
         "multiturn": multiturn.run,
+        "orchestration": orchestration.run,
         "prefix": prefix.run,
         "scaleout": scaleout.run,
         "serving": serving.run,

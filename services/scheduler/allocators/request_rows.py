@@ -43,6 +43,9 @@ class RowTable:
 
     def token_indices(self, row: int, start: int, end: int) -> np.ndarray:
         """KV token indices of positions [start, end) of `row`."""
+        if end - start == 1:  # a decoding row's delta, every step: no arange
+            page, offset = divmod(start, self.page_size)
+            return np.array([self.pages[row, page] * self.page_size + offset])
         pos = np.arange(start, end, dtype=np.int64)
         return self.pages[row, pos // self.page_size] * self.page_size + pos % self.page_size
 

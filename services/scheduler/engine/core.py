@@ -164,8 +164,10 @@ class EngineCore:
         chosen: list[tuple[Request, int]] = []
         state = StepBudget(self.config.max_step_tokens)
         running, waiting = self.queue.running, self.queue.waiting
+        retracted = self.endings.retractions
         for req in list(running):
-            if req in running:
+            # a request retracted while this step is planned is no longer running
+            if self.endings.retractions == retracted or req in running:
                 n = self._fit_running(req, chosen, state)
                 if n:
                     chosen.append((req, n))
@@ -300,9 +302,9 @@ class EngineCore:
         if n <= 0 or awaits_track_slot(req, n):
             return 0
         need = pages_to_grow(self.pools.config.page_size, req.planned, n)
-        planned = {id(r) for r, _ in chosen}
         running = self.queue.running
         while not self.room.make(need + state.pages, 0, 0):
+            planned = {id(r) for r, _ in chosen}
             victims = [
                 r
                 for r in reversed(running)
