@@ -141,6 +141,7 @@ class OwnershipConsumer:
         # Cleared before, they were lost while the next batch's checkpoint claimed them
         # (a move then carried a history a turn short: the 3-replica campaign).
         self._writes.clear()
+        self.ledger.dirty.clear()  # likewise: a refused checkpoint writes them next time
         self._full = None
         return len(entries)
 
@@ -237,6 +238,9 @@ class OwnershipConsumer:
 
     # ---- checkpoint ----
     def _checkpoint(self) -> dict:
+        """The fields of the checkpoint to write: every table changed since the last one
+        written (`table:<pool id>`: a pool's owner table is its biggest part, and most
+        batches touch one or two pools) and the rest of the state."""
         led = self.ledger
         state = {
             "epoch": self.epoch,
@@ -244,17 +248,18 @@ class OwnershipConsumer:
             "next_event": led.next_event,
             "names": led.names,
             "owners": led.owners.names,
-            "tables": [pack(t, WIRE_DTYPES[OWNER]) for t in led.tables],
             "violations": [v.as_dict() for v in led.violations[-KEEP_VIOLATIONS:]],
             "found": dict(led.found),
             "double_frees": led.double_frees,
             "events_applied": led.events_applied,
             "steps": self.checker.state(),
         }
+        tables = {f"table:{i}": pack(led.tables[i], WIRE_DTYPES[OWNER]) for i in led.dirty}
         return {
             "state": msgpack.packb(state, use_bin_type=True),
             "records_complete": int(self.records_complete),
             records_proof.THROUGH: self.records_through,
+            **tables,
         }
 
     def _load_checkpoint(self) -> None:
@@ -269,7 +274,9 @@ class OwnershipConsumer:
         led = self.ledger
         self.epoch, self.seq = state["epoch"], state["seq"]
         led.names, led.next_event = state["names"], state["next_event"]
-        led.tables = [unpack(t, WIRE_DTYPES[OWNER]).tolist() for t in state["tables"]]
+        fields = [f"table:{i}" for i in range(len(led.names))]
+        raws = self.client.hmget(self.keys.checkpoint, fields) if fields else []
+        led.tables = [unpack(t or b"", WIRE_DTYPES[OWNER]).tolist() for t in raws]
         led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
         led.found = Counter(state.get("found") or [v.kind for v in led.violations])

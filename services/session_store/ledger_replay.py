@@ -53,6 +53,7 @@ class Violation:
 class IndependentLedger:
     def __init__(self) -> None:
         self.tables: list[list[int]] = []  # per pool id: owner id per slot
+        self.dirty: set[int] = set()  # tables changed since the last checkpoint took them
         self.names: list[str] = []
         self.owners = OwnerBook()
         self.violations: list[Violation] = []  # the latest KEEP_VIOLATIONS
@@ -68,6 +69,7 @@ class IndependentLedger:
     def reset(self, snapshot: Snapshot) -> None:
         """Start over from a snapshot (its tables checked as it was decoded)."""
         self.tables = [p.owners.tolist() for p in snapshot.pools]
+        self.dirty = set(range(len(self.tables)))
         self.names = [p.name for p in snapshot.pools]
         self.owners.reset(snapshot.owners, self.tables)
         self.next_event = snapshot.next_event
@@ -107,6 +109,7 @@ class IndependentLedger:
         records = batch.records()
         self._check_bounds(records)
         self.owners.declare(batch.owners)
+        self.dirty.update(np.unique(records.pool).tolist())
         found = []
         tables = self.tables
         before = []  # each slot's owner before its move: the giver, unless a misfit
