@@ -67,7 +67,9 @@ def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
     pages = cell.batch * (-(-tokens // 16) + 1) + 64
     return Settings.ephemeral(
         kv_pages=pages,
-        mamba_slots=8 * cell.batch + 64,  # running requests hold 4, cached states 1
+        # a running request holds 4 Mamba slots and pins 1 more (its latest state, cached
+        # on a leaf it locks): 5 per client and room to spare
+        mamba_slots=8 * cell.batch + 64,
         max_running_requests=cell.batch,
         context_len=tokens,
         chunk_size=8192,
@@ -140,21 +142,27 @@ async def _measure(stack: Stack, cell: Cell, window: float) -> dict:
             asyncio.create_task(_client(http, url, prompt, t))
             for prompt, t in zip(prompts, times, strict=True)
         ]
-        while not all(times):  # every client decoding
-            if any(t.done() for t in tasks):
-                for t in tasks:
-                    if t.done():
-                        t.result()  # a client that failed says why
-                raise RuntimeError("a client ended before every client was decoding")
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(WARMUP_SECONDS)
-        before = _snapshot(stack)
-        await asyncio.sleep(window)
-        after = _snapshot(stack)
-        finished = sum(t.done() for t in tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:  # the clients end here, before the session closes their connections
+            while not all(times):  # every client decoding
+                if any(t.done() for t in tasks):
+                    for t in tasks:
+                        if t.done():
+                            t.result()  # a client that failed says why
+                    waiting = sum(not t for t in times)
+                    raise RuntimeError(
+                        f"a client ended before every client was decoding: {waiting} of "
+                        f"{cell.batch} never got a token (a replica too small for the cell?)"
+                    )
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(WARMUP_SECONDS)
+            before = _snapshot(stack)
+            await asyncio.sleep(window)
+            after = _snapshot(stack)
+            finished = sum(t.done() for t in tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     if finished:
         raise RuntimeError(f"{finished} clients finished inside the window: raise OUTPUT")
     return _figures(cell, before, after, times)

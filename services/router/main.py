@@ -21,13 +21,14 @@ from services.router.proxy import Proxy
 from services.router.replicas import ReplicaTable
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
-from shared.redis_client import connect_async
+from shared.redis_client import connect_async, warm_async
 from shared.service_main import start
 from shared.slow_clients import GuardedRunner
 from shared.tenancy import ApiKeys
 from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.router")
+WARM_REDIS_CONNECTIONS = 16  # the directory's, for a burst of opens
 
 
 async def serve(settings: Settings) -> None:
@@ -38,17 +39,19 @@ async def serve(settings: Settings) -> None:
             "on every replica) too"
         )
     client = await connect_async(settings.redis_url)
+    await warm_async(client, WARM_REDIS_CONNECTIONS)  # before it listens: no cold connect
     table = ReplicaTable(
         client,
         period=min(0.5, settings.heartbeat_seconds),
         secret=settings.cluster_secret,
         settle=3 * settings.heartbeat_seconds + 0.5,
     )
-    await table.refresh()
     metrics, index = RouterMetrics(table), PrefixIndex()
     metrics.watch(index)
     proxy = Proxy(metrics, settings.session_header)
     await proxy.start()
+    table.warm = proxy.warm  # a replica is ready once this router's connections are open
+    await table.refresh()
     tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
     chooser = Chooser(
         table, index, tokenizer, settings.context_len, metrics, settings.router_policy

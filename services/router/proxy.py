@@ -4,6 +4,7 @@ connection, which the replica takes as an abort of the request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -14,6 +15,7 @@ from services.router.replicas import Replica
 from shared.placement import OPENED_HEADER, PLACED_HEADER, read_opened_mark
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
+WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 # (seconds from receipt to the upstream send, when the whole upstream answer was in) of a
 # request answered in one piece: its overhead ends when the router starts its answer
@@ -47,6 +49,19 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             auto_decompress=False,
         )
+
+    async def warm(self, replica: Replica) -> None:
+        """Open `WARM_CONNECTIONS` keep-alive connections to `replica` (concurrent
+        liveness probes), replacing any that a previous life of it left dead."""
+
+        async def probe() -> None:
+            try:
+                async with self.session.get(replica.url + "/liveness") as answer:
+                    await answer.read()
+            except (aiohttp.ClientError, OSError):
+                pass  # a dead connection dropped; the next request opens another
+
+        await asyncio.gather(*(probe() for _ in range(WARM_CONNECTIONS)))
 
     async def close(self) -> None:
         if self.session is not None:

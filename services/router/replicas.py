@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -57,6 +58,7 @@ class Replica:
     tenants: dict[str, int] = field(default_factory=dict)  # open sessions by key, registered
     # this router's opens on it that no registration read has counted yet
     placed: list[Opening] = field(default_factory=list)
+    warmed: str | None = None  # the scheduler epoch this router's connections were opened to
 
     @property
     def load(self) -> int:
@@ -95,13 +97,20 @@ REGISTERED = (  # what a registration read sets; the rest is this router's own c
 
 class ReplicaTable:
     def __init__(
-        self, client: aioredis.Redis, period: float, secret: str = "", settle: float = 1.5
+        self,
+        client: aioredis.Redis,
+        period: float,
+        secret: str = "",
+        settle: float = 1.5,
     ) -> None:
         """`period`: between reads; `secret`: the cluster secret registrations must be
         signed with (none: any); `settle`: how long after an open is answered every
         registration read counts an open its answer did not number (a few of the
         replicas' heartbeats: `Opening`)."""
         self.client, self.period, self.secret, self.settle = client, period, secret, settle
+        # opens the router's connections to a replica before it counts as ready (the
+        # router sets its proxy's; None: nothing to open)
+        self.warm: Callable[[Replica], Awaitable[None]] | None = None
         self.unverified = 0  # registrations read and refused: not signed with the secret
         self._refused: set[str] = set()
         self.live: dict[str, Replica] = {}
@@ -147,7 +156,16 @@ class ReplicaTable:
                 continue
             fresh.draining = bool(await self.client.exists(streams.Keys(rid).draining))
             live[rid] = self._update(fresh)
+        cold = [r for r in live.values() if r.executor and r.warmed != r.epoch]
+        await asyncio.gather(*(self._warm(r) for r in cold))
         self.live = live
+
+    async def _warm(self, replica: Replica) -> None:
+        """Open this router's connections to a replica (or a new life of one) before it
+        is ready: requests then do not pay for the connect."""
+        if self.warm is not None:
+            await self.warm(replica)
+        replica.warmed = replica.epoch
 
     def _update(self, fresh: Replica) -> Replica:
         replica = self._all.setdefault(fresh.id, fresh)
@@ -175,8 +193,9 @@ class ReplicaTable:
             await asyncio.sleep(self.period)
 
     def ready(self) -> list[Replica]:
-        """Live replicas with an executor: they answer requests."""
-        return [r for r in self.live.values() if r.executor]
+        """Live replicas with an executor, whose connections are open: they answer
+        requests."""
+        return [r for r in self.live.values() if r.executor and r.warmed == r.epoch]
 
     def placeable(self, excluding: str | None = None) -> list[Replica]:
         """Ready replicas that take new work (not drained)."""
