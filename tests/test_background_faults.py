@@ -234,7 +234,7 @@ def test_every_service_serves_its_loops_faults_with_its_labels(two: Stack) -> No
     for i in ("0", "1"):
         loops = {"registration", "step_loop", "scheduler_start"}
         assert found[f"scheduler-{i}"] == {(loop, i) for loop in loops}
-        loops = {"executor_serve", "executor_heartbeat", "grammar_checks"}
+        loops = {"executor_read", "executor_write", "executor_heartbeat", "grammar_checks"}
         assert found[f"executor-{i}"] == {(loop, i) for loop in loops}
     discover = ("store_discover", two.settings.replica)
     assert found["session-store"] == {discover, ("store_consume", "0"), ("store_consume", "1")}
@@ -300,7 +300,7 @@ def test_a_readonly_window_ends_no_loop_and_no_process_and_keeps_the_data(
     assert all(client.xlen(k) >= n for k, n in steps.items())  # the streams kept too
     for i in ("0", "1"):
         assert grew(before, after, f"scheduler-{i}", loop="registration", replica=i)
-        assert grew(before, after, f"executor-{i}", loop="executor_serve", replica=i)
+        assert grew(before, after, f"executor-{i}", loop="executor_read", replica=i)
         assert grew(before, after, "session-store", loop="store_consume", replica=i)
 
 

@@ -102,7 +102,7 @@ def test_match_lengths_end_where_a_node_serves():
 
 
 def replica(rid: str, load: int, sessions: int = 0) -> Replica:
-    return Replica(rid, f"http://{rid}", True, load, 0, sessions, 0.0)
+    return Replica(rid, f"http://{rid}", True, load, 0, sessions, "e", warmed="e")  # connected
 
 
 def test_the_longest_match_wins_within_the_load_bound():

@@ -47,7 +47,7 @@ def test_the_feed_reads_from_the_end_asks_for_snapshots_and_skips_other_entries(
     async def scenario() -> None:
         client = aioredis.from_url(redis_url)
         table = ReplicaTable(client, 0.05)
-        table.live = {"7": Replica("7", "http://x", True, 0, 0, 0, 0.0)}
+        table.live = {"7": Replica("7", "http://x", True, 0, 0, 0, "e", warmed="e")}
         index = PrefixIndex()
         feed = PrefixFeed(client, table, index, block_ms=50, retry_seconds=0.5)
         task = asyncio.create_task(feed.run())

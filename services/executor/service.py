@@ -67,10 +67,10 @@ class ExecutorService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         starting = Retry("executor_start", log)  # no metrics yet: logged, not counted
-        self.client = when_up(lambda: connect(settings.redis_url), starting)
-        self.keys = streams.Keys(settings.replica)
         self.epoch = secrets.token_hex(8)
-        self.name = f"executor-{self.epoch}"
+        self.name = f"executor-{self.epoch}"  # its consumer, and its connections' name
+        self.client = when_up(lambda: connect(settings.redis_url, client_name=self.name), starting)
+        self.keys = streams.Keys(settings.replica)
         self.runner = self.load_runner()
         self.chain = StepChain()
         self.fence = SchedulerFence(self.client, self.keys.scheduler_epoch)

@@ -185,10 +185,12 @@ def test_answers_refused_by_redis_wait_and_are_written_once_it_takes_writes(serv
     assert pending["pending"] == 0
 
 
-def kill_blocked_read(client: redis.Redis) -> None:
-    """Close the reader's connection while it waits in a read: its fault."""
+def kill_blocked_read(client: redis.Redis, name: str) -> None:
+    """Close the reader's connection (of the service named `name`) while it waits in a
+    read: its fault."""
     for _ in range(100):
-        blocked = [c for c in client.client_list() if c["cmd"] == "xreadgroup"]
+        listed = client.client_list()
+        blocked = [c for c in listed if c["cmd"] == "xreadgroup" and c["name"] == name]
         if blocked:
             client.client_kill_filter(_id=blocked[0]["id"])
             return
@@ -206,7 +208,7 @@ def test_an_entry_whose_read_reply_was_lost_is_read_back_after_the_fault(service
     redis_client.xreadgroup(group, service.name, {forward: ">"}, count=1)
     service.io.start()
     assert not service.serve_one(timeout=0.5)  # the reader never sees it
-    kill_blocked_read(redis_client)
+    kill_blocked_read(redis_client, service.name)
     redis_client.xadd(forward, {"m": step(service, "s", 2, [wire_row([3])])})
     assert service.serve_one(timeout=10) and service.serve_one(timeout=10)
     assert service.io.flush(timeout=5)
