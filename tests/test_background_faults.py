@@ -240,7 +240,7 @@ def test_every_service_serves_its_loops_faults_with_its_labels(two: Stack) -> No
     assert found["session-store"] == {discover, ("store_consume", "0"), ("store_consume", "1")}
 
 
-ROUTER_LOOPS = {"router_replicas", "prefix_feed", "move_takeover"}
+ROUTER_LOOPS = {"router_replicas", "prefix_feed", "move_takeover", "router_bookkeeping"}
 
 
 def test_an_oom_window_ends_no_loop_and_no_process(two: Stack, redis_url: str) -> None:

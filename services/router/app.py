@@ -44,6 +44,8 @@ from services.router.proxy import (
 )
 from services.router.replicas import Opening, Replica, ReplicaTable
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
+from shared.placement import Placement
+from shared.retry import DEPENDENCY_FAULTS
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
 from shared.tenancy import ApiKeys, Refused
 
@@ -68,7 +70,7 @@ class Router:
         self.limits, self.session_header = limits, session_header
         self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
         self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
-        self.background = Background()
+        self.background = Background(self.metrics.faults)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """The request routed and answered. A streamed answer's overhead is observed as
@@ -190,7 +192,7 @@ class Router:
             return None
         response = await self.send(request, body, replica, "affinity", received, STALE)
         if response is not None and request.path == "/close_session" and response.status == 200:
-            self.background.run(self.directory.forget(sid, home.replica))
+            self.background.run(lambda: self.directory.forget(sid, home.replica))
         return response
 
     async def to_session(
@@ -205,7 +207,7 @@ class Router:
             return None
         response = await self.to_placed(request, body, home.replica, "affinity", received)
         if request.path == "/close_session" and response.status == 200:
-            self.background.run(self.directory.forget(sid, home.replica))
+            self.background.run(lambda: self.directory.forget(sid, home.replica))
         return response
 
     async def open_session(
@@ -258,25 +260,28 @@ class Router:
             response = await self.send(request, body, replica, "affinity", received)
             home, placed = await placing
         except BaseException:  # Redis failed, or the client left: nothing stays behind
-            self.background.run(self._abandon(placing, replica, sid))
+            self.background.run(lambda: self._abandon(placing, replica, sid))
             raise
         if home.replica != replica.id:
             if response.status == 200:
-                self.background.run(self.mover.release(replica, sid))
+                self.background.run(lambda: self.mover.release(replica, sid))
             response = await self.to_placed(request, body, home.replica, "affinity", received)
         if placed and response.status != 200:
-            self.background.run(self.directory.forget(sid, home.replica))
+            self.background.run(lambda: self.directory.forget(sid, home.replica))
         return response
 
     async def _abandon(self, placing: asyncio.Future, replica: Replica, sid: str) -> None:
         """An open that failed part-way: its placement, if written, and then the copy
-        opened on `replica`, if any, go."""
+        opened on `replica`, if any, go. A placement write that failed may have been
+        applied: the placement goes if it is this open's (a compare-and-delete)."""
         try:
             home, placed = await placing
+        except DEPENDENCY_FAULTS:
+            await self.directory.take_back(sid, Placement(replica.id))
+        else:
             if placed:
                 await self.directory.forget(sid, home.replica)
-        finally:
-            await self.mover.release(replica, sid)
+        await self.mover.release(replica, sid)
 
     async def drain(self, operator: bool, body: dict | None) -> web.Response:
         """Move every session off a replica, which takes nothing new from then on."""
@@ -342,7 +347,7 @@ class Router:
             isinstance(one, str) and 0 < len(one) <= MAX_RID for one in rids
         ):
             return
-        self.background.run(self.directory.remember_requests(tenant, rids, replica))
+        self.background.run(lambda: self.directory.remember_requests(tenant, rids, replica))
 
     def health(self, request: web.Request) -> web.Response:
         """Ready (200) with at least one ready replica, else 503 with Retry-After: a

@@ -96,6 +96,12 @@ class Directory:
         await self.client.delete(streams.placement_key(sid))
         await self.client.srem(streams.Keys(replica).placed, sid)
 
+    async def take_back(self, sid: str, placement: Placement) -> None:
+        """Remove `sid`'s placement and listing if it is still `placement` (an open that
+        may or may not have placed it)."""
+        if await self.swap_out(sid, placement):
+            await self.client.srem(streams.Keys(placement.replica).placed, sid)
+
     async def swap(self, sid: str, old: Placement, new: Placement) -> bool:
         """Place `sid` as `new` if it is placed as `old`."""
         args = [old.encode(), new.encode()]
