@@ -16,6 +16,7 @@ from shared.placement import OPENED_HEADER, PLACED_HEADER, read_opened_mark
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)
+WARM_SECONDS = 2.0  # a replica that does not answer is not waited for longer (nor routed less)
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 # (seconds from receipt to the upstream send, when the whole upstream answer was in) of a
 # request answered in one piece: its overhead ends when the router starts its answer
@@ -52,13 +53,16 @@ class Proxy:
 
     async def warm(self, replica: Replica) -> None:
         """Open `WARM_CONNECTIONS` keep-alive connections to `replica` (concurrent
-        liveness probes), replacing any that a previous life of it left dead."""
+        liveness probes), replacing any that a previous life of it left dead. Bounded: a
+        replica that hangs must not stall the registration reads that wait for this."""
 
         async def probe() -> None:
             try:
-                async with self.session.get(replica.url + "/liveness") as answer:
+                async with self.session.get(
+                    replica.url + "/liveness", timeout=aiohttp.ClientTimeout(total=WARM_SECONDS)
+                ) as answer:
                     await answer.read()
-            except (aiohttp.ClientError, OSError):
+            except (aiohttp.ClientError, OSError, TimeoutError):
                 pass  # a dead connection dropped; the next request opens another
 
         await asyncio.gather(*(probe() for _ in range(WARM_CONNECTIONS)))
