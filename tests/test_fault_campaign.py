@@ -115,7 +115,7 @@ def test_every_kind_of_fault_with_every_invariant_holding():
     assert result["twin_copies"] == 0, (campaign.examples, table)
     assert result["wrong_outputs"] == 0, table
     assert not any(result["leaked_slots"].values()), result
-    assert result["leaked_placements"] == 0, campaign.left_behind
+    assert result["leaked_placements"] == 0, (campaign.left_behind, campaign.load.unclosed[:5])
     assert campaign_held(result)
 
 

@@ -58,6 +58,7 @@ class SessionLoad:
         self.held: dict[str, int] = {}  # session -> acknowledged tokens, while a client holds it
         self.lock = threading.Lock()
         self.abandoned = 0  # sessions given up after a turn without an answer
+        self.unclosed: list[str] = []  # closes given up, with the last refusal's body
         self.stop = threading.Event()
 
     def record(self, turn: Turn) -> None:
@@ -103,11 +104,16 @@ class SessionLoad:
         return "retry" if status == 503 else "gone"
 
     def close(self, sid: str) -> None:
-        """Close `sid`, waiting out clean refusals for a while."""
+        """Close `sid`, waiting out clean refusals for a while; one still refused then
+        is named in `unclosed` with why (what a leaked placement's cause is)."""
         deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            status, _ = post(self.port, "/close_session", {"session_id": sid})
+        while True:
+            status, body = post(self.port, "/close_session", {"session_id": sid})
             if status in (200, 404):
+                return
+            if time.monotonic() > deadline:
+                with self.lock:
+                    self.unclosed.append(f"{sid}: {status} {body}")
                 return
             time.sleep(0.3)
 
