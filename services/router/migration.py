@@ -13,10 +13,10 @@ that fails before the flip leaves the session where it was (`/admin/migrate_canc
 
 A replica is dead once its registration has been missing for `replica_dead_seconds`;
 until then its sessions' turns wait (503, Retry-After). Then one router (holding the
-replica's `rehoming` key) moves each of its sessions to a live replica, from the record
-the store persisted: with the state when that record names a blob the new replica can
-read, else from the history. Its restarted scheduler waits for the key to go, then takes
-back nothing the directory has placed elsewhere."""
+replica's `rehoming` key under a lease it renews) moves each of its sessions to a live
+replica, from the record the store persisted: with the state when that record names a
+blob the new replica can read, else from the history. Its restarted scheduler waits for
+the key to go, then takes back nothing the directory has placed elsewhere."""
 
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from prometheus_client import Counter
 from services.router.directory import Directory
 from services.router.replicas import Replica, ReplicaTable
 from shared import streams
+from shared.key_lease import KeyLease
 from shared.placement import Move, Placement
 from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
 RELEASE_ATTEMPTS = 6  # over about 12 s
-REHOMING_SECONDS = 300  # the re-homing lock's expiry, should its router die holding it
 
 
 class Mover:
@@ -248,15 +248,17 @@ class Mover:
         log.info("replica %s forgotten: dead for %.0f s, nothing placed on it", replica, dead_for)
 
     async def _rehome(self, replica: str) -> None:
+        """Move a dead replica's sessions, holding its `rehoming` key (shared/key_lease.py)
+        so that one router does it and the replica, back, waits for it to end. Were the
+        lease lost meanwhile, a second router moving the same sessions is still safe:
+        each move is a compare-and-set on the directory."""
         client, keys = self.directory.client, streams.Keys(replica)
         if not await self.directory.placed_on(replica):
             return
-        if not await client.set(keys.rehoming, 1, nx=True, ex=REHOMING_SECONDS):
-            return  # another router is at it
-        try:
+        async with KeyLease(client, keys.rehoming, self.directory.lease_seconds).held() as mine:
+            if not mine:
+                return  # another router is at it
             if await client.exists(keys.alive):
                 return  # it came back
             log.warning("replica %s is dead: re-homing its sessions", replica)
             log.info("re-homed from %s: %s", replica, await self._empty(replica))
-        finally:
-            await client.delete(keys.rehoming)
