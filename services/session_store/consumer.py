@@ -276,7 +276,7 @@ class OwnershipConsumer:
         led.names, led.next_event = state["names"], state["next_event"]
         fields = [f"table:{i}" for i in range(len(led.names))]
         raws = self.client.hmget(self.keys.checkpoint, fields) if fields else []
-        led.tables = [unpack(t or b"", WIRE_DTYPES[OWNER]).tolist() for t in raws]
+        led.restore([unpack(t or b"", WIRE_DTYPES[OWNER]) for t in raws])
         led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
         led.found = Counter(state.get("found") or [v.kind for v in led.violations])

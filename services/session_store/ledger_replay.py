@@ -52,7 +52,9 @@ class Violation:
 
 class IndependentLedger:
     def __init__(self) -> None:
-        self.tables: list[list[int]] = []  # per pool id: owner id per slot
+        self.flat = np.zeros(0, np.int64)  # every pool's owner ids, one after another
+        self.offsets = np.zeros(0, np.int64)  # where each pool starts in `flat`
+        self.tables: list[np.ndarray] = []  # per pool id: its view of `flat`, per slot
         self.dirty: set[int] = set()  # tables changed since the last checkpoint took them
         self.names: list[str] = []
         self.owners = OwnerBook()
@@ -68,16 +70,25 @@ class IndependentLedger:
 
     def reset(self, snapshot: Snapshot) -> None:
         """Start over from a snapshot (its tables checked as it was decoded)."""
-        self.tables = [p.owners.tolist() for p in snapshot.pools]
-        self.dirty = set(range(len(self.tables)))
         self.names = [p.name for p in snapshot.pools]
+        self.restore([p.owners for p in snapshot.pools])
         self.owners.reset(snapshot.owners, self.tables)
         self.next_event = snapshot.next_event
+
+    def restore(self, tables: Sequence[np.ndarray]) -> None:
+        """Take `tables` (a snapshot's, or a checkpoint's) as the owner tables, all
+        dirty. They are views of one array, so a batch is replayed with one gather and
+        one scatter whatever pools it touches."""
+        sizes = [len(t) for t in tables]
+        self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+        self.flat = np.concatenate([np.zeros(0, np.int64), *tables]).astype(np.int64)
+        self.tables = [self.flat[o : o + n] for o, n in zip(self.offsets, sizes, strict=True)]
+        self.dirty = set(range(len(tables)))
 
     def owner_at(self, pool: str, slot: int) -> int | None:
         """The owner of `slot` of `pool`; None for the sink or a slot out of range."""
         table = self.tables[self.names.index(pool)]
-        return table[slot] if 0 < slot < len(table) else None
+        return int(table[slot]) if 0 < slot < len(table) else None
 
     def name(self, owner: int | None) -> str:
         return "nobody (the sink or out of range)" if owner is None else self.owners.name(owner)
@@ -110,25 +121,50 @@ class IndependentLedger:
         self._check_bounds(records)
         self.owners.declare(batch.owners)
         self.dirty.update(np.unique(records.pool).tolist())
-        found = []
-        tables = self.tables
-        before = []  # each slot's owner before its move: the giver, unless a misfit
-        pending = [seq - batch.first for seq in stops]
-        for e, p, s, g, r in zip(*(a.tolist() for a in records), strict=True):
-            while pending and e >= pending[0]:
-                found += on_stop(batch.first + pending.pop(0))
-            own = tables[p]
-            current = own[s]
-            if current != g:
-                found.append(self._misfit(batch, e, p, s, g, r, current))
-            before.append(current)
-            own[s] = r
-        for rel in pending:
-            found += on_stop(batch.first + rel)
-        self.owners.moved(np.asarray(before, dtype=np.int64), records.receiver, batch.owners)
+        # each slot's owner before its move: the giver, unless a misfit
+        before = np.empty(len(records.pool), np.int64)
+        where = self.offsets[records.pool] + records.slot
+        cuts = np.searchsorted(records.event, [seq - batch.first for seq in stops])
+        found: list[Violation] = []
+        start = 0
+        for seq, cut in zip(stops, [*cuts.tolist()], strict=True):
+            found += self._replay(batch, records, where, before, start, cut)
+            found += on_stop(seq)
+            start = cut
+        found += self._replay(batch, records, where, before, start, len(before))
+        self.owners.moved(before, records.receiver, batch.owners)
         self.events_applied += batch.num_events
         self.next_event += batch.num_events
         return self.report(found)
+
+    def _replay(
+        self,
+        batch: Events,
+        records: Transfers,
+        where: np.ndarray,
+        before: np.ndarray,
+        start: int,
+        stop: int,
+    ) -> list[Violation]:
+        """Replay records `start`..`stop`-1 as if one at a time, in bulk: a slot moved
+        k times in the span has its k-th move in the k-th round, and within a round every
+        slot is distinct, so each round is one gather (checked against the givers) and
+        one scatter. Returns the misfits, in event order."""
+        span = np.arange(start, stop)
+        order = np.argsort(where[span], kind="stable")
+        keys = where[span][order]
+        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else keys
+        rank = np.empty(len(span), np.int64)
+        rank[order] = np.arange(len(span)) - np.repeat(first, np.diff(np.r_[first, len(keys)]))
+        misfits = []
+        for r in range(int(rank.max()) + 1 if len(span) else 0):
+            idx = span[rank == r]
+            at = where[idx]
+            before[idx] = self.flat[at]
+            misfits.append(idx[before[idx] != records.giver[idx]])
+            self.flat[at] = records.receiver[idx]
+        bad = np.sort(np.concatenate([np.zeros(0, np.int64), *misfits]))
+        return [self._misfit(batch, records, int(i), int(before[i])) for i in bad]
 
     def _check_bounds(self, records: Transfers) -> None:
         """A record naming a pool or slot the tables lack would corrupt them (a negative
@@ -142,9 +178,9 @@ class IndependentLedger:
             bad = records.slot[outside].tolist()
             raise WireError(f"events name slots {bad} outside their pools")
 
-    def _misfit(
-        self, batch: Events, e: int, p: int, s: int, g: int, r: int, current: int
-    ) -> Violation:
+    def _misfit(self, batch: Events, records: Transfers, i: int, current: int) -> Violation:
+        e, p, s = int(records.event[i]), int(records.pool[i]), int(records.slot[i])
+        g, r = int(records.giver[i]), int(records.receiver[i])
         seq = batch.first + e
         double = r == 0 and current == 0
         self.double_frees += double
@@ -186,7 +222,7 @@ class IndependentLedger:
                 slots,
                 "held by running work at idle: "
                 + ", ".join(
-                    sorted({self.name(self.tables[self.names.index(pool)][s]) for s in slots})
+                    sorted({self.name(int(self.tables[self.names.index(pool)][s])) for s in slots})
                 ),
                 None,
             )

@@ -131,7 +131,7 @@ def test_owners_known_to_the_store_stay_bounded(redis_client):
         drain(consumer)
         known.append(len(consumer.ledger.owners.names))
     assert consumer.ledger.violations == []
-    holders = {o for table in consumer.ledger.tables for o in table if o > 0}
+    holders = {o for table in consumer.ledger.tables for o in table.tolist() if o > 0}
     assert set(consumer.ledger.owners.names) == holders  # every session was closed
     assert max(known[3:]) <= max(known[:2])
     raw = redis_client.hget(streams.SINGLE.checkpoint, "state")
