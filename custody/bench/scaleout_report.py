@@ -31,6 +31,9 @@ NOTES = {
     "cached is mostly a KV eviction: a request needs a page past its cached prefix while "
     "it runs, and a cache full of prefixes frees it by evicting a whole prefix, so while "
     "requests run the two caches hold about P - 2 of the P prefixes",
+    "router_first_note": "the router and Redis at nice -10, the same sessions again: "
+    "what the router adds when a core is free for it as it wakes, as its own pod would "
+    "have; a diagnostic, not the headline",
     "affinity_note": "a returning turn is a hit when its reply's cached_tokens >= its "
     "history - page_size (only the session's replica holds that state); "
     "affinity_counts_match_placement checks the router's affinity count per replica "
@@ -71,6 +74,8 @@ def table(p: dict) -> str:
             for kind, k in p["router_overhead_by_kind"].items()
         ),
         "",
+        _router_first(p["router_first"]),
+        "",
         "| client-side, ms | TTFT p50 | TTFT p99 | turn p50 | turn p99 |",
         "|---|---|---|---|---|",
         _times_row("through the router", via),
@@ -109,6 +114,17 @@ def table(p: dict) -> str:
         f"Stack: 2 replicas, {NOTES['compile_note']}; {p['wall_seconds']} s in all.",
     ]
     return "\n".join(lines)
+
+
+def _router_first(first: dict | str) -> str:
+    if isinstance(first, str):
+        return f"Router first for the CPU: {first}."
+    kinds = first["router_overhead_by_kind"]
+    return (
+        f"Router first for the CPU ({NOTES['router_first_note']}): p99 "
+        f"{first['router_overhead_p99_ms']} ms over turns and opens (turns "
+        f"{kinds['turn']['p99_ms']}, opens {kinds['open']['p99_ms']})."
+    )
 
 
 def _times_row(what: str, t: dict) -> str:

@@ -19,6 +19,8 @@ def test_scaleout_keeps_sessions_on_their_replica_and_reports_every_figure(
     assert out["affinity_counts_match_placement"]
     assert out["router_overhead_requests"] == 4 * (3 + 2)  # open, turns, close
     assert 0 < out["router_overhead_p50_ms"] <= out["router_overhead_p99_ms"]
+    first = out["router_first"]  # root here: the diagnostic pass runs, on its own sessions
+    assert first["router_overhead_by_kind"]["turn"]["requests"] == 4 * (3 + 1)  # and close
     for key in TARGETS:
         assert f"{key}_target" in out and isinstance(out[f"{key}_met"], bool)
     sizes, phases = out["prefix_sizes"], out["prefix_phases"]
