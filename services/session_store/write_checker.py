@@ -66,12 +66,69 @@ class Write:
     what: str
 
 
+NOBODY = np.iinfo(np.int64).min  # the owner read at slot 0 (the sink) or out of range
+ROW_WRITES = ("mamba_out", "KV", "snapshot")  # what a row writes, in the order checked
+
+
+@dataclass
+class RowWrites:
+    """What a step's rows write, as arrays over the rows, so a step of hundreds of rows
+    is parsed and checked in a few numpy operations: per row its request's owner, its
+    track's, its Mamba output slot and its snapshot slot (0: none), and per written KV
+    page the row that writes it."""
+
+    rids: list[str]
+    owner: np.ndarray
+    track: np.ndarray
+    mamba_out: np.ndarray
+    snapshot: np.ndarray
+    kv_row: np.ndarray
+    kv_page: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[StepRow], page_size: int) -> RowWrites:
+        n = len(rows)
+
+        def column(name: str) -> np.ndarray:
+            return np.fromiter((getattr(r, name) for r in rows), np.int64, n)
+
+        written = [r.written_kv for r in rows]
+        lengths = np.fromiter((len(w) for w in written), np.int64, n)
+        pages = np.concatenate([np.zeros(0, np.int64), *written]) // page_size
+        # each page a row writes, once, by row then page
+        span = int(pages.max()) + 1 if len(pages) else 1
+        key = np.unique(np.repeat(np.arange(n), lengths) * span + pages)
+        return cls(
+            [r.rid for r in rows],
+            column("owner"),
+            column("track_owner"),
+            column("mamba_out"),
+            column("snapshot_slot"),
+            key // span,
+            key % span,
+        )
+
+    def flat(self) -> tuple[np.ndarray, ...]:
+        """(order, pool, slot, owner) over every write, `order` being 3 x row + the
+        write's index in ROW_WRITES; pool 0 is mamba, 1 kv."""
+        n, snapped = len(self.rids), np.flatnonzero(self.snapshot)
+        rows = np.arange(n)
+        order = np.concatenate([3 * rows, 3 * self.kv_row + 1, 3 * snapped + 2])
+        pool = np.concatenate([np.zeros(n, np.int64), np.ones(len(self.kv_row), np.int64)])
+        pool = np.concatenate([pool, np.zeros(len(snapped), np.int64)])
+        slot = np.concatenate([self.mamba_out, self.kv_page, self.snapshot[snapped]])
+        owner = np.concatenate([self.owner, self.owner[self.kv_row], self.track[snapped]])
+        by_order = np.argsort(order, kind="stable")
+        return order[by_order], pool[by_order], slot[by_order], owner[by_order]
+
+
 @dataclass
 class PlannedStep:
     epoch: str
     step: int
     seq: int  # the ledger point it was planned at
-    writes: list[Write] = field(default_factory=list)
+    rows: RowWrites | None = None
+    writes: list[Write] = field(default_factory=list)  # the ops' and the tier moves'
     parties: set[int] = field(default_factory=set)  # owners the step's rows name
     claims: set[tuple[int, OwnerKind, str]] = field(default_factory=set)  # owner, kind, rid
     entry: bytes = b""  # its forward-stream entry, acknowledged once it is checked
@@ -83,9 +140,9 @@ class PlannedStep:
         if step.ledger_seq is None:
             return None
         planned = cls(step.epoch, step.step, step.ledger_seq)
-        page_size = max(1, step.page_size)
+        planned.rows = RowWrites.of(step.rows, max(1, step.page_size))
         for row in step.rows:
-            planned._row(row, page_size)
+            planned._claim(row)
         for dsts, owners, what in (
             (step.clears, step.clear_owners, "a clear"),
             (step.copies[:, 1], step.copy_owners, "a copy"),
@@ -112,7 +169,7 @@ class PlannedStep:
         self.writes.append(Write(kv, tuple(move.dst_pages.tolist()), owner, what))
         self.writes.append(Write(mamba, (move.dst_slot,), owner, what))
 
-    def _row(self, row: StepRow, page_size: int) -> None:
+    def _claim(self, row: StepRow) -> None:
         for owner, kind in (
             (row.owner, OwnerKind.REQUEST),
             (row.track_owner, OwnerKind.TRACK),
@@ -122,17 +179,13 @@ class PlannedStep:
                 self.claims.add((owner, kind, row.rid))
             if owner:
                 self.parties.add(owner)
-        pages = np.unique(row.written_kv // page_size).tolist()
-        self.writes.append(Write("mamba", (row.mamba_out,), row.owner, f"mamba_out of {row.rid}"))
-        self.writes.append(Write("kv", tuple(pages), row.owner, f"KV of {row.rid}"))
-        if row.snapshot_slot:
-            what = f"snapshot of {row.rid}"
-            self.writes.append(Write("mamba", (row.snapshot_slot,), row.track_owner, what))
 
     def check(self, ledger: IndependentLedger) -> list[Violation]:
         """Every write against the ledger, which must stand at this step's point."""
         found = [self._misnamed(*claim, ledger) for claim in sorted(self.claims)]
         found = [v for v in found if v is not None]
+        if self.rows is not None:
+            found += self._check_rows(self.rows, ledger)
         for w in self.writes:
             outsider = bool(w.owner) and w.owner not in self.parties
             wrong: dict[int | None, list[int]] = {}
@@ -142,6 +195,30 @@ class PlannedStep:
                     wrong.setdefault(actual, []).append(slot)
             for actual, slots in wrong.items():
                 found.append(self._violation(w, slots, actual, ledger, outsider))
+        return found
+
+    def _check_rows(self, rows: RowWrites, ledger: IndependentLedger) -> list[Violation]:
+        """The rows' writes, as `check` does each op's, in one gather per pool."""
+        order, pool, slot, owner = rows.flat()
+        actual = np.full(len(slot), NOBODY)
+        for code, name in enumerate(("mamba", "kv")):
+            table = ledger.tables[ledger.names.index(name)]
+            at = np.flatnonzero((pool == code) & (slot > 0) & (slot < len(table)))
+            actual[at] = table[slot[at]]
+        parties = np.fromiter(self.parties, np.int64, len(self.parties))
+        outsider = (owner != 0) & ~np.isin(owner, parties)
+        wrong = outsider | np.where(owner != 0, actual != owner, ~np.isin(actual, parties))
+        found = []
+        for o in np.unique(order[wrong]).tolist():
+            mine = np.flatnonzero(wrong & (order == o))
+            row, kind = divmod(o, 3)
+            name = "kv" if kind == 1 else "mamba"
+            w = Write(name, (), int(owner[mine[0]]), f"{ROW_WRITES[kind]} of {rows.rids[row]}")
+            groups: dict[int | None, list[int]] = {}
+            for a, s in zip(actual[mine].tolist(), slot[mine].tolist(), strict=True):
+                groups.setdefault(None if a == NOBODY else a, []).append(s)
+            for a, slots in groups.items():
+                found.append(self._violation(w, slots, a, ledger, bool(outsider[mine[0]])))
         return found
 
     def _misnamed(
