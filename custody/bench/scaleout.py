@@ -265,9 +265,7 @@ def _prefix(settings: Settings, random_url: str, urls: list[str], rounds: int) -
     }
 
 
-def _router_first(
-    stack: Stack, urls: list[str], repeats: int, clients: int, turns: int
-) -> dict:
+def _router_first(stack: Stack, urls: list[str], repeats: int, clients: int, turns: int) -> dict:
     """The router's overhead once more, the router and Redis ahead of every other process
     for the CPU (nice -10): on two cores shared by two replicas, the store, Redis, the
     router and the clients, a router woken by a request may wait for a core, which its
