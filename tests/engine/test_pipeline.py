@@ -132,3 +132,16 @@ def test_a_request_whose_step_is_in_flight_is_never_retracted_for_another():
     for req, prompt in zip(reqs, prompts, strict=True):
         assert req.output == reference(prompt, req.params.max_new_tokens, VOCAB)
     d.assert_idle_clean()
+
+
+def test_rows_in_flight_that_do_not_run_on_from_computed_fail_the_engine_check():
+    """`Request.planned` is the last row in flight's end; the check proves the rows run on
+    from `computed`, so a path that moved `computed` under them is named, not believed."""
+    d = Driver()
+    req = d.generate(text(10, 1), max_new=5)
+    d.step()
+    d.step()  # a decode row in flight behind the prefill's
+    assert d.engine.check().ok and req.planned == req.inflight[-1].end
+    req.computed += 1
+    problems = d.engine.check().problems
+    assert any(f"request {req.rid}: a row in flight starts at" in p for p in problems), problems

@@ -273,6 +273,7 @@ class EngineCore:
         )
         report.problems += self.cache.problems() + self.pools.kv.integrity_problems()
         report.problems += borrow_problems(self.cache, self.pools.rows, self._borrowers())
+        report.problems += [p for r in self.queue.running if (p := r.inflight_problem())]
         return report
 
     def _borrowers(self) -> Iterator[Borrower]:
@@ -295,13 +296,14 @@ class EngineCore:
         again where it stood, and pipelined, with pages locked by requests sharing a
         prefix, requests then retract each other in turn for ever. Waiting is safe: a step
         in flight always comes back, and its requests are victims again after it."""
-        if req.awaits_token and length_limit(req, self.config.context_len, pending=1):
+        awaits, planned = req.awaits_token, req.planned
+        if awaits and length_limit(req, self.config.context_len, pending=1):
             return 0  # the token in flight is surely its last
-        n = min(req.length + req.awaits_token - req.planned, self.config.chunk_size, state.tokens)
-        n = cut_at_checkpoint(req, req.planned, n, self.config.checkpoint_interval)
+        n = min(req.length + awaits - planned, self.config.chunk_size, state.tokens)
+        n = cut_at_checkpoint(req, planned, n, self.config.checkpoint_interval)
         if n <= 0 or awaits_track_slot(req, n):
             return 0
-        need = pages_to_grow(self.pools.config.page_size, req.planned, n)
+        need = pages_to_grow(self.pools.config.page_size, planned, n)
         running = self.queue.running
         while not self.room.make(need + state.pages, 0, 0):
             planned = {id(r) for r, _ in chosen}

@@ -49,6 +49,8 @@ class Room:
         the cache gives way; `keep` is the session whose turn the room is for."""
         pools, cache = self.pools, self.cache
         wanted = ((pools.kv_pages, pages), (pools.mamba, mamba), (pools.req, rows))
+        if all(n <= pool.free_count for pool, n in wanted):
+            return True  # the common case, every step of every running request
 
         def short() -> bool:
             return any(n > pool.free_count for pool, n in wanted)

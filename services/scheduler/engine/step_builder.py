@@ -47,10 +47,11 @@ def awaits_track_slot(req: Request, n: int) -> bool:
 def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
     """One batched KV allocation for the whole step: decodes, then chunks."""
     kv, lens = pools.kv, pools.rows.lens
-    one = np.array([r.slots.row.slot for r, n in chosen if n == 1], dtype=np.int64)
-    more = [(r.slots.row.slot, r.planned + n) for r, n in chosen if n > 1]
-    for req, _ in chosen:
-        assert lens[req.slots.row.slot] == req.planned, f"{req.rid}: KV length drifted"
+    rows = [(r, r.slots.row.slot, n) for r, n in chosen]
+    one = np.array([row for _, row, n in rows if n == 1], dtype=np.int64)
+    more = [(row, r.planned + n) for r, row, n in rows if n > 1]
+    for req, row, _ in rows:
+        assert lens[row] == req.planned, f"{req.rid}: KV length drifted"
     if len(one):
         kv.decode(one)
     if more:
@@ -84,7 +85,8 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     # prefill-only request: max_new_tokens 0)
     params, sample = req.params, end == req.length + future and req.params.max_new_tokens > 0
     scored = req.scored(start, end)
-    kv_from, kv = pools.rows.delta(req.slots.row.slot, req.rid, start, end)
+    row_slot = req.slots.row.slot
+    kv_from, kv = pools.rows.delta(row_slot, req.rid, start, end)
     wire = StepRow.of(
         np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
         start,
@@ -92,7 +94,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         read,
         rid=req.rid,
         kv_from=kv_from,
-        row=req.slots.row.slot,
+        row=row_slot,
         mamba_out=write,
         snapshot_slot=slot,
         snapshot_len=snap_len if slot else 0,

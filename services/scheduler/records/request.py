@@ -114,8 +114,20 @@ class Request:
 
     @property
     def planned(self) -> int:
-        """Positions computed or being computed by a step in flight."""
-        return self.computed + sum(len(row.tokens) for row in self.inflight)
+        """Positions computed or being computed by a step in flight: the rows in flight
+        run on from `computed`, each from where the one before ends (`inflight_problem`
+        is the engine check's proof of it), so the last one's end."""
+        return self.inflight[-1].end if self.inflight else self.computed
+
+    def inflight_problem(self) -> str | None:
+        """Unless the rows in flight run on from `computed` without a gap or overlap, what
+        is wrong (`planned` relies on it)."""
+        at = self.computed
+        for row in self.inflight:
+            if row.start != at:
+                return f"request {self.rid}: a row in flight starts at {row.start}, not {at}"
+            at = row.end
+        return None
 
     @property
     def awaits_token(self) -> bool:
