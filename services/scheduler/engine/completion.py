@@ -45,35 +45,38 @@ class Completion:
         scores = {s.rid: s for s in result.scores}
         grammar_ended = set(result.grammar_ended)
         ended = []
+        by_rid = self.queue.by_rid
         for row in plan.rows:
             if row.dropped:
                 continue
-            req = self.queue.by_rid[row.rid]
+            wire = row.wire  # its fields read once each: this loop runs for every row
+            rid, snapshot = wire.rid, wire.snapshot_slot
+            req = by_rid[rid]
             if req.inflight[0] is not row:
-                raise RuntimeError(f"{row.rid}: rows completed out of order")
+                raise RuntimeError(f"{rid}: rows completed out of order")
             req.inflight.pop(0)
-            req.computed = row.end
-            if len(row.wire.scored):
-                got = scores[row.rid]
-                req.record_scores(row.wire.scored_from, got.logprobs.tolist(), got.top)
-            req.slots.state.commit(row.mamba_out)
-            if row.snapshot_slot:
-                req.slots.track.record(row.snapshot_slot, row.snapshot_len)
+            req.computed = wire.end
+            if len(wire.scored):
+                got = scores[rid]
+                req.record_scores(wire.scored_from, got.logprobs.tolist(), got.top)
+            req.slots.state.commit(wire.mamba_out)
+            if snapshot:
+                req.slots.track.record(snapshot, wire.snapshot_len)
             start = req.turn_start
-            if row.snapshot_slot and row.prefill and (start is None or start.rollback is None):
+            if snapshot and row.prefill and (start is None or start.rollback is None):
                 # a chunk's state is reachable at once (scenario P6, docs/scenarios.md): a
                 # plain request's, and a session turn's that began with no state of its
                 # session (its first), whose prompt other sessions may share (a fleet's
                 # system prompt); the session keeps a lock on the path (docs/ownership.md).
                 # Before the token: a turn that ends on this row gives its chunk too.
                 self.endings.cache_prefix(req)
-            if row.sample:
-                token = int(sampled[row.rid])
-                req.record(token, logprobs[row.rid], top[row.rid])
+            if wire.sample:
+                token = int(sampled[rid])
+                req.record(token, logprobs[rid], top[rid])
                 req.finish_reason = finish_reason(req, token, self.eos_token_ids, self.context_len)
-                if req.finish_reason is None and row.rid in grammar_ended:
+                if req.finish_reason is None and rid in grammar_ended:
                     req.finish_reason = FinishReason("stop", matched=token)  # only end is left
-            elif row.end == req.length:  # a prefill-only request, its prompt computed
+            elif wire.end == req.length:  # a prefill-only request, its prompt computed
                 req.finish_reason = length_limit(req, self.context_len)
             if req.finish_reason is not None:
                 self.endings.finish(req)
