@@ -14,6 +14,9 @@ over a window of steady decode it reads:
 - step bytes per row (the step messages' bytes over their rows: flat in the context,
   since rows carry KV deltas);
 - the clients' inter-token gaps, p50 and p99;
+- the scheduler's engine core alone, planning and completing 64 and 256 decoding rows
+  in process (scheduler_core.py): the part of its CPU per row-step that is not
+  streaming, the loop or the machine's noise;
 - the load generator's own CPU and the load average: on two cores the clients, the
   store and Redis share the core the scheduler does not use, and a cell whose
   processes together used more than 90% of the machine is marked saturated: its idle
@@ -37,6 +40,7 @@ import aiohttp
 import numpy as np
 
 from custody.bench.harness import RESULTS_DIR, plot, progress
+from custody.bench.scheduler_core import per_row_step_us
 from custody.bench.standin_executor import STEP_MS
 from custody.up import SERVICES, Stack
 from shared.config import Settings
@@ -222,8 +226,10 @@ def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
         payload["step_bytes_ratio_32k_vs_1k"] = round(
             large["step_bytes_per_row"] / small["step_bytes_per_row"], 3
         )
+    core = {f"scheduler_core_us_per_row_step_b{b}": per_row_step_us(b) for b in (64, 256)}
+    payload |= core
     payload["cells"] = results
-    payload["table"] = _table(results)
+    payload["table"] = _table(results) + "\n\n" + _core_line(core)
     _write(payload, results)
     return payload
 
@@ -243,6 +249,14 @@ def _table(results: dict[str, dict]) -> str:
             f"| {r['load_average']} |"
         )
     return "\n".join(lines)
+
+
+def _core_line(core: dict[str, float]) -> str:
+    figures = ", ".join(f"{k.rsplit('_', 1)[1]} {v} us" for k, v in core.items())
+    return (
+        "The scheduler's engine core alone (plan and complete, in process, 1K context; "
+        f"scheduler_core.py), per decoding row-step: {figures}."
+    )
 
 
 def _write(payload: dict, results: dict[str, dict]) -> None:

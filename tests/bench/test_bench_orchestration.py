@@ -6,6 +6,7 @@ delta (a whole 1K context would be 4 KB a row), and every figure is reported."""
 from __future__ import annotations
 
 from custody.bench.orchestration import Cell, measure_cell
+from custody.bench.scheduler_core import per_row_step_us
 
 
 def test_one_cell_decodes_every_client_and_reports_every_figure():
@@ -16,3 +17,7 @@ def test_one_cell_decodes_every_client_and_reports_every_figure():
     assert got["scheduler_cpu_us_per_row_step"] > 0 and got["itl_ms_p50"] > 0
     assert set(got["cores_used"]) >= {"scheduler", "session-store", "executor", "clients"}
     assert isinstance(got["saturated"], bool)
+
+
+def test_the_scheduler_core_alone_is_timed_over_steps_of_every_row():
+    assert per_row_step_us(8, context=64, steps=20) > 0
