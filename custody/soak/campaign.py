@@ -168,7 +168,9 @@ class Campaign:
         An open whose answer was lost (a router killed or paused mid-open) leaves a live
         session no client knows: the directory names it, and it is closed through the
         router as the client would once it learned the id (`orphans`). A placement whose
-        close then finds no session anywhere is left behind, as is everything else."""
+        close then finds no session anywhere is left behind, as is everything else. What
+        is cleaned up after the answers (a blob is deleted with its replica's next step,
+        a placement removed after its close) has 30 s, as leaked slots do."""
         opened = {t.sid for t in self.load.turns}
         for sid in opened:
             self.load.close(sid)
@@ -182,10 +184,16 @@ class Campaign:
         while True:
             views = get(self.settings.store_port, "/ledger/replicas").get("replicas", {})
             leaked = {r: sum(len(s) for s in v["leaked"].values()) for r, v in views.items()}
-            if not any(leaked.values()) or time.monotonic() > deadline:
+            left = self._left_behind()
+            if not (any(leaked.values()) or left) or time.monotonic() > deadline:
                 break
             self.stack.supervise_once()
             time.sleep(0.5)
+        self.left_behind = left
+        return leaked, len(left)
+
+    def _left_behind(self) -> list[str]:
+        """Every placement, move, placed-set member and blob still there."""
         left = [k.decode() for k in self.placements()]
         left += [f"move {m.decode()}" for m in self.admin.zrange(streams.MOVES, 0, -1)]
         for r in self.replica_ports:
@@ -193,9 +201,9 @@ class Campaign:
                 f"placed on {r}: {m.decode()}" for m in self.admin.smembers(streams.Keys(r).placed)
             ]
         state_dir = Path(self.stack.settings.state_dir)
-        left += [f"blob {p.relative_to(state_dir)}" for p in state_dir.rglob("*") if p.is_file()]
-        self.left_behind = left
-        return leaked, len(left)
+        return left + [
+            f"blob {p.relative_to(state_dir)}" for p in state_dir.rglob("*") if p.is_file()
+        ]
 
     def placements(self) -> list[bytes]:
         return list(self.admin.scan_iter(match=streams.placement_key("*")))
