@@ -127,6 +127,12 @@ class IndexMachine(RuleBasedStateMachine):
     def indexes_are_exact(self):
         self.h.check()
 
+    @invariant()
+    def reclaimable_states_are_those_eviction_may_take(self):
+        """What room-making counts on (engine/room.py) is what `evict_mamba` may free."""
+        nodes = list(self.h.cache.nodes())
+        assert self.h.cache.reclaimable_states([]) == sum(map(mamba_qualifies, nodes))
+
     def teardown(self):
         for node in self.kv_locks:
             self.h.cache.unlock(node)
@@ -178,3 +184,19 @@ def test_a_node_left_a_leaf_above_pruned_tombstones_goes_in_lru_order():
     assert h.cache.evict_kv(7) == 9
     assert a.parent is None and e.parent is not None
     h.check()
+
+
+def test_a_state_pinned_by_a_running_request_is_not_counted_reclaimable():
+    """A leaf whose KV a running request borrows keeps its state; an idle session's borrow
+    (`released`: given up if room needs it) does not keep it."""
+    h = CacheHarness()
+    node = h.insert([1, 2, 3], 7)
+    cache = h.cache
+    assert cache.reclaimable_states([]) == 1
+    cache.lock(node)  # the idle session
+    cache.lock(node)  # a running request
+    assert cache.reclaimable_states([]) == 0
+    assert cache.reclaimable_states([node]) == 0  # the running request still borrows it
+    cache.unlock(node)  # the running request ends
+    assert cache.reclaimable_states([node]) == 1 and cache.reclaimable_states([]) == 0
+    cache.unlock(node)

@@ -109,14 +109,20 @@ def test_lesson_06_slots_lent_to_a_turn_are_counted_once():
 
 def test_lesson_07_every_path_out_of_admission_releases_what_it_took():
     d = Driver(mamba_slots=5)
-    d.run_turn(d.engine.sessions.open().sid, text(6, 1), max_new=2)  # a cached prefix
+    sid = d.engine.sessions.open().sid
+    d.run_turn(sid, text(6, 1), max_new=2)  # a cached prefix
     hog = d.pools.ledger.new_owner(OwnerKind.CACHE, "hog")
     d.pools.mamba.alloc(d.pools.mamba.free_count, hog)  # the pool is now too short
+
+    def locks() -> dict[int, tuple[int, int]]:
+        return {id(n): (n.kv_lock, n.copy_lock) for n in d.engine.cache.nodes()}
+
+    before = locks()
     waiting = d.generate([*text(6, 1), 7], max_new=2)
     assert d.engine.plan_step() is None and waiting.status is Status.WAITING
-    assert all(
-        n.kv_lock == 0 and n.copy_lock == 0 for n in d.engine.cache.nodes() if n.owner.name != "hog"
-    )
+    assert locks() == before  # the idle session's lock is its own, not admission's
+    # nor was its state given up: the hog's slots are no cache state eviction could free
+    assert d.engine.sessions.get(sid).slots is not None
     d.engine.abort(waiting.rid)
     d.pools.mamba.free(d.pools.mamba.owned_by(hog), hog)
     d.pools.ledger.retire(hog)

@@ -380,6 +380,18 @@ class RadixCache:
                 pages += len(n.pages)
         return pages
 
+    def reclaimable_states(self, released: list[CacheNode]) -> int:
+        """Mamba states eviction could free once each node in `released` has one borrower
+        fewer: as `evict_mamba` may (no copy waits on it, and a leaf's only if nobody else
+        borrows its KV). A state a running request pins, on the leaf it locks, is not one.
+        A walk of the whole tree: for decisions under memory pressure."""
+        gone = Counter(n for node in released for n in node.path())
+        return sum(
+            1
+            for n in self.nodes()
+            if n.mamba and not n.copy_lock and not (n.is_leaf and n.kv_lock > gone[n])
+        )
+
     def problems(self) -> list[str]:
         """Structural invariants of the tree, and the eviction indexes against a walk."""
         out = []

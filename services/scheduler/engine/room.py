@@ -23,7 +23,6 @@ import logging
 
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionManager
 
@@ -85,7 +84,7 @@ class Room:
         held, borrowed = self.sessions.idle_state_held(keep)
         from_cache = {
             "kv": self.cache.reclaimable_pages(borrowed),
-            "mamba": self.pools.mamba.held_by_kind()[OwnerKind.CACHE],
+            "mamba": self.cache.reclaimable_states(borrowed),
             "req": 0,
         }
         for pool, n in wanted:
