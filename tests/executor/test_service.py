@@ -187,10 +187,15 @@ def test_answers_refused_by_redis_wait_and_are_written_once_it_takes_writes(serv
 
 def kill_blocked_read(client: redis.Redis, name: str) -> None:
     """Close the reader's connection (of the service named `name`) while it waits in a
-    read: its fault."""
+    read: its fault. Only a connection blocked now (flag `b`): an idle one of the pool
+    whose last command was a read is not the reader's, and killing it faults nothing."""
     for _ in range(100):
         listed = client.client_list()
-        blocked = [c for c in listed if c["cmd"] == "xreadgroup" and c["name"] == name]
+        blocked = [
+            c
+            for c in listed
+            if c["cmd"] == "xreadgroup" and c["name"] == name and "b" in c["flags"]
+        ]
         if blocked:
             client.client_kill_filter(_id=blocked[0]["id"])
             return
