@@ -127,7 +127,7 @@ class IndependentLedger:
         cuts = np.searchsorted(records.event, [seq - batch.first for seq in stops])
         found: list[Violation] = []
         start = 0
-        for seq, cut in zip(stops, [*cuts.tolist()], strict=True):
+        for seq, cut in zip(stops, cuts.tolist(), strict=True):
             found += self._replay(batch, records, where, before, start, cut)
             found += on_stop(seq)
             start = cut
@@ -150,15 +150,17 @@ class IndependentLedger:
         k times in the span has its k-th move in the k-th round, and within a round every
         slot is distinct, so each round is one gather (checked against the givers) and
         one scatter. Returns the misfits, in event order."""
-        span = np.arange(start, stop)
-        order = np.argsort(where[span], kind="stable")
-        keys = where[span][order]
-        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else keys
-        rank = np.empty(len(span), np.int64)
-        rank[order] = np.arange(len(span)) - np.repeat(first, np.diff(np.r_[first, len(keys)]))
+        if start == stop:
+            return []
+        n = stop - start
+        order = np.argsort(where[start:stop], kind="stable")
+        keys = where[start:stop][order]  # by slot, each slot's moves in event order
+        first = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        rank = np.empty(n, np.int64)  # how many moves of its slot come before in the span
+        rank[order] = np.arange(n) - np.repeat(first, np.diff(np.r_[first, n]))
+        by_round = start + np.argsort(rank, kind="stable")  # each round in event order
         misfits = []
-        for r in range(int(rank.max()) + 1 if len(span) else 0):
-            idx = span[rank == r]
+        for idx in np.split(by_round, np.cumsum(np.bincount(rank))[:-1]):
             at = where[idx]
             before[idx] = self.flat[at]
             misfits.append(idx[before[idx] != records.giver[idx]])

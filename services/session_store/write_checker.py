@@ -95,9 +95,11 @@ class RowWrites:
         written = [r.written_kv for r in rows]
         lengths = np.fromiter((len(w) for w in written), np.int64, n)
         pages = np.concatenate([np.zeros(0, np.int64), *written]) // page_size
-        # each page a row writes, once, by row then page
-        span = int(pages.max()) + 1 if len(pages) else 1
-        key = np.unique(np.repeat(np.arange(n), lengths) * span + pages)
+        # each page a row writes, once, by row then page (a malformed negative page too,
+        # which the check then names: the keys count from the lowest page)
+        low = int(pages.min()) if len(pages) else 0
+        span = int(pages.max()) - low + 1 if len(pages) else 1
+        key = np.unique(np.repeat(np.arange(n), lengths) * span + (pages - low))
         return cls(
             [r.rid for r in rows],
             column("owner"),
@@ -105,7 +107,7 @@ class RowWrites:
             column("mamba_out"),
             column("snapshot_slot"),
             key // span,
-            key % span,
+            key % span + low,
         )
 
     def flat(self) -> tuple[np.ndarray, ...]:
@@ -114,8 +116,8 @@ class RowWrites:
         n, snapped = len(self.rids), np.flatnonzero(self.snapshot)
         rows = np.arange(n)
         order = np.concatenate([3 * rows, 3 * self.kv_row + 1, 3 * snapped + 2])
-        pool = np.concatenate([np.zeros(n, np.int64), np.ones(len(self.kv_row), np.int64)])
-        pool = np.concatenate([pool, np.zeros(len(snapped), np.int64)])
+        pool = np.zeros(len(order), np.int64)
+        pool[n : n + len(self.kv_row)] = 1
         slot = np.concatenate([self.mamba_out, self.kv_page, self.snapshot[snapped]])
         owner = np.concatenate([self.owner, self.owner[self.kv_row], self.track[snapped]])
         by_order = np.argsort(order, kind="stable")

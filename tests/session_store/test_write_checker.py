@@ -17,10 +17,10 @@ from services.scheduler.engine.misroute import ENV, MisrouteWrite
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
-from services.session_store.write_checker import WriteChecker
+from services.session_store.write_checker import RowWrites, WriteChecker
 from shared import streams
 from shared.messages.envelope import array, encode
-from shared.messages.forward import I4, I8
+from shared.messages.forward import I4, I8, StepRow
 from tests.engine.data_model import result_of
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
@@ -332,3 +332,20 @@ def test_a_restarted_checker_reads_its_pending_steps_once_each_and_goes_on(redis
     redis_client.xadd(streams.SINGLE.forward, {"m": b"late"})
     again.read()
     assert again.unchecked == 1301
+
+
+def test_each_page_a_row_writes_is_listed_once_under_its_row_a_negative_one_too():
+    """A malformed negative KV index must reach the check as the page it names (where
+    the ledger finds no owner, a violation), not folded into another row's pages."""
+    rows = [
+        StepRow.of([1, 2, 3], 0, [32, 33, 34], 1, rid="a"),  # one page, three positions
+        StepRow.of([4], 0, [-16], 2, rid="b"),
+        StepRow.of([5, 6], 0, [48, 64], 3, rid="c"),
+    ]
+    writes = RowWrites.of(rows, page_size=16)
+    assert list(zip(writes.kv_row.tolist(), writes.kv_page.tolist(), strict=True)) == [
+        (0, 2),
+        (1, -1),
+        (2, 3),
+        (2, 4),
+    ]
