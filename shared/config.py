@@ -53,7 +53,7 @@ class Settings:
     executor_metrics_port: int = 30002
     page_size: int = 16
     kv_pages: int = 2048
-    mamba_slots: int = 192  # a running request holds 4, a session between turns 1
+    mamba_slots: int = 192  # a running request holds 4 (6 at pipeline depth 2), a session 1
     max_running_requests: int = 32
     context_len: int = 8192
     chunk_size: int = 512
@@ -65,7 +65,7 @@ class Settings:
     # cache the state where a request's prompt leaves the cached path (its junction);
     # false: states only at chunk ends, as engines without junctions keep them
     junction_checkpoints: bool = True
-    pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0 or 1
+    pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0, 1 or 2
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager
     compile: bool = True
@@ -168,8 +168,8 @@ class Settings:
             raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}")
-        if self.pipeline_depth not in (0, 1):
-            raise ValueError("pipeline_depth must be 0 or 1")
+        if self.pipeline_depth not in (0, 1, 2):
+            raise ValueError("pipeline_depth must be 0, 1 or 2")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
 

@@ -162,7 +162,7 @@ def assert_clean(stack: Stack) -> None:
             break
         time.sleep(0.2)
     assert view["violations"] == [] and view["leaked"] == {}
-    assert free == capacity
+    assert free == capacity, (free, capacity, view["counts"])
     assert metric_sum(stack.settings.port, "custody_invariant_check_failures_total") == 0
 
 

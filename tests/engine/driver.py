@@ -50,6 +50,7 @@ class Driver:
                 host_kv_pages=host_pages,
                 host_mamba_slots=host_slots,
                 disk_slots=disk_slots,
+                working_slots=max(2, depth + 1),
             )
         )
         self.engine = EngineCore(

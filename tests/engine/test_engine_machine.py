@@ -304,12 +304,14 @@ def _machine(page_size: int, depth: int, checkpoint_every: int, host_tier: bool)
     return machine
 
 
-# Each option is on in two of the four machines, so every combination of an option with
-# pipelining and with both page sizes runs.
+# Each option is on in two of the first four machines, so every combination of an option
+# with pipelining and with both page sizes runs; the fifth runs both with two steps deep.
 TestEnginePage1 = _machine(1, 0, checkpoint_every=5, host_tier=False).TestCase
 TestEnginePage16 = _machine(16, 0, checkpoint_every=0, host_tier=True).TestCase
 TestEnginePage1Pipelined = _machine(1, 1, checkpoint_every=0, host_tier=True).TestCase
 TestEnginePage16Pipelined = _machine(16, 1, checkpoint_every=2, host_tier=False).TestCase
+# two steps in flight: a request's rows step around three working slots
+TestEnginePage1TwoDeep = _machine(1, 2, checkpoint_every=5, host_tier=True).TestCase
 
 
 def test_a_turn_refused_after_its_restore_and_ops_ran_leaves_its_session_whole():

@@ -91,7 +91,7 @@ def test_a_refused_step_ends_its_requests_and_requeues_those_planned_after_it():
 
 def test_outputs_do_not_depend_on_the_pipeline_depth():
     outputs = []
-    for depth in (0, 1):
+    for depth in (0, 1, 2):
         d = Driver(page_size=4, depth=depth, chunk=8, track_interval=8)
         sid = d.engine.sessions.open().sid
         reqs = [d.generate(np.arange(1, 30) % 50 + i, max_new=7) for i in range(3)]
@@ -99,7 +99,7 @@ def test_outputs_do_not_depend_on_the_pipeline_depth():
         d.run()
         outputs.append([r.output for r in reqs + turns])
         close_all(d)
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_a_request_short_of_room_waits_for_its_step_in_flight_instead_of_retracting():
@@ -145,3 +145,88 @@ def test_rows_in_flight_that_do_not_run_on_from_computed_fail_the_engine_check()
     req.computed += 1
     problems = d.engine.check().problems
     assert any(f"request {req.rid}: a row in flight starts at" in p for p in problems), problems
+
+
+def test_two_steps_deep_a_request_steps_around_three_working_slots():
+    """At depth 2 a decode row is planned while two steps of its request are in flight:
+    each reads what the one before writes and writes a slot neither of the two in flight
+    writes, so whichever of them turns out to be the last leaves its state intact."""
+    d = Driver(depth=2)
+    req = d.generate(text(10, 1), max_new=8)
+    d.plan_ahead()  # the prefill
+    d.plan_ahead()  # a decode fed the prefill's token
+    d.plan_ahead()  # a decode fed that decode's token
+    rows = [p.rows[0] for p in d.engine.in_flight]
+    assert [r.future for r in rows] == [False, True, True]
+    assert [r.start for r in rows] == [0, 10, 11]
+    writes = [r.mamba_out for r in rows]
+    assert len(set(writes)) == 3 and set(writes) == set(req.slots.state.held())
+    assert [r.mamba_slot for r in rows[1:]] == writes[:2]
+    d.run()
+    assert req.output == reference(text(10, 1), 8, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_two_steps_deep_a_stop_token_drops_both_rows_after_it():
+    d = Driver(depth=2)
+    sid = d.engine.sessions.open().sid
+    prompt = text(12, 1)
+    ref = reference(prompt, 12, VOCAB)
+    at = first_new_token(ref, 3)
+    turn = d.turn(sid, prompt, max_new=12, stop_token_ids=(ref[at],))
+    dropped = []
+    while turn.status is not Status.FINISHED:
+        d.step()
+        dropped += [r for p in d.engine.in_flight for r in p.rows if r.dropped]
+    assert turn.output == ref[: at + 1]
+    assert [r.start for r in dropped] == [len(prompt) + at, len(prompt) + at + 1]
+    session = d.engine.sessions.get(sid)
+    assert session.slots.working.held not in [r.mamba_out for r in dropped]
+    d.run()
+    history = prompt + ref[:at]
+    nxt = d.run_turn(sid, text(4, 2), max_new=6)
+    assert nxt.output == reference(history + text(4, 2), 6, VOCAB)
+    close_all(d)
+
+
+def test_two_steps_deep_a_penalised_request_is_planned_with_one_token_in_flight_at_most():
+    """The executor counts penalties over the output the scheduler knows and the one
+    future token it fills in: a row planned while two tokens are in flight would miss one.
+    So a penalised request is planned with one token in flight at most; a plain one with
+    two."""
+    d = Driver(depth=2)
+    req = d.generate(text(10, 1), max_new=6, repetition_penalty=1.3)
+    plain = d.generate(text(10, 2), max_new=6)
+    most = {req.rid: 0, plain.rid: 0}
+    plan_step = d.engine.plan_step
+
+    def planned_counting():
+        before = {r.rid: r.pending_tokens for r in (req, plain) if not r.done}
+        plan = plan_step()
+        for row in plan.rows if plan is not None else []:
+            most[row.rid] = max(most[row.rid], before[row.rid])
+        return plan
+
+    d.engine.plan_step = planned_counting
+    d.run()
+    assert most == {req.rid: 1, plain.rid: 2}
+    assert plain.output == reference(text(10, 2), 6, VOCAB)
+    d.assert_idle_clean()
+
+
+def test_two_steps_deep_a_request_missing_from_the_last_step_waits_for_its_token():
+    """A future token is filled in from the step just before only: a request whose last
+    row is in an older step in flight is not planned until that step completes."""
+    d = Driver(depth=2)
+    a = d.generate(text(10, 1), max_new=6)
+    d.plan_ahead()  # a's prefill
+    b = d.generate(text(10, 2), max_new=6)
+    d.engine.queue.running.remove(a)  # a sits out the next step, as under a full budget
+    d.plan_ahead()  # b's prefill only
+    d.engine.queue.running.insert(0, a)
+    third = d.engine.plan_step()
+    assert {r.rid for r in third.rows} == {b.rid}  # b's decode; a waits for its token
+    d.run()
+    assert a.output == reference(text(10, 1), 6, VOCAB)
+    assert b.output == reference(text(10, 2), 6, VOCAB)
+    d.assert_idle_clean()

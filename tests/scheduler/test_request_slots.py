@@ -1,4 +1,4 @@
-"""Ping-pong track slots and all-or-nothing admission."""
+"""Track slots and all-or-nothing admission."""
 
 import numpy as np
 import pytest

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots, row_state_claims
-from services.scheduler.allocators.track_buffer import PingPongTrack
-from services.scheduler.allocators.working_pair import WorkingPair
+from services.scheduler.allocators.track_buffer import TrackSlots
+from services.scheduler.allocators.working_slots import WorkingSlots
 from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import Lease, new_lease
@@ -38,14 +38,15 @@ def save(
 ) -> SessionSlots:
     """request -> session: the row and the request's own KV pages move; track slots are
     freed. `state` is the Mamba state the session keeps: by default the turn's committed
-    working slot (it moves too, the spare is freed); after an abort, the session's copy
-    from the turn's start (then both working slots are freed)."""
+    working slot (it moves too, the spares are freed); after an abort, the session's copy
+    from the turn's start (then every working slot is freed)."""
     row = req.row.slot
     pages = pools.rows.row_pages(row, req.borrowed, int(pools.rows.lens[row]))
     pools.kv_pages.transfer(pages, req.owner, session, "save")
     if state is None:
         state = req.state.current.move_to(session, "save")
-        req.state.spare.release("save")
+        for spare in req.state.spares:
+            spare.release("save")
     else:
         state.check()
         for lease in req.state.leases:
@@ -58,21 +59,26 @@ def save(
 
 
 def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
-    """session -> request `rid`: the reverse of `save`, plus a fresh spare working slot
-    and two track slots. All or nothing: the new slots are taken before anything moves."""
-    if not pools.mamba.can_alloc(3):
-        raise PoolExhausted("mamba", 3, pools.mamba.free_count)
+    """session -> request `rid`: the reverse of `save`, plus fresh spare working slots
+    and track slots. All or nothing: the new slots are taken before anything moves."""
+    need = pools.config.request_mamba_slots - 1  # the session brings its working slot
+    if not pools.mamba.can_alloc(need):
+        raise PoolExhausted("mamba", need, pools.mamba.free_count)
     owner = pools.ledger.new_owner(OwnerKind.REQUEST, rid)
     track_owner = pools.ledger.new_owner(OwnerKind.TRACK, rid)
-    track = PingPongTrack(pools.mamba, track_owner, pools.mamba.alloc(2, track_owner).tolist())
-    spare = new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "restore"))
+    track_slots = pools.mamba.alloc(pools.config.track_slots, track_owner).tolist()
+    track = TrackSlots(pools.mamba, track_owner, track_slots)
+    spares = [
+        new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "restore"))
+        for _ in range(pools.config.working_slots - 1)
+    ]
     row = sess.row.slot
     pages = pools.rows.row_pages(row, sess.borrowed, int(pools.rows.lens[row]))
     pools.kv_pages.transfer(pages, sess.owner, owner, "restore")
     return RequestSlots(
         owner,
         sess.row.move_to(owner, "restore"),
-        WorkingPair((sess.working.move_to(owner, "restore"), spare)),
+        WorkingSlots((sess.working.move_to(owner, "restore"), *spares)),
         track,
         sess.borrowed,
     )

@@ -22,6 +22,8 @@ class PoolConfig:
     host_kv_pages: int = 0
     host_mamba_slots: int = 0
     disk_slots: int = 0
+    # a running request's Mamba working slots, and its track slots: pipeline depth + 1
+    working_slots: int = 2
 
     def __post_init__(self) -> None:
         for name in ("kv_pages", "page_size", "mamba_slots", "max_running_requests", "max_context"):
@@ -30,6 +32,20 @@ class PoolConfig:
         for name in ("host_kv_pages", "host_mamba_slots", "disk_slots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.working_slots < 2:
+            raise ValueError(f"working_slots must be >= 2, got {self.working_slots}")
+
+    @property
+    def track_slots(self) -> int:
+        """A running request's track slots: the latest snapshot, and one per step in
+        flight (track_buffer.py)."""
+        return self.working_slots
+
+    @property
+    def request_mamba_slots(self) -> int:
+        """What a running request holds of the Mamba pool: its working slots and as many
+        track slots (request_slots.py)."""
+        return self.working_slots + self.track_slots
 
 
 class Pools:

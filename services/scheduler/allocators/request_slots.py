@@ -1,7 +1,7 @@
 """Everything one running request holds, reserved in one step or not at all.
 
-A request needs a row, two working Mamba slots (see working_pair.py) and two ping-pong
-track slots. Admission
+A request needs a row, its ring of working Mamba slots (one more than the pipeline's
+depth, see working_slots.py) and as many track slots (track_buffer.py). Admission
 checks every pool first and only then takes; if taking still fails half-way (a bug),
 what was taken is given back before the error propagates (lesson 11). Release gives
 everything back and retires both owners, which fails loudly if anything was dropped.
@@ -12,22 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.track_buffer import PingPongTrack
-from services.scheduler.allocators.working_pair import WorkingPair
+from services.scheduler.allocators.track_buffer import TrackSlots
+from services.scheduler.allocators.working_slots import WorkingSlots
 from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import Lease, new_lease
 from services.scheduler.ownership.owners import Owner, OwnerKind
-
-MAMBA_SLOTS_PER_REQUEST = 4  # 2 working + 2 ping-pong track slots
 
 
 @dataclass(slots=True)
 class RequestSlots:
     owner: Owner  # request:<rid>
     row: Lease
-    state: WorkingPair
-    track: PingPongTrack
+    state: WorkingSlots
+    track: TrackSlots
     borrowed: int = 0  # positions [0, borrowed) use KV pages owned by someone else
 
     def claims(self, pools: Pools) -> list[Claim]:
@@ -50,11 +48,12 @@ def row_state_claims(
 
 
 def admit(pools: Pools, rid: str) -> RequestSlots:
-    """Row + two working slots + two track slots for request `rid`, all or nothing."""
+    """Row + working slots + track slots for request `rid`, all or nothing."""
+    need = pools.config.request_mamba_slots
     if not pools.req.can_alloc(1):
         raise PoolExhausted("req", 1, pools.req.free_count)
-    if not pools.mamba.can_alloc(MAMBA_SLOTS_PER_REQUEST):
-        raise PoolExhausted("mamba", MAMBA_SLOTS_PER_REQUEST, pools.mamba.free_count)
+    if not pools.mamba.can_alloc(need):
+        raise PoolExhausted("mamba", need, pools.mamba.free_count)
     ledger = pools.ledger
     owner = ledger.new_owner(OwnerKind.REQUEST, rid)
     track_owner = ledger.new_owner(OwnerKind.TRACK, rid)
@@ -62,17 +61,17 @@ def admit(pools: Pools, rid: str) -> RequestSlots:
     try:
         row = new_lease(pools.req, owner, pools.req.alloc_one(owner, "admit"))
         taken.append(row)
-        taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
-        taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
-        track_slots = pools.mamba.alloc(2, track_owner, "admit")
+        for _ in range(pools.config.working_slots):
+            taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
+        track_slots = pools.mamba.alloc(pools.config.track_slots, track_owner, "admit")
         taken.append(new_lease(pools.mamba, track_owner, track_slots))
     except BaseException:
         _give_back(pools, taken, (owner, track_owner))
         raise
     pools.rows.lens[row.held] = 0
     pools.rows.changed(row.slot, 0)
-    track = PingPongTrack(pools.mamba, track_owner, track_slots.tolist())
-    return RequestSlots(owner, row, WorkingPair((taken[1], taken[2])), track)
+    track = TrackSlots(pools.mamba, track_owner, track_slots.tolist())
+    return RequestSlots(owner, row, WorkingSlots(tuple(taken[1:-1])), track)
 
 
 def release(pools: Pools, req: RequestSlots) -> None:

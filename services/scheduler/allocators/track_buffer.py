@@ -1,10 +1,12 @@
-"""Ping-pong track slots of the `extra_buffer` strategy.
+"""Track slots of the `extra_buffer` strategy.
 
-A running request snapshots its Mamba state at tracked lengths into one of two track
-slots while the other keeps the previous snapshot, so a snapshot being written never
-overwrites the one the prefix cache may take. Which entry is written next, which holds
-the latest snapshot and at what length are fields of this one object, owned by the
-request for its whole life; nothing about them lives loose on the request.
+A running request snapshots its Mamba state at tracked lengths into one of its track
+slots while another keeps the previous snapshot, so a snapshot being written never
+overwrites the one the prefix cache may take. It has one more than the pipeline's depth
+(two at depth 0 or 1, ping-pong; three at depth 2): the latest snapshot, and one for
+each step in flight, so that every step may take its snapshot. Which entry is written
+next, which holds the latest snapshot and at what length are fields of this one object,
+owned by the request for its whole life; nothing about them lives loose on the request.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ class Snapshot:
 
 
 @dataclass(slots=True)
-class PingPongTrack:
+class TrackSlots:
     pool: SlotPool
     owner: Owner  # track:<rid>
-    slots: list[int]  # exactly two
+    slots: list[int]  # at least two
     latest: int = -1  # entry holding the latest recorded snapshot, -1 when none
     latest_len: int = 0
     pending: list[int] = field(default_factory=list)  # entries steps in flight are writing
@@ -37,7 +39,7 @@ class PingPongTrack:
         """The slot a step about to be planned may write a snapshot into: neither the one
         holding the latest snapshot nor one a step in flight is writing. None when both
         are taken (the step then takes no snapshot; only a cache opportunity is lost)."""
-        for entry in (0, 1):
+        for entry in range(len(self.slots)):
             if entry not in self.pending and entry != self.latest:
                 slot = self.slots[entry]
                 if self.pool.owner_of(slot) != self.owner.id:
@@ -51,7 +53,7 @@ class PingPongTrack:
 
     def can_snapshot(self) -> bool:
         """Whether `begin_snapshot` would give a slot now."""
-        return any(e not in self.pending and e != self.latest for e in (0, 1))
+        return any(e not in self.pending and e != self.latest for e in range(len(self.slots)))
 
     def record(self, slot: int, seq_len: int) -> None:
         """The step that wrote `slot` (a value `begin_snapshot` gave) has run: the
@@ -94,7 +96,7 @@ class PingPongTrack:
         return list(self.slots)
 
     def checked_slots(self) -> np.ndarray:
-        """Both track slots, after checking this track still owns them."""
+        """The track slots, after checking this track still owns them."""
         slots = np.asarray(self.slots, dtype=np.int64)
         if not self.pool.owns(self.owner, slots):
             raise StaleHandle(

@@ -8,7 +8,7 @@ starts from a cleared slot."""
 from __future__ import annotations
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST, admit
+from services.scheduler.allocators.request_slots import admit
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.room import Room
@@ -49,7 +49,9 @@ class Admission:
         if session is not None and session.slots is not None:
             n = self._chunk(req, session.cached_len, state)
             need = pages_to_grow(page_size, session.cached_len, n)
-            if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 0, keep=session):
+            if not self.room.make(
+                need + state.pages, self.pools.config.request_mamba_slots, 0, keep=session
+            ):
                 return 0
             req.slots = self.sessions.restore(req, plan.ops)
             req.score_inputs(len(session.history))  # its new input: the history is not computed
@@ -64,7 +66,7 @@ class Admission:
         req.checkpoint = match.kv_length if gap > 0 and self.junctions else 0
         n = self._chunk(req, match.length, state)
         need = pages_to_grow(page_size, match.length, n)  # match: page-aligned
-        if not self.room.make(need + state.pages, MAMBA_SLOTS_PER_REQUEST, 1):
+        if not self.room.make(need + state.pages, self.pools.config.request_mamba_slots, 1):
             if node is not None:
                 self.cache.unlock_copy(node)
                 self.cache.unlock(node)
@@ -105,5 +107,5 @@ class Admission:
         n = self._chunk(req, session.cached_len, state)
         need = pages_to_grow(self.pools.config.page_size, session.cached_len, n)
         return self.sessions.tiers.bring_to_device(
-            session, self.room.make, need + state.pages, MAMBA_SLOTS_PER_REQUEST
+            session, self.room.make, need + state.pages, self.pools.config.request_mamba_slots
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.allocators.pools import PoolConfig
-from services.scheduler.allocators.request_slots import MAMBA_SLOTS_PER_REQUEST
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,8 @@ class EngineConfig:
             raise ValueError("context_len exceeds the row table's max_context")
         if pools.kv_pages * page_size < self.context_len:
             raise ValueError("the KV pool must hold at least one request of context_len")
-        if pools.mamba_slots < MAMBA_SLOTS_PER_REQUEST + 1:
-            raise ValueError(f"mamba_slots must be >= {MAMBA_SLOTS_PER_REQUEST + 1}")
+        if pools.mamba_slots < pools.request_mamba_slots + 1:
+            raise ValueError(f"mamba_slots must be >= {pools.request_mamba_slots + 1}")
         for name in ("chunk_size", "track_interval", "checkpoint_interval"):
             if getattr(self, name) % page_size:
                 raise ValueError(f"{name} must be a multiple of the page size {page_size}")

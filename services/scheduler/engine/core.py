@@ -184,7 +184,8 @@ class EngineCore:
         if not chosen and not plan.tier:
             return None
         grow_kv(self.pools, chosen)
-        plan.rows = [row_plan(self.pools, self.config.track_interval, req, n) for req, n in chosen]
+        interval, step = self.config.track_interval, plan.step_id
+        plan.rows = [row_plan(self.pools, interval, req, n, step) for req, n in chosen]
         self.in_flight.add(plan)
         return plan
 
@@ -296,10 +297,10 @@ class EngineCore:
         again where it stood, and pipelined, with pages locked by requests sharing a
         prefix, requests then retract each other in turn for ever. Waiting is safe: a step
         in flight always comes back, and its requests are victims again after it."""
-        awaits, planned = req.awaits_token, req.planned
-        if awaits and length_limit(req, self.config.context_len, pending=1):
-            return 0  # the token in flight is surely its last
-        n = min(req.length + awaits - planned, self.config.chunk_size, state.tokens)
+        pending, planned = req.pending_tokens, req.planned
+        if pending and not self._may_follow(req, pending):
+            return 0
+        n = min(req.length + pending - planned, self.config.chunk_size, state.tokens)
         n = cut_at_checkpoint(req, planned, n, self.config.checkpoint_interval)
         if n <= 0 or awaits_track_slot(req, n):
             return 0
@@ -319,6 +320,19 @@ class EngineCore:
             self.endings.retract(victims[0])
         state.take(n, need)
         return n
+
+    def _may_follow(self, req: Request, pending: int) -> bool:
+        """Whether `req`, with `pending` tokens still to be sampled by steps in flight, may
+        have a row fed the last of them (a future token) in the step being planned. The
+        executor fills a future token in from the step just before only, so its last row
+        must be in the step this one builds on; penalties are counted from the output the
+        scheduler knows plus that one token, so a penalised request waits for the
+        others; and a request whose tokens in flight surely end it has nothing to plan."""
+        if req.inflight[-1].step != self.in_flight.last_step:
+            return False
+        if pending > 1 and req.params.penalised:
+            return False
+        return length_limit(req, self.config.context_len, pending=pending) is None
 
     def _check_rid(self, rid: str) -> None:
         if rid in self.queue.by_rid:

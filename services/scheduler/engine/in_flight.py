@@ -1,13 +1,14 @@
 """The steps published and not yet completed, oldest first, and the one way a request's
 rows in them stop counting.
 
-Up to `PIPELINE_DEPTH` steps may be in flight while the next is planned. Why that is
+Up to the pipeline's depth (a running request's working slots less one) steps may be in
+flight while the next is planned. Why that is
 safe: the executor runs steps, and the deferred ops of each step, in the order they were
 planned. A slot the scheduler frees or reassigns while a step is in flight is only ever
 written for its new owner by a later step, after the in-flight one has finished with it.
 What the scheduler must never do is hand a long-lived owner (a session, the prefix cache)
-a slot that a step in flight will still change: a request's rows alternate between two
-working slots (working_pair.py), snapshots go to a track slot no step in flight writes,
+a slot that a step in flight will still change: a request's rows step around a ring of
+working slots (working_slots.py), snapshots go to a track slot no step in flight writes,
 and a request that ends, aborts or is re-queued first drops its rows still in flight
 (`unplan`), so their effects never count.
 """
@@ -21,8 +22,6 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
-
-PIPELINE_DEPTH = 1  # steps in flight while the next is planned: one per spare working slot
 
 
 class InFlight:
@@ -41,8 +40,9 @@ class InFlight:
         return iter(self.plans)
 
     def check_room(self) -> None:
-        """Refuse to plan beyond the depth the working pairs allow."""
-        if len(self.plans) > PIPELINE_DEPTH:
+        """Refuse to plan beyond the depth the working slots allow: one step in flight per
+        spare working slot."""
+        if len(self.plans) >= self.pools.config.working_slots:
             raise RuntimeError(f"{len(self.plans)} steps are in flight already")
 
     @property

@@ -59,8 +59,9 @@ def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
         kv.extend(rows, new)
 
 
-def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan:
-    """The row of `req` computing `n` positions after those already planned. A chunk
+def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int) -> RowPlan:
+    """The row of step `step` for `req`, computing `n` positions after those already
+    planned. A chunk
     snapshots at the last page boundary it reaches, except the last chunk of a sequence
     that ends on a page boundary: it snapshots one page earlier (if that is still in the
     chunk), since a match must leave a token to compute and a snapshot at the very end
@@ -68,7 +69,8 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     `track_interval` positions."""
     ps, start = pools.config.page_size, req.planned
     end = start + n
-    future = req.awaits_token  # then this row is that one token, at position req.length
+    pending = req.pending_tokens  # sampled by steps in flight: positions length.. of them
+    future = pending > 0  # then this row is the last of them, at position req.planned
     if n > 1:
         snap_len = end - end % ps
         if snap_len == end == req.length and end - ps > start:
@@ -83,7 +85,8 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
     read, write = req.slots.state.advance()
     # the last prompt position samples the first output token, unless none is wanted (a
     # prefill-only request: max_new_tokens 0)
-    params, sample = req.params, end == req.length + future and req.params.max_new_tokens > 0
+    params = req.params
+    sample = end == req.length + pending and params.max_new_tokens > 0
     scored = req.scored(start, end)
     row_slot = req.slots.row.slot
     kv_from, kv = pools.rows.delta(row_slot, req.rid, start, end)
@@ -114,7 +117,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int) -> RowPlan
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,
     )
-    row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt))
+    row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt), step=step)
     req.inflight.append(row)
     return row
 

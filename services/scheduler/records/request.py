@@ -130,9 +130,10 @@ class Request:
         return None
 
     @property
-    def awaits_token(self) -> bool:
-        """A step in flight samples this request's next token."""
-        return bool(self.inflight) and self.inflight[-1].sample
+    def pending_tokens(self) -> int:
+        """Tokens of this request that steps in flight sample, not yet known: one per
+        decode row in flight (a prefill chunk samples only at the prompt's end)."""
+        return sum(row.sample for row in self.inflight)
 
     @property
     def done(self) -> bool:

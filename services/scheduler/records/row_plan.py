@@ -17,6 +17,7 @@ from shared.messages.sampling import Penalties
 class RowPlan:
     wire: StepRow  # sent as it is: the step message holds this very row
     prefill: bool  # computing prompt (or re-prefilling after a retract), not decoding
+    step: int  # the step it is a row of
     dropped: bool = False  # its request ended or was re-queued while the step was in flight
 
     # The wire row's facts, read as the plan's own (one shape: no copies).

@@ -1,12 +1,14 @@
-"""A running request's Mamba working state, in two slots it alternates between.
+"""A running request's Mamba working state, in a ring of slots it steps around.
 
-Every step reads the state from one slot and writes its result to the other. With one
-step in flight while the next is planned (pipeline depth 1), the state after the last
-*completed* step is therefore never the target of a step planned after it: when a request
-turns out to have ended (a stop token) while its next step already runs, the state its
-history describes is still intact in the committed slot, and the speculative step only
-wrote the spare one. Which slot is committed and which the next step reads are fields of
-this one object, so no caller keeps a slot number of its own.
+Every step reads the state from one slot and writes its result to the next. With up to
+`depth` steps in flight while the next is planned, a ring of `depth + 1` slots gives the
+new step a slot none of them writes: whichever of them turns out to be the request's
+last (a stop token), the state it wrote, the one its history describes, stays intact,
+and the speculative steps after it only wrote the others. (The new step may write the
+slot committed now: it runs after the steps in flight, so that state is then either
+superseded or, if one of them is refused, never needed, since nothing planned on top of
+a refused step runs.) Which slot is committed and which the next step
+reads are fields of this one object, so no caller keeps a slot number of its own.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from services.scheduler.ownership.lease import Lease
 
 
 @dataclass(slots=True)
-class WorkingPair:
-    leases: tuple[Lease, Lease]  # both owned by the running request
+class WorkingSlots:
+    leases: tuple[Lease, ...]  # all owned by the running request; at least two
     committed: int = 0  # entry holding the state after the last completed step
     head: int = 0  # entry holding the state after the last planned step
 
     def advance(self) -> tuple[int, int]:
         """(read, write) slots of the step being planned for this request."""
-        read, write = self.leases[self.head], self.leases[1 - self.head]
-        self.head = 1 - self.head
+        nxt = (self.head + 1) % len(self.leases)
+        read, write = self.leases[self.head], self.leases[nxt]
+        self.head = nxt
         return read.slot, write.slot
 
     def commit(self, written: int) -> None:
@@ -46,8 +49,8 @@ class WorkingPair:
         return self.leases[self.committed]
 
     @property
-    def spare(self) -> Lease:
-        return self.leases[1 - self.committed]
+    def spares(self) -> list[Lease]:
+        return [lease for entry, lease in enumerate(self.leases) if entry != self.committed]
 
     def held(self) -> list[int]:
         return [int(lease.held) for lease in self.leases]
