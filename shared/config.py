@@ -53,7 +53,7 @@ class Settings:
     executor_metrics_port: int = 30002
     page_size: int = 16
     kv_pages: int = 2048
-    mamba_slots: int = 192  # a running request holds 4 (6 at pipeline depth 2), a session 1
+    mamba_slots: int = 256  # a running request holds 6 (4 at pipeline depth 0 or 1), a session 1
     max_running_requests: int = 32
     context_len: int = 8192
     chunk_size: int = 512
@@ -65,7 +65,7 @@ class Settings:
     # cache the state where a request's prompt leaves the cached path (its junction);
     # false: states only at chunk ends, as engines without junctions keep them
     junction_checkpoints: bool = True
-    pipeline_depth: int = 1  # steps in flight while the scheduler plans the next: 0, 1 or 2
+    pipeline_depth: int = 2  # steps in flight while the scheduler plans the next: 0, 1 or 2
     # decode steps through torch.compile (services/executor/compiled_decode.py), compiled
     # before the executor's first heartbeat; false: eager
     compile: bool = True
