@@ -174,6 +174,12 @@ class Settings:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
 
     @property
+    def working_slots(self) -> int:
+        """A running request's Mamba working slots, and as many track slots: one more
+        than the pipeline's depth, two at least (services/scheduler/allocators/)."""
+        return max(2, self.pipeline_depth + 1)
+
+    @property
     def model_name(self) -> str:
         """The id the OpenAI routes serve: the given name, else the checkpoint
         directory's name, else `custody` for the built-in model."""

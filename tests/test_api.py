@@ -405,7 +405,8 @@ def test_metrics_match_the_ledger(stack):
         "/generate",
         {
             "input_ids": [4, 5, 6],
-            "sampling_params": {"max_new_tokens": 3},
+            # more tokens than steps in flight: some step is published as one completes
+            "sampling_params": {"max_new_tokens": 8},
             "session_params": {"id": "m"},
         },
     )

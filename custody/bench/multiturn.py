@@ -36,13 +36,15 @@ Runs = dict[str, dict[str, list[tuple[list[Turn], float]]]]  # rate -> mode -> (
 def settings_for(workload: Workload) -> Settings:
     """Default pools, grown where the workload needs more: a context for a whole
     conversation, KV for every conversation twice (its own pages and the prefix cache's),
-    Mamba slots for the running requests (4 each) and a state per open session."""
+    Mamba slots for the running requests (working and track slots) and a state per open
+    session."""
     base = Settings()
     pages = -(-workload.longest // base.page_size)
+    running = 2 * base.working_slots * base.max_running_requests
     return Settings.ephemeral(
         context_len=max(base.context_len, workload.longest),
         kv_pages=max(base.kv_pages, 2 * workload.num_clients * pages),
-        mamba_slots=max(base.mamba_slots, 4 * base.max_running_requests + workload.num_clients + 1),
+        mamba_slots=max(base.mamba_slots, running + workload.num_clients + 1),
     )
 
 

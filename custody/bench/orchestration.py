@@ -71,8 +71,8 @@ def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
     pages = cell.batch * (-(-tokens // 16) + 1) + 64
     return Settings.ephemeral(
         kv_pages=pages,
-        # a running request holds 4 Mamba slots and pins 1 more (its latest state, cached
-        # on a leaf it locks): 5 per client and room to spare
+        # a running request holds 6 Mamba slots (pipeline depth 2) and pins 1 more (its
+        # latest state, cached on a leaf it locks): 7 per client and room to spare
         mamba_slots=8 * cell.batch + 64,
         max_running_requests=cell.batch,
         context_len=tokens,

@@ -26,7 +26,7 @@ def build_engine(
             tiers.host_kv_pages,
             tiers.host_mamba_slots,
             tiers.disk_slots,
-            working_slots=max(2, settings.pipeline_depth + 1),
+            working_slots=settings.working_slots,
         )
     )
     config = EngineConfig(
