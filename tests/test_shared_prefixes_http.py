@@ -6,9 +6,9 @@ model in one process, its cache emptied before each prompt). Sessions that borro
 prompt then take each path a session's state takes (hibernation to host, spill to disk
 and back, eviction under pressure, close); every test ends with the scheduler's
 integrity check (check_integrity(), run by its idle loop) and the store's independent
-ledger clean (`assert_clean`). The stack runs two steps deep (`--pipeline-depth 2`), the
-cold runs one step at a time, so equal outputs also say the deeper pipeline changes no
-token.
+ledger clean (`assert_clean`). The stack keeps one step in flight (`--pipeline-depth 1`;
+every other stack of the tests runs the default, two), the cold runs one step at a time,
+so equal outputs also say that depth changes no token.
 
 What it cannot see: reuse in a second replica (each replica has its own cache; the
 migration of a borrowing session is in tests/test_migration.py), and interleavings
@@ -73,11 +73,10 @@ def redis_client(module_redis_client: redis.Redis) -> redis.Redis:
 def shared_stack(
     redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    """With a disk tier below the host tier, so a session can go anywhere; two steps in
-    flight (`--pipeline-depth 2`): the services' deepest pipeline, here against a cold run
-    of one step at a time."""
+    """With a disk tier below the host tier, so a session can go anywhere; one step in
+    flight, the depth no other stack of the tests runs."""
     state_dir = tmp_path_factory.mktemp("state")
-    stack = start_stack(stack_settings(redis_url, state_dir=state_dir, pipeline_depth=2))
+    stack = start_stack(stack_settings(redis_url, state_dir=state_dir, pipeline_depth=1))
     yield stack
     stack.stop()
 
