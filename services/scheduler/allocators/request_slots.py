@@ -61,8 +61,10 @@ def admit(pools: Pools, rid: str) -> RequestSlots:
     try:
         row = new_lease(pools.req, owner, pools.req.alloc_one(owner, "admit"))
         taken.append(row)
+        working: list[Lease] = []
         for _ in range(pools.config.working_slots):
-            taken.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
+            working.append(new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "admit")))
+            taken.append(working[-1])
         track_slots = pools.mamba.alloc(pools.config.track_slots, track_owner, "admit")
         taken.append(new_lease(pools.mamba, track_owner, track_slots))
     except BaseException:
@@ -71,7 +73,7 @@ def admit(pools: Pools, rid: str) -> RequestSlots:
     pools.rows.lens[row.held] = 0
     pools.rows.changed(row.slot, 0)
     track = TrackSlots(pools.mamba, track_owner, track_slots.tolist())
-    return RequestSlots(owner, row, WorkingSlots(tuple(taken[1:-1])), track)
+    return RequestSlots(owner, row, WorkingSlots(tuple(working)), track)
 
 
 def release(pools: Pools, req: RequestSlots) -> None:

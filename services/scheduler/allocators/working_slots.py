@@ -7,8 +7,8 @@ last (a stop token), the state it wrote, the one its history describes, stays in
 and the speculative steps after it only wrote the others. (The new step may write the
 slot committed now: it runs after the steps in flight, so that state is then either
 superseded or, if one of them is refused, never needed, since nothing planned on top of
-a refused step runs.) Which slot is committed and which the next step
-reads are fields of this one object, so no caller keeps a slot number of its own.
+a refused step runs.) Which slot is committed and which the next step reads are fields
+of this one object, so no caller keeps a slot number of its own.
 """
 
 from __future__ import annotations
