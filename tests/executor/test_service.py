@@ -185,10 +185,19 @@ def test_answers_refused_by_redis_wait_and_are_written_once_it_takes_writes(serv
     assert pending["pending"] == 0
 
 
+def read_faults() -> float:
+    labels = {"loop": "executor_read"}
+    return REGISTRY.get_sample_value("custody_background_faults_total", labels) or 0.0
+
+
 def kill_blocked_read(client: redis.Redis, name: str) -> None:
     """Close the reader's connection (of the service named `name`) while it waits in a
     read: its fault. Only a connection blocked now (flag `b`): an idle one of the pool
-    whose last command was a read is not the reader's, and killing it faults nothing."""
+    whose last command was a read is not the reader's, and killing it faults nothing.
+    A kill that lands just after the read's wait ran out (between two reads) faults
+    nothing either: redis-py reconnects a closed idle connection without a word, as no
+    reply was in flight. So: kill until the reader counts the fault."""
+    before = read_faults()
     for _ in range(100):
         listed = client.client_list()
         blocked = [
@@ -198,9 +207,13 @@ def kill_blocked_read(client: redis.Redis, name: str) -> None:
         ]
         if blocked:
             client.client_kill_filter(_id=blocked[0]["id"])
-            return
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                if read_faults() > before:
+                    return
+                time.sleep(0.01)
         time.sleep(0.05)
-    raise AssertionError("the reader never waited in a read")
+    raise AssertionError("the reader never faulted in a read")
 
 
 def test_an_entry_whose_read_reply_was_lost_is_read_back_after_the_fault(service, redis_client):
