@@ -39,7 +39,7 @@ class Settings:
     # the replica set and the store stops its consumer (0: never; ids would pile up)
     replica_forget_seconds: float = 3600.0
     # how the router places a request no session binds: prefix (the longest cached prefix
-    # within a bounded load, services/router/choice.py) or random (uniform; a baseline)
+    # within a bounded load, shared/routing/choice.py) or random (uniform; a baseline)
     router_policy: str = "prefix"
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes
@@ -48,9 +48,17 @@ class Settings:
     # float32, bfloat16 or float16 (shared/dtypes.py)
     dtype: str = "auto"
     host: str = "127.0.0.1"
+    # the host a replica registers its API under (a pod's IP, from the downward API);
+    # empty: the bound host, or this machine's name when bound to every interface
+    advertise_host: str = ""
     port: int = 30000  # the HTTP API (scheduler)
     store_port: int = 30001  # the session store's HTTP (ledger, sessions, metrics)
     executor_metrics_port: int = 30002
+    # the endpoint picker (services/epp/): Envoy's ext_proc gRPC, gRPC health, and its
+    # HTTP (/metrics, POST /admin/drain)
+    epp_port: int = 9002
+    epp_health_port: int = 9003
+    epp_http_port: int = 9090
     page_size: int = 16
     kv_pages: int = 2048
     mamba_slots: int = 256  # a running request holds 6 (4 at pipeline depth 0 or 1), a session 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.streams import REPLICA_ID
+from shared.streams import PLACEMENT_CHANGES, REPLICA_ID
 
 FIRST_EPOCH = 1
 # Sent by a router with the opens it places: the replica then knows that a session of its
@@ -43,9 +43,11 @@ def read_opened_mark(value: str | None) -> tuple[str, int] | None:
 
 
 # Remove a placement only if it is still exactly ARGV[1]: a replica closing a session
-# takes its placement away, never one a move or a new open has written since.
-UNPLACE = """if redis.call('GET', KEYS[1]) == ARGV[1] then
+# takes its placement away, never one a move or a new open has written since. Every
+# write of a placement publishes it (`streams.PLACEMENT_CHANGES`).
+UNPLACE = f"""if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', '{PLACEMENT_CHANGES}', KEYS[1])  -- a removal
   return 1
 end
 return 0"""

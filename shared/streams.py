@@ -22,6 +22,12 @@ MAXLEN = 100_000
 REPLICA_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 REPLICAS = "custody:replicas"  # set of replica ids ever registered (the store reads each)
 MOVES = "custody:moves"  # sessions in transit between replicas (shared/placement.py)
+# a pub/sub channel: every write of a placement key publishes "<key> <new value>" on it
+# ("<key>" alone for a removal), so a front may answer from the placements it keeps
+# while it is subscribed (shared/routing/directory.py)
+PLACEMENT_CHANGES = "custody:placement_changes"
+# held by the one front (router or endpoint picker) taking over moves and re-homing now
+FRONT_DUTIES = "custody:front_duties"
 
 
 def placement_key(sid: str) -> str:

@@ -65,9 +65,15 @@ class ApiKeys:
     def identify(self, request: web.Request) -> Caller:
         """The caller of `request`; 401 without a valid key, 403 on an operator route
         without an operator key."""
+        return self.caller(request.headers.get("Authorization", ""), request.path)
+
+    def caller(self, authorization: str, path: str) -> Caller:
+        """`identify` from an `Authorization` header's value and the path asked for: a
+        front that is not an HTTP server (the endpoint picker) reads them from its own
+        protocol."""
         if not self._keys:
             return ANONYMOUS
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, key = authorization.partition(" ")
         presented = _digest(key.strip()) if scheme.lower() == "bearer" else b""
         caller = None
         for digest, operator in self._keys:  # no early exit: every key is compared
@@ -79,8 +85,8 @@ class ApiKeys:
                 "a valid API key is required (Authorization: Bearer ...)",
                 "authentication_error",
             )
-        if request.path in OPERATOR_PATHS and not caller.operator:
-            raise Refused(403, f"{request.path} needs an operator key", "permission_error")
+        if path in OPERATOR_PATHS and not caller.operator:
+            raise Refused(403, f"{path} needs an operator key", "permission_error")
         return caller
 
 

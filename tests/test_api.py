@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -431,6 +432,37 @@ def test_metrics_match_the_ledger(stack):
         executor = scrape(stack.settings.executor_metrics_port)
         assert sample(executor, "custody_executor_steps_total", outcome="ok") > 0
         assert sample(executor, "custody_forward_seconds_count") > 0
+
+
+def scrape_until(port: int, ready: Callable[[str], bool]) -> str:
+    """The first scrape `ready` accepts: the loop publishes steps as others complete, so
+    what a request held goes a step or two after its reply."""
+    deadline = time.monotonic() + 30
+    while not ready(text := scrape(port)):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text
+
+
+def test_kv_utilization_counts_what_requests_hold_not_what_the_cache_could_free(stack):
+    """The MSP gauge a stock endpoint picker balances on: 0 on an idle replica, above 0
+    while a request holds pages and slots, 0 again once requests end though their
+    prefixes stay cached, since the cache gives them up for the next request."""
+    port = stack.settings.port
+    assert sample(scrape(port), "custody_kv_utilization") == 0
+    prompt = list(range(4, 40))
+    call(port, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
+    params = {"max_new_tokens": 900, "ignore_eos": True}  # within the context
+    long = {"input_ids": [*prompt, 41, 42], "sampling_params": params, "rid": "long"}
+    worker = threading.Thread(target=lambda: call(port, "/generate", long))
+    worker.start()
+    busy = scrape_until(port, lambda text: sample(text, "custody_requests_running") == 1)
+    assert 0 < sample(busy, "custody_kv_utilization") <= 1
+    assert call(port, "/abort_request", {"rid": "long"}) is True
+    worker.join(timeout=60)
+    idle = scrape_until(port, lambda text: sample(text, "custody_kv_utilization") == 0)
+    assert sample(idle, "custody_requests_running") == 0
+    assert sample(idle, "custody_pool_held", pool="kv", owner_kind="cache") > 0
 
 
 @pytest.fixture

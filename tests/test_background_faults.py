@@ -29,10 +29,10 @@ from redis.exceptions import (
 )
 
 from custody.up import Stack
-from services.router.replicas import ReplicaTable
 from shared import streams
 from shared.redis_server import PrivateRedis, free_port
 from shared.retry import Retry, background_faults
+from shared.routing.replicas import ReplicaTable
 from tests.services_harness import call, health, stack_settings, start_stack
 
 LOG = logging.getLogger("custody.test-retry")

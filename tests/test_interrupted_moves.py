@@ -25,10 +25,10 @@ import pytest
 import redis
 
 from custody.up import Stack
-from services.router.directory import Directory
 from shared import streams
 from shared.placement import Move, Placement
 from shared.redis_client import connect_async
+from shared.routing.directory import Directory
 from tests.services_harness import call, health, stack_settings, start_stack
 from tests.test_migration import check_one_shot, ledgers_clean, play, restart
 from tests.test_replicas import home, turn

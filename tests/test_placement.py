@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from services.router.directory import Directory
 from services.scheduler.runtime import session_rebuild
 from services.scheduler.runtime.placed_sweep import PlacedSweep
 from shared import streams
-from shared.placement import Move, Placement
+from shared.placement import UNPLACE, Move, Placement
 from shared.redis_client import connect_async
+from shared.routing.directory import Directory
 from tests.engine.driver import Driver
 
 
@@ -159,3 +159,50 @@ def test_the_replica_s_placed_list_sheds_what_it_does_not_hold_after_a_grace(
     assert not redis_client.exists(streams.placement_key("orphan"))
     assert redis_client.get(streams.placement_key("elsewhere")) == b"8 3"  # not ours
     assert sweep.dropped == 3
+
+
+def test_a_directory_that_hears_every_change_answers_from_memory_and_never_stale(
+    redis_url, redis_client
+):
+    """A picker answers turns from the placements it keeps only while it hears every
+    placement write (each publishes its key and new value): a move, a close or a
+    replica's own close by another front must reach it, else it would send a turn where
+    the session is not. Planted: writes that did not publish would leave the old
+    placement here."""
+
+    async def heard(listener: Directory) -> None:
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if listener.hearing():
+                return
+        raise AssertionError("never subscribed")
+
+    async def go() -> None:
+        client = await connect_async(redis_url)
+        listener, writer = Directory(client, 5.0), Directory(client, 5.0)
+        following = asyncio.ensure_future(listener.follow_changes())
+        await heard(listener)
+        await writer.place("s", "a")
+        assert await listener.current("s") == Placement("a")
+        reads = redis_client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+        assert await listener.current("s") == Placement("a")  # from memory: no read
+        assert redis_client.info("commandstats")["cmdstat_get"]["calls"] == reads
+        move = Move("s", "a", "b", 1)
+        assert await writer.begin(move) and await writer.commit(move)  # another front moves it
+        await asyncio.sleep(0.1)  # the notices, heard in order
+        assert await listener.current("s") == Placement("b", 2)
+        assert redis_client.info("commandstats")["cmdstat_get"]["calls"] == reads + 2  # the CASes
+        unplace = client.register_script(UNPLACE)  # the replica's own close
+        await unplace(keys=[streams.placement_key("s")], args=[Placement("b", 2).encode()])
+        await asyncio.sleep(0.1)
+        assert await listener.current("s") is None
+        following.cancel()
+        await asyncio.sleep(0.05)
+        assert not listener.hearing()  # not hearing: every answer is read again
+        await writer.place("t", "a")
+        assert await listener.current("t") == Placement("a")
+        redis_client.set(streams.placement_key("t"), "c 1")  # a write it cannot hear
+        assert await listener.current("t") == Placement("c")
+        await client.aclose()
+
+    asyncio.run(go())

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.router.choice import Choice, Chooser, choose, eligible
 from services.router.metrics import RouterMetrics
-from services.router.prefix_index import PrefixIndex, ReplicaIndex
-from services.router.replicas import Replica, ReplicaTable
 from services.scheduler.runtime.cache_shipper import CacheShipper
 from shared.messages.cache import CacheEvents, Removed, Stored, chain
 from shared.messages.envelope import encode
+from shared.routing.choice import Choice, Chooser, choose, eligible
+from shared.routing.prefix_index import PrefixIndex, ReplicaIndex
+from shared.routing.replicas import Replica, ReplicaTable
 from shared.tokenizer import ByteTokenizer, load_tokenizer
 from tests.cache.harness import CacheHarness
 
@@ -146,7 +146,7 @@ def test_the_chooser_fills_the_emptier_cache_and_counts_diversions():
     table = ReplicaTable(None, 1.0)
     table.live = {"a": replica("a", 0), "b": replica("b", 1)}
     metrics = RouterMetrics(table)
-    chooser = Chooser(table, pool, ByteTokenizer(), 1024, metrics)
+    chooser = Chooser(table, pool, ByteTokenizer(), 1024, metrics.prefix)
     other = {"input_ids": [9] * 40}
     assert chooser.pick("/generate", other, None) == Choice(table.live["b"], "load", 0)
     assert chooser.pick("/v1/chat/completions", {}, None).replica.id == "a"  # no prompt: load
@@ -181,7 +181,7 @@ def test_the_prompt_is_read_as_the_replicas_read_it(path, body, expected):
         PrefixIndex(),
         ByteTokenizer(),
         1024,
-        RouterMetrics(ReplicaTable(None, 1.0)),
+        RouterMetrics(ReplicaTable(None, 1.0)).prefix,
     )
     assert chooser.prompt(path, body) == expected
 
@@ -190,6 +190,6 @@ def test_an_ids_only_deployment_routes_text_by_load(tmp_path):
     tokenizer = load_tokenizer(tmp_path)  # no tokenizer.json: ids only
     table = ReplicaTable(None, 1.0)
     table.live = {"a": replica("a", 0)}
-    chooser = Chooser(table, PrefixIndex(), tokenizer, 1024, RouterMetrics(table))
+    chooser = Chooser(table, PrefixIndex(), tokenizer, 1024, RouterMetrics(table).prefix)
     assert chooser.prompt("/generate", {"text": "hi"}) is None
     assert chooser.pick("/generate", {"text": "hi"}, None).decision == "load"

@@ -11,8 +11,8 @@ from aiohttp import web
 
 from services.router.metrics import RouterMetrics
 from services.router.proxy import WARM_SECONDS, Proxy
-from services.router.replicas import Replica, ReplicaTable
 from shared.redis_server import free_port
+from shared.routing.replicas import Replica, ReplicaTable
 
 
 def test_warming_a_replica_that_never_answers_ends_within_its_bound():

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"repeats per figure (default {REPEATS}; multiturn and prefix 1)",
     )
+    bench.add_argument(
+        "--gateway",
+        choices=["router", "epp"],
+        help="scaleout: the front its workload goes through (default router; epp: the "
+        "endpoint picker, asked over ext_proc as a gateway asks it)",
+    )
     _add_multiturn_arguments(bench)
     demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
     demo.add_argument(
@@ -110,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=Settings.context_len,
         help=f"the model_max_length written (default {Settings.context_len})",
     )
+    drain = sub.add_parser(
+        "drain", help="move every session off a replica with its state (a preStop hook)"
+    )
+    drain.add_argument(
+        "--url", required=True, help="the endpoint picker's HTTP port, or the custody router"
+    )
+    drain.add_argument("--replica", help="the replica's id (default: this hostname)")
+    drain.add_argument(
+        "--timeout", type=float, default=110.0, help="seconds to wait for the drain (110)"
+    )
     up = sub.add_parser("up", help="start Redis (unless given) and the three services")
     Settings.add_arguments(up)
     return parser
@@ -132,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, then hand over to the subcommand's handler (which imports what it needs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"bench": _bench, "demo": _demo, "soak": _soak, "tokenizer": _tokenizer, "up": _up}
+    handlers = {
+        "bench": _bench,
+        "demo": _demo,
+        "drain": _drain,
+        "soak": _soak,
+        "tokenizer": _tokenizer,
+        "up": _up,
+    }
     return handlers[args.command](parser, args)
 
 
@@ -144,6 +167,14 @@ def _up(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as err:
         parser.error(str(err))
     return up.run(settings)
+
+
+def _drain(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from custody import drain
+
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    return drain.run(args.url, args.replica, args.timeout)
 
 
 def _tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -229,6 +260,12 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     workload = _multiturn_workload(parser, args)
     runs = benchmarks()
     runs["multiturn"] = functools.partial(runs["multiturn"], workload=workload)
+    if args.gateway is not None and args.name != "scaleout":
+        parser.error("--gateway applies to `custody bench scaleout` only")
+    if args.gateway == "epp":
+        from custody.bench import scaleout_gateway
+
+        runs["scaleout"] = scaleout_gateway.run
     names = [args.name] if args.name else list(BENCHMARK_NAMES)
     combined = {}
     for name in names:

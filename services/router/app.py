@@ -27,12 +27,7 @@ import time
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from services.router.addressing import FANOUT_ROUTES, aborts_all, error, read_json, session_of
-from services.router.background import Background
-from services.router.choice import Chooser
-from services.router.directory import Directory
-from services.router.limits import SessionLimits
-from services.router.migration import Mover
+from services.router.errors import error
 from services.router.proxy import (
     KIND,
     OPENED,
@@ -42,10 +37,16 @@ from services.router.proxy import (
     Proxy,
     ReplicaDown,
 )
-from services.router.replicas import Opening, Replica, ReplicaTable
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
 from shared.placement import Placement
 from shared.retry import DEPENDENCY_FAULTS
+from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
+from shared.routing.background import Background
+from shared.routing.choice import Chooser
+from shared.routing.directory import Directory
+from shared.routing.limits import SessionLimits
+from shared.routing.migration import Mover
+from shared.routing.replicas import Opening, Replica, ReplicaTable
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
 from shared.tenancy import ApiKeys, Refused
 
@@ -175,7 +176,7 @@ class Router:
             return None
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
-            return refused
+            return error(429, refused, "session_limit")
         home, _ = await self.directory.place(sid, replica.id)
         request[PLACING] = home.replica == replica.id
         return await self.to_placed(request, body, home.replica, "affinity", received)
@@ -239,9 +240,9 @@ class Router:
         sid = scoped_session_id(tenant, name)
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
-            return refused
+            return error(429, refused, "session_limit")
         opening = Opening(tenant)  # counted while it runs, then (below) until the
-        replica.placed.append(opening)  # registrations read count it (replicas.py)
+        replica.placed.append(opening)  # registrations read count it (shared/routing/replicas.py)
         try:
             response = await self._open(request, body, sid, replica, received)
         finally:

@@ -10,18 +10,18 @@ import logging
 from aiohttp import web
 
 from services.router.app import Router
-from services.router.choice import Chooser
-from services.router.directory import Directory
-from services.router.limits import SessionLimits
 from services.router.metrics import RouterMetrics
-from services.router.migration import Mover
-from services.router.prefix_feed import PrefixFeed
-from services.router.prefix_index import PrefixIndex
 from services.router.proxy import Proxy
-from services.router.replicas import ReplicaTable
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async, warm_async
+from shared.routing.choice import Chooser
+from shared.routing.directory import Directory
+from shared.routing.limits import SessionLimits
+from shared.routing.migration import Mover
+from shared.routing.prefix_feed import PrefixFeed
+from shared.routing.prefix_index import PrefixIndex
+from shared.routing.replicas import ReplicaTable
 from shared.service_main import start
 from shared.slow_clients import GuardedRunner
 from shared.tenancy import ApiKeys
@@ -54,7 +54,7 @@ async def serve(settings: Settings) -> None:
     await table.refresh()
     tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
     chooser = Chooser(
-        table, index, tokenizer, settings.context_len, metrics, settings.router_policy
+        table, index, tokenizer, settings.context_len, metrics.prefix, settings.router_policy
     )
     tenancy = ApiKeys(settings.api_keys, settings.admin_api_keys)
     directory = Directory(client, lease_seconds=settings.replica_dead_seconds)

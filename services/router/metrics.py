@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.router.prefix_index import PrefixIndex
-from services.router.replicas import ReplicaTable
 from shared.retry import background_faults
+from shared.routing.choice import PrefixCounters
+from shared.routing.prefix_index import IndexCollector, PrefixIndex
+from shared.routing.replicas import ReplicaTable
 
 OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
@@ -43,25 +44,12 @@ class RouterMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=self.registry,
         )
-        self.prefix_tokens = Counter(
-            "custody_router_prefix_tokens",
-            "prompt tokens of the requests routed that the chosen replica's prefix cache "
-            "held, as the router's index saw it",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.prefix_diverted = Counter(
-            "custody_router_prefix_diverted",
-            "requests the load bound sent away from the replica whose cache held the most "
-            "of their prompt (labelled with that replica)",
-            ["replica"],
-            registry=self.registry,
-        )
+        self.prefix = PrefixCounters.of(self.registry, "router")
         self.faults = background_faults(self.registry)  # its background loops'
         self.registry.register(_Replicas(table))
 
     def watch(self, index: PrefixIndex) -> None:
-        self.registry.register(_Index(index))
+        self.registry.register(IndexCollector(index, "router"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -92,33 +80,3 @@ class _Replicas:
             "registrations read and refused: not signed with the cluster secret",
             value=self.table.unverified,
         )
-
-
-class _Index:
-    def __init__(self, index: PrefixIndex) -> None:
-        self.index = index
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        blocks = GaugeMetricFamily(
-            "custody_router_prefix_blocks",
-            "distinct token blocks the router's index holds of a replica's prefix cache",
-            labels=["replica"],
-        )
-        ready = GaugeMetricFamily(
-            "custody_router_prefix_index_ready",
-            "1 once the index of a replica's cache is built (0 while it waits for a snapshot)",
-            labels=["replica"],
-        )
-        cleared = CounterMetricFamily(
-            "custody_router_prefix_index_cleared",
-            "times the index of a replica's cache was cleared for a gap, a new epoch or a "
-            "message that did not decode, and a snapshot asked for",
-            labels=["replica"],
-        )
-        for rid, replica in self.index.replicas.items():
-            blocks.add_metric([rid], len(replica.present))
-            ready.add_metric([rid], float(replica.ready))
-            cleared.add_metric([rid], replica.gaps)
-        yield blocks
-        yield ready
-        yield cleared

@@ -11,8 +11,8 @@ import aiohttp
 from aiohttp import web
 
 from services.router.metrics import RouterMetrics
-from services.router.replicas import Replica
 from shared.placement import OPENED_HEADER, PLACED_HEADER, read_opened_mark
+from shared.routing.replicas import Replica
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)

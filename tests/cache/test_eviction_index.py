@@ -1,13 +1,16 @@
 """The eviction indexes of the radix cache: random inserts, matches, locks and copy locks
 taken and released, and evictions of both kinds, with every victim checked against a walk
 of the tree (it qualifies and nothing that qualifies is older) and the indexes checked
-against a walk after every step (RadixCache.problems). The engine machine runs the same
-problems() check after each engine step; this one reaches the cache's locks directly."""
+against a walk after every step (RadixCache.problems). So are the evictable counts the KV
+utilisation gauge reads (runtime/metrics.py), against a walk of their own here and by
+what eviction then frees. The engine machine runs the same problems() check after each
+engine step; this one reaches the cache's locks directly."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -37,6 +40,11 @@ def mamba_qualifies(n: CacheNode) -> bool:
 
 def junction(n: CacheNode) -> bool:
     return len(n.children) > 1
+
+
+def pinned(n: CacheNode) -> bool:
+    """Its KV stays whatever is evicted: borrowed, or above (or at) a pending copy."""
+    return n.kv_lock > 0 or n.copy_lock > 0 or any(map(pinned, n.children.values()))
 
 
 def check_victims(
@@ -117,15 +125,30 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(pages=st.integers(0, 12))
     def evict_kv(self, pages):
-        self.h.cache.evict_kv(pages)
+        """What it frees was counted evictable; if it frees too few, none was left."""
+        cache = self.h.cache
+        before = cache.evictable_pages
+        freed = cache.evict_kv(pages)
+        assert cache.evictable_pages == before - freed
+        assert freed >= pages or cache.evictable_pages == 0
 
     @rule(states=st.integers(0, 4))
     def evict_mamba(self, states):
-        self.h.cache.evict_mamba(states)
+        cache = self.h.cache
+        freed = cache.evict_mamba(states)
+        assert freed == states or cache.evictable_states == 0
 
     @invariant()
     def indexes_are_exact(self):
         self.h.check()
+
+    @invariant()
+    def evictable_counts_match_a_walk(self):
+        """The counts kept as nodes change (read in O(1) by a scrape) against a walk."""
+        nodes = list(self.h.cache.nodes())
+        free_pages = sum(len(n.pages) for n in nodes if not pinned(n))
+        assert self.h.cache.evictable_pages == free_pages
+        assert self.h.cache.evictable_states == sum(map(mamba_qualifies, nodes))
 
     @invariant()
     def reclaimable_states_are_those_eviction_may_take(self):
@@ -141,6 +164,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.h.cache.evict_kv(1 << 30)
         self.h.cache.evict_mamba(1 << 30)
         assert list(self.h.cache.nodes()) == []
+        assert (self.h.cache.evictable_pages, self.h.cache.evictable_states) == (0, 0)
         self.h.check()
 
 
@@ -200,3 +224,27 @@ def test_a_state_pinned_by_a_running_request_is_not_counted_reclaimable():
     cache.unlock(node)  # the running request ends
     assert cache.reclaimable_states([node]) == 1 and cache.reclaimable_states([]) == 0
     cache.unlock(node)
+
+
+def test_a_drifted_evictable_count_fails_the_integrity_check():
+    """The cache's check (RadixCache.problems, run by the engine's idle-loop audit)
+    recounts by a walk, so a count kept wrong is a violation, not a quietly wrong gauge."""
+    h = CacheHarness()
+    a = h.insert([1, 2, 3], 1)
+    b = h.insert([1, 2, 4], 2)  # [1, 2] is split off: a tombstone above a and b
+    h.cache.lock_copy(a)
+    assert (h.cache.evictable_pages, h.cache.evictable_states) == (1, 1)  # b's page, state
+    h.check()
+    h.cache.evictable_pages += 1
+    assert "evictable (pages, states) kept as (2, 1), (1, 1) by a walk" in h.cache.problems()
+    with pytest.raises(AssertionError):
+        h.check()
+    h.cache.evictable_pages -= 1
+    h.cache._mamba_lru.update(b, False)  # a state eviction could take, left uncounted
+    assert "evictable (pages, states) kept as (1, 0), (1, 1) by a walk" in h.cache.problems()
+    h.cache._index(b)
+    a.parent.copies_below = 0  # the copy pending below the tombstone, forgotten there
+    assert any("0 copy locks kept below, 1 found" in p for p in h.cache.problems())
+    a.parent.copies_below = 1
+    h.cache.unlock_copy(a)
+    h.check()

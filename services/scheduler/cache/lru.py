@@ -27,6 +27,10 @@ class LruIndex(Generic[T]):
         self._late: list[tuple[int, int, T]] = []  # the others; live while _entry agrees
         self._serial = itertools.count()
 
+    def __len__(self) -> int:
+        """Members, in O(1): a scrape reads how many states eviction could take."""
+        return len(self._entry)
+
     def update(self, item: T, member: bool) -> None:
         """File `item` under its current stamp if it is to be a `member`, else drop it.
         The single entry point: callers state whether the item qualifies, after any change

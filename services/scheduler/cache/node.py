@@ -25,6 +25,7 @@ class CacheNode:
     children: dict[tuple, CacheNode] = field(default_factory=dict)  # by (namespace, page)
     kv_lock: int = 0  # borrowers of the KV on the path through this node
     copy_lock: int = 0  # deferred copies from `mamba` not yet run
+    copies_below: int = 0  # copy locks here and below: while any, this never becomes a leaf
     kv_time: int = 0
     mamba_time: int = 0
     hashes: bytes = b""  # chained hashes of `key`'s pages, when the cache logs (cache_log.py)

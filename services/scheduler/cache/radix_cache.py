@@ -17,8 +17,10 @@ its own namespace, so a hit, `cached_tokens` and latency tell it nothing of anot
 key's prompts, while eviction stays one LRU over the whole pool.
 
 Both evictions take from indexes in recency order (lru.py), refiled wherever a node
-changes, so that choosing what to evict never walks the tree. Where a node gains or loses
-a state, the cache's log (when on) records it for the routers (cache_log.py).
+changes, so that choosing what to evict never walks the tree. What eviction could free
+right now (`evictable_pages`, `evictable_states`) is kept the same way, for the KV
+utilisation a scrape reports (runtime/metrics.py) without a walk. Where a node gains or
+loses a state, the cache's log (when on) records it for the routers (cache_log.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class RadixCache:
         self._junction_lru: LruIndex[CacheNode] = LruIndex(attrgetter("mamba_time"))
         self.log: CacheLog | None = None
         self.states_evicted = 0
+        # pages of nodes nobody borrows with no copy pending at or below them: evict_kv
+        # frees them all, leaves first; kept by `_pin`, `_grow` and `_remove`
+        self.evictable_pages = 0
 
     def record_events(self) -> CacheLog:
         """Log changes from now on: on an empty tree, so every node is hashed once."""
@@ -189,6 +194,7 @@ class RadixCache:
             self.ledger.retire(leaf.owner)
             raise
         parent.children[self._label_of(leaf)] = leaf
+        self.evictable_pages += len(leaf.pages)  # unlocked until its taker locks it
         self._index(parent)  # no longer a leaf
         return leaf
 
@@ -225,6 +231,7 @@ class RadixCache:
             parent,
             node.start + at,
             kv_lock=node.kv_lock,
+            copies_below=node.copies_below,  # pinned as `node` is: the evictable count stands
             kv_time=node.kv_time,
             hashes=node.hashes[: at // ps * HASH_BYTES],
             namespace=node.namespace,
@@ -239,27 +246,47 @@ class RadixCache:
     # ---- locks ----
     def lock(self, node: CacheNode) -> None:
         for n in node.path():
-            n.kv_lock += 1
+            self._pin(n, kv=1)
         self._index(node)  # of the path, only `node` can be a leaf
 
     def unlock(self, node: CacheNode) -> None:
         for n in node.path():
             if n.kv_lock <= 0:
                 raise RuntimeError(f"unlock of unlocked {n}")
-            n.kv_lock -= 1
+            self._pin(n, kv=-1)
         self._index(node)
         self._prune(node)
 
     def lock_copy(self, node: CacheNode) -> None:
         node.copy_lock += 1
+        for n in node.path():
+            self._pin(n, copies=1)
         self._index(node)
 
     def unlock_copy(self, node: CacheNode) -> None:
         if node.copy_lock <= 0:
             raise RuntimeError(f"copy unlock of {node} without a copy lock")
         node.copy_lock -= 1
+        for n in node.path():
+            self._pin(n, copies=-1)
         self._index(node)
         self._prune(node)
+
+    def _pin(self, node: CacheNode, kv: int = 0, copies: int = 0) -> None:
+        """Add `kv` borrowers through `node` and `copies` copy locks at or below it: the
+        one place a node in the tree starts or stops pinning its pages, so the count of
+        evictable pages follows without a walk."""
+        was = self._pinned(node)
+        node.kv_lock += kv
+        node.copies_below += copies
+        if self._pinned(node) != was:
+            self.evictable_pages += len(node.pages) if was else -len(node.pages)
+
+    @staticmethod
+    def _pinned(node: CacheNode) -> bool:
+        """Its pages stay: borrowed, or a copy pending at or below keeps it from ever
+        becoming a leaf (a borrower below borrows through it too)."""
+        return node.kv_lock > 0 or node.copies_below > 0
 
     # ---- eviction ----
     def evict_kv(self, pages: int) -> int:
@@ -323,6 +350,7 @@ class RadixCache:
             if self.log is not None:
                 self.log.removed(node)
         self.pools.kv_pages.free(node.pages, node.owner, "evict")
+        self.evictable_pages -= len(node.pages)  # only an unpinned leaf is removed
         parent = node.parent
         del parent.children[self._label_of(node)]
         node.parent = None  # marks it removed
@@ -364,6 +392,11 @@ class RadixCache:
             sizes["states"] += bool(n.mamba)
         return sizes
 
+    @property
+    def evictable_states(self) -> int:
+        """States evict_mamba could free right now: the members of its two indexes."""
+        return len(self._mamba_lru) + len(self._junction_lru)
+
     def reclaimable_pages(self, released: list[CacheNode]) -> int:
         """KV pages eviction could free once each node in `released` has one borrower
         fewer: pages of nodes nobody else borrows, with no copy pending on them or below
@@ -393,7 +426,8 @@ class RadixCache:
         )
 
     def problems(self) -> list[str]:
-        """Structural invariants of the tree, and the eviction indexes against a walk."""
+        """Structural invariants of the tree, and the eviction indexes and the evictable
+        counts against a walk: a count that drifted would misreport the load."""
         out = []
         for n in self.nodes():
             if len(n.key) % self.page_size or len(n.pages) * self.page_size != len(n.key):
@@ -409,6 +443,13 @@ class RadixCache:
             over_parent = n.parent is not self.root and n.kv_lock > n.parent.kv_lock
             if n.kv_lock < 0 or n.copy_lock < 0 or over_parent:
                 out.append(f"{n}: lock counts inconsistent with parent {n.parent}")
+            below = n.copy_lock + sum(c.copies_below for c in n.children.values())
+            if n.copies_below != below:
+                out.append(f"{n}: {n.copies_below} copy locks kept below, {below} found")
+        kept = (self.evictable_pages, self.evictable_states)
+        walked = (self.reclaimable_pages([]), self.reclaimable_states([]))
+        if kept != walked:
+            out.append(f"evictable (pages, states) kept as {kept}, {walked} by a walk")
         out += self._kv_lru.problems(n for n in self.nodes() if self._kv_evictable(n))
         states = [n for n in self.nodes() if self._mamba_evictable(n)]
         out += self._mamba_lru.problems(n for n in states if len(n.children) <= 1)

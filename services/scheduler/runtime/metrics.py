@@ -2,7 +2,9 @@
 
 Pool occupancy, sessions, queues and counters are read from live state at scrape time
 (the ledger's owner tables, the engine's queues), so a metric can never drift from what
-it measures. Latencies are histograms observed as tokens arrive.
+it measures; KV utilisation alone reads counts the prefix cache keeps as it changes, which
+its integrity check holds against a walk. Latencies are histograms observed as tokens
+arrive.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class LiveState(Collector):
         yield from (capacity, free, held)
         yield _gauge("custody_requests_running", "requests running", len(engine.running))
         yield _gauge("custody_requests_queued", "requests waiting", len(engine.waiting))
+        yield _gauge(
+            "custody_kv_utilization",
+            "the fuller of the KV pages and Mamba slots in use, 0..1; what the prefix cache "
+            "could evict now counts as free (the Model Server Protocol's KV utilisation)",
+            self.kv_utilization(),
+        )
         yield _counter(
             "custody_invariant_check_failures",
             "ownership invariant violations found",
@@ -87,6 +95,16 @@ class LiveState(Collector):
         yield from self._sessions()
         yield from self._per_stream()
         yield from self._tiers()
+
+    def kv_utilization(self) -> float:
+        """The fuller pool of the two a hybrid model's request needs, without counting
+        cache entries eviction would give up for it: an endpoint picker reading a full but
+        reclaimable cache as busy would send nothing to a replica with room. O(1): the
+        cache keeps its evictable counts as it changes."""
+        kv, mamba, cache = self.engine.pools.kv_pages, self.engine.pools.mamba, self.engine.cache
+        kv_used = kv.capacity - kv.free_count - cache.evictable_pages
+        mamba_used = mamba.capacity - mamba.free_count - cache.evictable_states
+        return max(kv_used / kv.capacity, mamba_used / mamba.capacity)
 
     def _prefix(self) -> Iterator:
         """Prefix reuse that silently does not happen: KV cached but no state there."""

@@ -32,9 +32,10 @@ log = logging.getLogger("custody.scheduler")
 
 
 def advertised_url(settings: Settings) -> str:
-    """The address other processes reach this API at: the bound host, or this machine's
-    name when bound to every interface (a container's name on its network)."""
-    host = settings.host
+    """The address other processes reach this API at: the advertised host if set (a
+    pod's IP), else the bound host, or this machine's name when bound to every interface
+    (a container's name on its network)."""
+    host = settings.advertise_host or settings.host
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
     return f"http://{host}:{settings.port}"

@@ -20,23 +20,42 @@ caller's tenant too, as the replicas key rids.
 Each router also remembers the placements it read or wrote (`seen`), so a turn costs it
 no Redis round trip. What it remembers may be stale (another router moved or closed the
 session): the replica named then answers that it does not have the session (404) or
-not now (503), and the router reads the directory before it answers (app.py)."""
+not now (503), and the router reads the directory before it answers (app.py).
+
+A front that cannot try a replica and fall back (the endpoint picker answers before the
+request is sent) keeps its memory current instead: every placement write publishes the
+key and its new value (`streams.PLACEMENT_CHANGES`, from the same Lua script or
+pipeline as the write), and `follow_changes` applies them in order. `current` answers
+from memory only while that subscription is live and answered within `HEARD_SECONDS`;
+otherwise it reads. A read or write whose answer crosses a notice is not remembered
+(the notice, newer, is)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 
 from shared import streams
 from shared.placement import UNPLACE, Move, Placement
+from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
 REQUEST_TTL_SECONDS = 3600
+HEARD_SECONDS = 2.0  # a subscription silent this long, though pinged, is taken as lost
 REMEMBERED = 1 << 17  # placements a router remembers; the oldest read is forgotten first
-SWAP = """if redis.call('GET', KEYS[1]) == ARGV[1] then
+SWAP = f"""if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2])
+  redis.call('PUBLISH', '{streams.PLACEMENT_CHANGES}', KEYS[1] .. ' ' .. ARGV[2])
+  return 1
+end
+return 0"""
+PLACE = f"""if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('PUBLISH', '{streams.PLACEMENT_CHANGES}', KEYS[1] .. ' ' .. ARGV[1])
   return 1
 end
 return 0"""
@@ -53,37 +72,116 @@ class Directory:
         self.client, self.lease_seconds = client, lease_seconds
         self._swap = client.register_script(SWAP)
         self._unplace = client.register_script(UNPLACE)
+        self._place = client.register_script(PLACE)
         self._take_over = client.register_script(TAKE_OVER)
         self._seen: dict[str, Placement] = {}
+        self._hearing = False  # subscribed to the change notices: `_seen` is current
+        self._last_heard = -math.inf  # when the subscription last answered (monotonic)
+        self._notices = 0  # change notices heard, and subscriptions made
 
     def seen(self, sid: str) -> Placement | None:
         """Where this router last read or wrote `sid`'s placement (maybe stale)."""
         return self._seen.get(sid)
 
-    def _saw(self, sid: str, placement: Placement | None) -> Placement | None:
+    def _saw(self, sid: str, placement: Placement | None, since: int) -> Placement | None:
+        """Remember `placement`, read or written when `since` notices had been heard,
+        unless a notice came meanwhile: then the notices, newer, say what it is."""
+        if since == self._notices:
+            self._remember(sid, placement)
+        return placement
+
+    def _remember(self, sid: str, placement: Placement | None) -> None:
         self._seen.pop(sid, None)
         if placement is not None:
             self._seen[sid] = placement
             if len(self._seen) > REMEMBERED:
                 del self._seen[next(iter(self._seen))]
-        return placement
 
     async def session(self, sid: str) -> Placement | None:
         """`sid`'s placement, read from the directory."""
+        since = self._notices
         raw = await self.client.get(streams.placement_key(sid))
-        return self._saw(sid, Placement.decode(raw))
+        return self._saw(sid, Placement.decode(raw), since)
+
+    def hearing(self) -> bool:
+        """Subscribed, and the subscription answered lately: a connection that died
+        without a word (a partition) stops the trust within `HEARD_SECONDS`."""
+        return self._hearing and time.monotonic() - self._last_heard < HEARD_SECONDS
+
+    async def current(self, sid: str) -> Placement | None:
+        """`sid`'s placement: the one remembered while this directory hears every change
+        (`follow_changes`), else read. Exact but for a notice still on its way: a turn
+        sent then meets the replica's own check (a session it no longer holds)."""
+        if sid in self._seen and self.hearing():
+            return self._seen[sid]
+        return await self.session(sid)
+
+    async def follow_changes(self, faults: Counter | None = None) -> None:
+        """Hear every placement write (each publishes its key and new value on
+        `streams.PLACEMENT_CHANGES`, in the order Redis ran them) and keep what is
+        remembered as written, forever. It is trusted only while subscribed: cleared at
+        each subscription (what changed before it was not heard), and a lost connection,
+        or one silent past `HEARD_SECONDS` though pinged, stops the trust until the next.
+        A client without pub/sub (a cluster client) never subscribes: every `current`
+        reads."""
+        if not hasattr(self.client, "pubsub"):
+            return
+        retry = Retry("placement_changes", log, faults)
+        while True:
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(streams.PLACEMENT_CHANGES)
+                await self._listen(pubsub, retry)
+            except Exception as err:
+                self._hearing = False
+                await retry.wait(err)
+            finally:
+                self._hearing = False
+                await pubsub.aclose()
+
+    async def _listen(self, pubsub: aioredis.client.PubSub, retry: Retry) -> None:
+        prefix, pinged = streams.placement_key(""), 0.0
+        while True:
+            now = time.monotonic()
+            if now - pinged > HEARD_SECONDS / 4:
+                await pubsub.ping()
+                pinged = now
+            if self._hearing and now - self._last_heard > HEARD_SECONDS:
+                raise ConnectionError("the placement notices went silent")
+            message = await pubsub.get_message(timeout=HEARD_SECONDS / 4)
+            if message is None:
+                continue
+            self._last_heard = time.monotonic()
+            self._notices += 1
+            if message["type"] == "subscribe":  # from here on, every change is heard
+                self._seen.clear()
+                self._hearing = True
+                retry.ok()
+            elif message["type"] == "message":
+                self._heard(message["data"], prefix)
+
+    def _heard(self, notice: bytes, prefix: str) -> None:
+        """A placement written (`<key> <value>`) or removed (`<key>`)."""
+        key, _, value = notice.decode().partition(" ")
+        try:
+            placement = Placement.decode(value) if value else None
+        except ValueError:
+            log.error("unreadable placement notice %r: forgotten instead", notice)
+            placement = None
+        self._remember(key.removeprefix(prefix), placement)
 
     async def place(self, sid: str, replica: str) -> tuple[Placement, bool]:
-        """(the session's placement, whether this call placed it). One round trip: the
-        placement and the replica's list are written together (two slots, so not one
-        transaction), and the list entry is taken back if the placement was not."""
-        key, placement = streams.placement_key(sid), Placement(replica)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(key, placement.encode(), nx=True)
-        pipe.sadd(streams.Keys(replica).placed, sid)
-        placed, added = await pipe.execute()
+        """(the session's placement, whether this call placed it). The placement (and
+        its notice) and the replica's list are written at once, in one round trip's time
+        (two slots, so not one transaction), and the list entry is taken back if the
+        placement was not."""
+        key, placement, since = streams.placement_key(sid), Placement(replica), self._notices
+        placed, added = await asyncio.gather(  # at once (a script pipelines on no cluster)
+            self._place(keys=[key], args=[placement.encode()]),
+            self.client.sadd(streams.Keys(replica).placed, sid),
+        )
         if placed:
-            return self._saw(sid, placement), True
+            return self._saw(sid, placement, since), True
         found = await self.session(sid)
         if added and (found is None or found.replica != replica):
             await self.client.srem(streams.Keys(replica).placed, sid)
@@ -92,8 +190,10 @@ class Directory:
         return found, False
 
     async def forget(self, sid: str, replica: str) -> None:
-        self._saw(sid, None)
-        await self.client.delete(streams.placement_key(sid))
+        self._saw(sid, None, self._notices)
+        key = streams.placement_key(sid)
+        await self.client.delete(key)
+        await self.client.publish(streams.PLACEMENT_CHANGES, key)  # heard as a removal
         await self.client.srem(streams.Keys(replica).placed, sid)
 
     async def take_back(self, sid: str, placement: Placement) -> None:
@@ -104,15 +204,15 @@ class Directory:
 
     async def swap(self, sid: str, old: Placement, new: Placement) -> bool:
         """Place `sid` as `new` if it is placed as `old`."""
-        args = [old.encode(), new.encode()]
+        args, since = [old.encode(), new.encode()], self._notices
         swapped = bool(await self._swap(keys=[streams.placement_key(sid)], args=args))
-        self._saw(sid, new if swapped else None)  # not swapped: read it again when needed
+        self._saw(sid, new if swapped else None, since)  # not swapped: read it again
         return swapped
 
     async def swap_out(self, sid: str, old: Placement) -> bool:
         """Remove `sid`'s placement if it is still `old` (a compare-and-delete)."""
         removed = bool(await self._unplace(keys=[streams.placement_key(sid)], args=[old.encode()]))
-        self._saw(sid, None)
+        self._saw(sid, None, self._notices)
         return removed
 
     async def begin(self, move: Move) -> bool:

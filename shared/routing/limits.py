@@ -15,34 +15,27 @@ full."""
 
 from __future__ import annotations
 
-from aiohttp import web
-
-from services.router.replicas import ReplicaTable
-
-
-def _refused(message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "session_limit"}}
-    return web.json_response(body, status=429)
+from shared.routing.replicas import ReplicaTable
 
 
 class SessionLimits:
     def __init__(self, table: ReplicaTable, per_key: int, total: int) -> None:
         self.table, self.per_key, self.total = table, per_key, total
 
-    def refuse_open(self, tenant: str | None) -> web.Response | None:
-        """A 429 if an open by `tenant` would pass a limit, else None."""
+    def refuse_open(self, tenant: str | None) -> str | None:
+        """Why an open by `tenant` would pass a limit (its front answers 429), else None."""
         live = self.table.live.values()
         if tenant is not None and self.per_key:
             held = sum(r.sessions_of(tenant) for r in live)
             if held >= self.per_key:
-                return _refused(
+                return (
                     f"this API key has {held} sessions open, its limit "
                     "(--max-sessions-per-key); close one first"
                 )
         if self.total:
             held = sum(r.sessions for r in live)
             if held >= self.total:
-                return _refused(
+                return (
                     f"{held} sessions are open on every replica together, as many as "
                     "this service holds (--max-sessions); close one or retry later"
                 )

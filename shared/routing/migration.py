@@ -12,8 +12,9 @@ moving; this router holds them instead, and sends them on once the move is over.
 that fails before the flip leaves the session where it was (`/admin/migrate_cancel`).
 
 A replica is dead once its registration has been missing for `replica_dead_seconds`;
-until then its sessions' turns wait (503, Retry-After). Then one router (holding the
-replica's `rehoming` key under a lease it renews) moves each of its sessions to a live
+until then its sessions' turns wait (503, Retry-After). Then one front (the one holding
+the duties lease, `streams.FRONT_DUTIES`, and the replica's `rehoming` key under a lease
+it renews) moves each of its sessions to a live
 replica, from the record the store persisted: with the state when that record names a
 blob the new replica can read, else from the history. Its restarted scheduler waits for
 the key to go, then takes back nothing the directory has placed elsewhere."""
@@ -27,12 +28,12 @@ import time
 import aiohttp
 from prometheus_client import Counter
 
-from services.router.directory import Directory
-from services.router.replicas import Replica, ReplicaTable
 from shared import streams
 from shared.key_lease import KeyLease
 from shared.placement import Move, Placement
 from shared.retry import Retry
+from shared.routing.directory import Directory
+from shared.routing.replicas import Replica, ReplicaTable
 
 log = logging.getLogger("custody.router")
 RELEASE_ATTEMPTS = 6  # over about 12 s
@@ -207,17 +208,24 @@ class Mover:
         return {"replica": replica, **outcomes}
 
     async def watch(self, faults: Counter | None = None) -> None:
-        """Take over abandoned moves and re-home the sessions of replicas found dead,
-        forever; a fault (one bad entry must not end the loop for every other) is
-        counted in `faults`, logged and retried after a backoff (shared/retry.py)."""
+        """Take over abandoned moves, re-home the sessions of replicas found dead and
+        forget long-dead ones, forever: one pass every period by whichever front holds
+        the duties lease then (each front notes which replicas it sees live every period,
+        lease or not, so a front that takes the lease over knows how long each has been
+        gone). A fault (one bad entry must not end the loop for every other) is counted
+        in `faults`, logged and retried after a backoff (shared/retry.py)."""
         retry = Retry("move_takeover", log, faults)
+        lease = KeyLease(self.directory.client, streams.FRONT_DUTIES, self.directory.lease_seconds)
         while True:
             await asyncio.sleep(self.table.period)
+            dead = self._dead()
             try:
-                await self.recover()
-                for replica in self._dead():
-                    await self._rehome(replica)
-                    await self._forget(replica)
+                async with lease.held() as mine:
+                    if mine:
+                        await self.recover()
+                        for replica in dead:
+                            await self._rehome(replica)
+                            await self._forget(replica)
             except Exception as err:
                 await retry.wait(err)
                 continue

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -116,6 +116,7 @@ class ReplicaTable:
         self.live: dict[str, Replica] = {}
         self.known: list[str] = []  # every replica id ever registered
         self._all: dict[str, Replica] = {}  # every replica seen, live or not
+        self.last_read = -math.inf  # when a read last succeeded (monotonic clock)
 
     async def refresh(self) -> None:
         """Read every registration. A replica keeps its one `Replica` object for the
@@ -159,6 +160,7 @@ class ReplicaTable:
         cold = [r for r in live.values() if r.executor and r.warmed != r.epoch]
         await asyncio.gather(*(self._warm(r) for r in cold))
         self.live = live
+        self.last_read = time.monotonic()
 
     async def _warm(self, replica: Replica) -> None:
         """Open this router's connections to a replica (or a new life of one) before it
@@ -197,14 +199,23 @@ class ReplicaTable:
         requests."""
         return [r for r in self.live.values() if r.executor and r.warmed == r.epoch]
 
-    def placeable(self, excluding: str | None = None) -> list[Replica]:
-        """Ready replicas that take new work (not drained)."""
-        return [r for r in self.ready() if not r.draining and r.id != excluding]
+    def placeable(
+        self, excluding: str | None = None, only: Collection[str] | None = None
+    ) -> list[Replica]:
+        """Ready replicas that take new work (not drained); of the ids in `only`, if
+        given (a gateway's subset of endpoints)."""
+        return [
+            r
+            for r in self.ready()
+            if not r.draining and r.id != excluding and (only is None or r.id in only)
+        ]
 
-    def least_loaded(self, excluding: str | None = None) -> Replica | None:
+    def least_loaded(
+        self, excluding: str | None = None, only: Collection[str] | None = None
+    ) -> Replica | None:
         """The placeable replica with the least load; among equals the one with the
         fewest sessions, then one at random."""
-        ready = self.placeable(excluding)
+        ready = self.placeable(excluding, only)
         if not ready:
             return None
         least = min((r.load, r.sessions) for r in ready)

@@ -1,4 +1,4 @@
-"""Work the router's answer need not wait for (a close's placement removed, a rid kept
+"""Work a front's answer need not wait for (a close's placement removed, a rid kept
 for its aborts, a failed open's leftovers released): run as tasks the router keeps
 referenced until they end. Each is a step safe to repeat, retried while Redis is away or
 refuses it (OOM, READONLY): given up after a first fault, a close's placement would stay

@@ -20,7 +20,7 @@ evenly; once the caches are equally full it is the load rule again. (SGLang's
 cache-aware router does the same below its match threshold.) Requests whose prompt the
 router cannot read, and session opens, go by load alone: the cache does not tell where
 they belong. A request sent away from the replica holding the most of its prompt because
-that one is past the bound is counted in `custody_router_prefix_diverted`.
+that one is past the bound is counted in `custody_<front>_prefix_diverted`.
 
 The prompt's tokens are read as the replicas read them: `/generate`'s `input_ids` or its
 `text` through the same tokenizer (the first of a batch), `/v1/completions`' `prompt`;
@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from services.router.metrics import RouterMetrics
-from services.router.prefix_index import PrefixIndex
-from services.router.replicas import Replica, ReplicaTable
+from prometheus_client import CollectorRegistry, Counter
+
 from shared.messages.cache import cache_namespace
+from shared.routing.prefix_index import PrefixIndex
+from shared.routing.replicas import Replica, ReplicaTable
 from shared.tokenizer import Tokenizer, TokenizerMissing
 
 EPSILON = 0.25
@@ -53,6 +55,33 @@ class Choice:
     replica: Replica
     decision: str  # "prefix", "load" or "random"
     matched: int  # prompt tokens the replica's cache holds
+
+
+@dataclass(frozen=True)
+class PrefixCounters:
+    """What prefix-aware choice counts, in the registry of the front that chooses."""
+
+    tokens: Counter  # prompt tokens sent where the chosen replica's cache held them
+    diverted: Counter  # requests the load bound sent away from the best holder
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry, front: str) -> PrefixCounters:
+        """The two counters, named for `front` (`router`, `epp`)."""
+        tokens = Counter(
+            f"custody_{front}_prefix_tokens",
+            "prompt tokens of the requests routed that the chosen replica's prefix cache "
+            "held, as the index saw it",
+            ["replica"],
+            registry=registry,
+        )
+        diverted = Counter(
+            f"custody_{front}_prefix_diverted",
+            "requests the load bound sent away from the replica whose cache held the most "
+            "of their prompt (labelled with that replica)",
+            ["replica"],
+            registry=registry,
+        )
+        return cls(tokens, diverted)
 
 
 def eligible(ready: list[Replica]) -> list[Replica]:
@@ -92,17 +121,24 @@ class Chooser:
         index: PrefixIndex,
         tokenizer: Tokenizer,
         context_len: int,
-        metrics: RouterMetrics,
+        counters: PrefixCounters,
         policy: str = "prefix",
     ) -> None:
         self.table, self.index, self.tokenizer = table, index, tokenizer
-        self.context_len, self.metrics, self.policy = context_len, metrics, policy
+        self.context_len, self.counters, self.policy = context_len, counters, policy
 
-    def pick(self, path: str, body: dict | None, tenant: str | None) -> Choice | None:
-        """The replica for a request of `tenant` to `path` with JSON `body`; None if none
-        is ready. A prompt matches only the prefixes its replica would let it reuse (its
-        key's, or its `cache_salt`'s: shared/messages/cache.py)."""
-        ready = self.table.placeable()
+    def pick(
+        self,
+        path: str,
+        body: dict | None,
+        tenant: str | None,
+        only: Collection[str] | None = None,
+    ) -> Choice | None:
+        """The replica for a request of `tenant` to `path` with JSON `body`, among the
+        ids in `only` if given; None if none is ready. A prompt matches only the prefixes
+        its replica would let it reuse (its key's, or its `cache_salt`'s:
+        shared/messages/cache.py)."""
+        ready = self.table.placeable(only=only)
         if not ready:
             return None
         if self.policy == "random":
@@ -116,10 +152,10 @@ class Chooser:
         sizes = {r.id: self.index.cached_tokens(r.id) for r in ready}
         choice = choose(ready, matched, sizes)
         if choice.matched:
-            self.metrics.prefix_tokens.labels(choice.replica.id).inc(choice.matched)
+            self.counters.tokens.labels(choice.replica.id).inc(choice.matched)
         holder = max(matched, key=matched.__getitem__, default=None)
         if holder is not None and matched[holder] > choice.matched:
-            self.metrics.prefix_diverted.labels(holder).inc()
+            self.counters.diverted.labels(holder).inc()
         return choice
 
     def prompt(self, path: str, body: dict | None) -> list[int] | None:

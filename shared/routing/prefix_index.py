@@ -18,10 +18,11 @@ carrier of those blocks until the last of them goes, as the scheduler's tombston
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.messages.cache import (
     CACHE_MESSAGES,
@@ -174,3 +175,36 @@ class PrefixIndex:
                 if not walking:
                     break
         return found
+
+
+class IndexCollector:
+    """The index's size and state per replica, as metrics of the front (`router`,
+    `epp`) that keeps it."""
+
+    def __init__(self, index: PrefixIndex, front: str) -> None:
+        self.index, self.front = index, front
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        blocks = GaugeMetricFamily(
+            f"custody_{self.front}_prefix_blocks",
+            "distinct token blocks the router's index holds of a replica's prefix cache",
+            labels=["replica"],
+        )
+        ready = GaugeMetricFamily(
+            f"custody_{self.front}_prefix_index_ready",
+            "1 once the index of a replica's cache is built (0 while it waits for a snapshot)",
+            labels=["replica"],
+        )
+        cleared = CounterMetricFamily(
+            f"custody_{self.front}_prefix_index_cleared",
+            "times the index of a replica's cache was cleared for a gap, a new epoch or a "
+            "message that did not decode, and a snapshot asked for",
+            labels=["replica"],
+        )
+        for rid, replica in self.index.replicas.items():
+            blocks.add_metric([rid], len(replica.present))
+            ready.add_metric([rid], float(replica.ready))
+            cleared.add_metric([rid], replica.gaps)
+        yield blocks
+        yield ready
+        yield cleared

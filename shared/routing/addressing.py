@@ -1,23 +1,15 @@
-"""What a request to the router addresses (a session, every replica), read from its path
-and body before anything is sent, and the router's own error answers."""
+"""What a request addresses (a session, every replica), read from its path and body
+before anything is sent: by the router as by the endpoint picker, so both send a
+session's turns to the same replica."""
 
 from __future__ import annotations
 
 import json
 
-from aiohttp import web
-
 from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
 
 SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
 FANOUT_ROUTES = frozenset({"/flush_cache", "/reset_prefix_cache"})
-
-
-def error(status: int, message: str, kind: str, retry: bool = False) -> web.Response:
-    """An error the router answers itself, shaped as the replicas shape theirs."""
-    headers = {"Retry-After": "1"} if retry else {}
-    body = {"error": {"message": message, "type": kind}}
-    return web.json_response(body, status=status, headers=headers)
 
 
 def read_json(body: bytes) -> dict | None:

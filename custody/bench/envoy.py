@@ -1,0 +1,194 @@
+"""A stand-in for Envoy in front of the endpoint picker (services/epp/): for each HTTP
+request it opens an ext_proc stream and sends what Envoy sends, in Envoy's order, in
+the full-duplex streaming mode the Inference Extension configures (request headers,
+body chunks; then, once the request is answered upstream, response headers with the
+served endpoint's metadata, body chunks), applies the picker's header and body
+mutations, and sends the request to the endpoint the picker chose, as a gateway would.
+The tests and `custody bench scaleout --gateway epp` drive the picker through it: no
+Envoy binary runs here, so this is the gateway's half of the protocol, written from the
+protocol's text (docs/kubernetes.md)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
+
+DESTINATION = "x-gateway-destination-endpoint"
+CHUNK = 1 << 16  # body bytes per ext_proc message, as Envoy streams a body in pieces
+_END = object()
+
+
+@dataclass
+class Answer:
+    """What came back for one request: the picker's choice, or its own refusal."""
+
+    status: int
+    body: dict | str
+    endpoint: str | None = None  # the endpoint the picker chose (None: refused)
+    metadata: dict = field(default_factory=dict)  # the picker's dynamic metadata
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's, lower-cased
+
+
+def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
+
+
+def _metadata(namespace: str, key: str, value: object) -> base_pb2.Metadata:
+    inner = struct_pb2.Struct()
+    inner.update({key: value})
+    return base_pb2.Metadata(filter_metadata={namespace: inner})
+
+
+def _decoded(raw: bytes) -> dict | str:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+class Envoy:
+    def __init__(self, ext_proc_address: str, timeout: float = 120.0) -> None:
+        self.channel = grpc.insecure_channel(ext_proc_address)
+        self.stub = ext_grpc.ExternalProcessorStub(self.channel)
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Envoy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(
+        self,
+        path: str,
+        body: dict | None = None,
+        headers: dict[str, str] | None = None,
+        subset: list[str] | None = None,
+        served: str | None = None,
+    ) -> Answer:
+        """POST `body` to `path` through the picker. `subset`: the endpoints this gateway
+        allows (the subset hint); `served`: the endpoint reported as having served it
+        (default: the one picked)."""
+        raw = b"" if body is None else json.dumps(body).encode()
+        sent: queue.Queue = queue.Queue()
+        answers = self.stub.Process(_drain(sent), timeout=self.timeout)
+        try:
+            return self._exchange(path, raw, headers or {}, subset, served, sent, answers)
+        finally:
+            sent.put(_END)
+            answers.cancel()
+
+    def _exchange(
+        self,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        subset: list[str] | None,
+        served: str | None,
+        sent: queue.Queue,
+        answers: Iterator[ext.ProcessingResponse],
+    ) -> Answer:
+        request_headers = {
+            ":method": "POST" if raw else "GET",
+            ":path": path,
+            ":authority": "gateway",
+            "content-type": "application/json",
+            "content-length": str(len(raw)),
+            **{k.lower(): v for k, v in headers.items()},
+        }
+        context = (
+            _metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset)
+            if subset is not None
+            else None
+        )
+        sent.put(
+            ext.ProcessingRequest(
+                request_headers=ext.HttpHeaders(
+                    headers=_header_map(request_headers), end_of_stream=not raw
+                ),
+                metadata_context=context,
+            )
+        )
+        for start in range(0, len(raw), CHUNK):
+            piece = raw[start : start + CHUNK]
+            last = start + CHUNK >= len(raw)
+            sent.put(
+                ext.ProcessingRequest(request_body=ext.HttpBody(body=piece, end_of_stream=last))
+            )
+        first = next(answers)
+        if first.HasField("immediate_response"):
+            immediate = first.immediate_response
+            refusal_headers = {
+                h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers
+            }
+            return Answer(immediate.status.code, _decoded(immediate.body), headers=refusal_headers)
+        mutation = first.request_headers.response.header_mutation
+        for key in mutation.remove_headers:
+            request_headers.pop(key, None)
+        for option in mutation.set_headers:
+            request_headers[option.header.key] = option.header.raw_value.decode()
+        metadata = MessageToDict(first.dynamic_metadata)
+        body = b""
+        if raw:
+            for answer in answers:  # the body comes back streamed, maybe mutated
+                streamed = answer.request_body.response.body_mutation.streamed_response
+                body += streamed.body
+                if streamed.end_of_stream:
+                    break
+        chosen = request_headers[DESTINATION]
+        status, reply, reply_headers = _forward(chosen, path, body, request_headers, self.timeout)
+        served_context = _metadata(
+            "envoy.lb", "x-gateway-destination-endpoint-served", served or chosen
+        )
+        response_headers = {":status": str(status), **reply_headers}
+        sent.put(
+            ext.ProcessingRequest(
+                response_headers=ext.HttpHeaders(
+                    headers=_header_map(response_headers), end_of_stream=False
+                ),
+                metadata_context=served_context,
+            )
+        )
+        next(answers)
+        sent.put(ext.ProcessingRequest(response_body=ext.HttpBody(body=reply, end_of_stream=True)))
+        echoed = next(answers).response_body.response.body_mutation.streamed_response.body
+        return Answer(status, _decoded(echoed), chosen, metadata, reply_headers)
+
+
+def _drain(sent: queue.Queue) -> Iterator[ext.ProcessingRequest]:
+    while (message := sent.get()) is not _END:
+        yield message
+
+
+def _forward(
+    endpoint: str, path: str, body: bytes, headers: dict[str, str], timeout: float
+) -> tuple[int, bytes, dict[str, str]]:
+    """The request sent to the endpoint as the gateway sends it (pseudo-headers out)."""
+    plain = {k: v for k, v in headers.items() if not k.startswith(":") and k != DESTINATION}
+    request = urllib.request.Request(
+        f"http://{endpoint}{path}",
+        data=body or None,
+        headers=plain,
+        method="POST" if body else "GET",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read(), {k.lower(): v for k, v in reply.headers.items()}
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), {k.lower(): v for k, v in err.headers.items()}

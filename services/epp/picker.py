@@ -1,0 +1,274 @@
+"""Which replica serves a request the gateway asks about: the router's decisions (the
+same modules, shared/routing/), made from what the gateway hands over (the path, the
+headers, the whole body) instead of from an HTTP request the picker would forward.
+
+- A session's request (`session_params.id`, `session_id`, or the session header) goes
+  where the directory places it: remembered while the picker hears every placement
+  change, else read from Redis (shared/routing/directory.py). The directory is the only
+  state, so any picker, a restarted one or a second one, picks the same replica. A
+  session in transit, or placed on a replica that is not ready, is refused 503 with
+  Retry-After (its state is there; the turn waits, as through the router).
+- `/open_session` is placed (a `SET NX` on the directory) on the least loaded replica
+  before it is sent there, named by the picker when the client named none (the body is
+  rewritten); a refused open leaves no placement (`Pick.done`).
+- Anything else goes by the prefix index within a load bound (shared/routing/choice.py).
+- The gateway's subset hint (the endpoints it allows) narrows every choice; a session
+  placed outside it is refused 503, never served elsewhere.
+
+What the picker cannot do, it refuses with a status and says why: fan-out routes
+(`/flush_cache`, `/reset_prefix_cache`, an `abort_all`, an abort by a rid it does not
+know) need every replica, which one endpoint cannot be (the custody router does them);
+operator routes of the fronts (`/admin/drain`) are the picker's own HTTP port's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from shared.http_limits import MAX_BATCH, MAX_RID
+from shared.placement import OPENED_HEADER, Placement, read_opened_mark
+from shared.retry import DEPENDENCY_FAULTS
+from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
+from shared.routing.choice import Chooser
+from shared.routing.directory import Directory
+from shared.routing.limits import SessionLimits
+from shared.routing.migration import Mover
+from shared.routing.replicas import Opening, Replica, ReplicaTable
+from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
+from shared.tenancy import ApiKeys, Refused
+
+log = logging.getLogger("custody.epp")
+
+
+class Refusal(Exception):
+    """The picker's own answer to a request (an ImmediateResponse), shaped as the
+    replicas shape their errors."""
+
+    def __init__(self, status: int, message: str, kind: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.retry = status, kind, retry
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": str(self), "type": self.kind}}).encode()
+
+
+def _nothing(status: int | None, headers: dict[str, str]) -> None:
+    """A pick with no bookkeeping after its answer."""
+
+
+@dataclass
+class Pick:
+    replica: Replica
+    decision: str  # affinity, prefix, load, random or request
+    kind: str  # open, turn or other (the decision-time metric's label)
+    body: bytes | None = None  # the body to send instead of the client's (an open named)
+    placing: bool = False  # a placement written for it: the replica is told
+    # called once with the answer's status and headers (None: no answer came), for the
+    # bookkeeping an open or a close leaves (placements kept or taken back)
+    done: Callable[[int | None, dict[str, str]], None] = field(default=_nothing)
+
+
+def endpoint(replica: Replica) -> str:
+    """`ip:port` of a replica's registered URL (`http://ip:port`)."""
+    return replica.url.partition("://")[2].rstrip("/")
+
+
+class Picker:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        directory: Directory,
+        chooser: Chooser,
+        limits: SessionLimits,
+        mover: Mover,
+        tenancy: ApiKeys,
+        background: Callable[[Callable], None],
+        session_header: str = "",
+        max_queued: int = 0,
+    ) -> None:
+        """`background(work)`: runs a bookkeeping coroutine function until it succeeds;
+        `session_header`: the header naming a chat request's implicit session;
+        `max_queued`: shed (429) while every replica allowed has this many waiting (0:
+        never; each replica's own bound, the same setting)."""
+        self.table, self.directory, self.chooser = table, directory, chooser
+        self.limits, self.mover, self.tenancy = limits, mover, tenancy
+        self.background, self.session_header = background, session_header.lower()
+        self.max_queued = max_queued
+
+    async def pick(
+        self, path: str, headers: dict[str, str], body: bytes, subset: Collection[str] | None
+    ) -> Pick:
+        """The replica for a request (`headers` keyed lower-case); raises `Refusal`.
+        `subset`: the endpoints the gateway allows (None: any)."""
+        try:
+            caller = self.tenancy.caller(headers.get("authorization", ""), path)
+        except Refused as refused:
+            raise Refusal(refused.status, str(refused), refused.kind) from None
+        only = self._allowed(subset)
+        parsed, tenant = read_json(body), caller.tenant
+        if path in FANOUT_ROUTES or aborts_all(path, parsed):
+            raise _fan_out(path)
+        if path == "/abort_request":
+            return await self._abort(parsed, tenant, only)
+        if path == "/admin/drain":
+            raise Refusal(404, "drain through the picker's HTTP port", "not_found")
+        if path == "/open_session":
+            return await self._open(parsed, body, tenant, only)
+        sid = session_of(path, parsed, tenant)
+        implicit = sid is None and (sid := self._header_session(path, headers, parsed, tenant))
+        if sid is not None:
+            home = await self.directory.current(sid)
+            if home is not None:
+                return self._placed(path, sid, home, only)
+            if implicit:
+                return await self._place_implicit(sid, tenant, only)
+        return self._choose(path, parsed, tenant, only)
+
+    def _allowed(self, subset: Collection[str] | None) -> set[str] | None:
+        """The replica ids the gateway's subset hint allows; None: every one."""
+        if subset is None:
+            return None
+        allowed = {r.id for r in self.table.ready() if endpoint(r) in subset}
+        if not allowed:
+            raise Refusal(503, "no ready replica in the gateway's subset", "no_replica", True)
+        return allowed
+
+    def _header_session(
+        self, path: str, headers: dict[str, str], parsed: dict | None, tenant: str | None
+    ) -> str | None:
+        """The session a chat request names by the session header (none in its body)."""
+        if not self.session_header or path != "/v1/chat/completions" or parsed is None:
+            return None
+        name = headers.get(self.session_header)
+        if parsed.get("session_id") is not None or not valid_session_name(name):
+            return None  # an invalid name: the replica answers it (or runs stateless)
+        return scoped_session_id(tenant, name)
+
+    def _placed(self, path: str, sid: str, home: Placement, only: set[str] | None) -> Pick:
+        """A placed session's request: to its replica, or refused while it cannot run."""
+        if home.moving_to is not None:
+            message = f"session {session_name(sid)} is moving to replica {home.moving_to}; retry"
+            raise Refusal(503, message, "moving", retry=True)
+        replica = self.table.live.get(home.replica)
+        if replica is None or not replica.executor or (only is not None and replica.id not in only):
+            message = f"replica {home.replica} is not available; retry"
+            raise Refusal(503, message, "replica_unavailable", retry=True)
+        done = _nothing
+        if path == "/close_session":
+
+            def done(status: int | None, headers: dict[str, str]) -> None:
+                if status == 200:
+                    self.background(lambda: self.directory.forget(sid, home.replica))
+
+        return Pick(replica, "affinity", "turn", done=done)
+
+    def _least_loaded(self, only: set[str] | None) -> Replica:
+        replica = self.table.least_loaded(only=only)
+        if replica is None:
+            raise Refusal(503, "no replica is ready", "no_replica", retry=True)
+        return replica
+
+    async def _place_implicit(self, sid: str, tenant: str | None, only: set[str] | None) -> Pick:
+        """The first turn of a session the header names, placed before it is sent (its
+        replica opens the session as it runs the turn)."""
+        replica = self._least_loaded(only)
+        refused = self.limits.refuse_open(tenant)
+        if refused is not None:
+            raise Refusal(429, refused, "session_limit")
+        home, _ = await self.directory.place(sid, replica.id)
+        return (
+            self._placed("", sid, home, only)
+            if home.replica != replica.id
+            else Pick(replica, "affinity", "turn", placing=True)
+        )
+
+    async def _open(
+        self, parsed: dict | None, body: bytes, tenant: str | None, only: set[str] | None
+    ) -> Pick:
+        """Placed, then sent where placed (named here when the client named none). The
+        open that loses a race for the same id is sent where the winner placed it (that
+        replica answers the conflict); an open refused leaves no placement, and one whose
+        answer never came leaves no copy either."""
+        replica = self._least_loaded(only)
+        name = parsed.get("session_id") if parsed is not None else None
+        if parsed is None or (name is not None and not isinstance(name, str)):
+            return Pick(replica, "load", "open")  # the replica answers it with its 400
+        rewritten = None
+        if name is None:
+            name = parsed["session_id"] = secrets.token_hex(16)
+            rewritten = json.dumps(parsed).encode()
+        if not valid_session_name(name):  # refused before it can name a Redis key
+            raise Refusal(400, f"session_id must match {SESSION_ID.pattern}", "session_invalid")
+        sid = scoped_session_id(tenant, name)
+        refused = self.limits.refuse_open(tenant)
+        if refused is not None:
+            raise Refusal(429, refused, "session_limit")
+        home, placed = await self.directory.place(sid, replica.id)
+        if home.replica != replica.id:
+            return self._placed("/open_session", sid, home, only)
+        opening = Opening(tenant)
+        replica.placed.append(opening)  # counted while it runs (shared/routing/replicas.py)
+
+        def done(status: int | None, headers: dict[str, str]) -> None:
+            replica.placed.remove(opening)
+            if status == 200:
+                mark = read_opened_mark(headers.get(OPENED_HEADER.lower()))
+                replica.answered(Opening(tenant, time.monotonic(), mark))
+            elif placed and status is not None:
+                self.background(lambda: self.directory.forget(sid, replica.id))
+            elif placed:  # no answer: the replica may have opened it; nothing stays
+                self.background(lambda: self._abandon(sid, replica))
+
+        return Pick(replica, "affinity", "open", rewritten, placing=True, done=done)
+
+    async def _abandon(self, sid: str, replica: Replica) -> None:
+        try:
+            await self.directory.forget(sid, replica.id)
+        except DEPENDENCY_FAULTS:
+            await self.directory.take_back(sid, Placement(replica.id))
+        await self.mover.release(replica, sid)
+
+    async def _abort(self, parsed: dict | None, tenant: str | None, only: set[str] | None) -> Pick:
+        rid = parsed.get("rid") if parsed else None
+        home = await self.directory.request(tenant or "-", rid) if isinstance(rid, str) else None
+        replica = None if home is None else self.table.live.get(home)
+        if replica is None or (only is not None and replica.id not in only):
+            raise _fan_out("/abort_request")
+        return Pick(replica, "request", "other")
+
+    def _choose(
+        self, path: str, parsed: dict | None, tenant: str | None, only: set[str] | None
+    ) -> Pick:
+        """A request no session binds: by prefix within the load bound, else by load;
+        shed when every replica allowed has a full queue."""
+        allowed = self.table.placeable(only=only)
+        if self.max_queued and allowed and all(r.queued >= self.max_queued for r in allowed):
+            raise Refusal(429, "every replica's queue is full; retry later", "overloaded", True)
+        choice = self.chooser.pick(path, parsed, tenant, only)
+        if choice is None:
+            raise Refusal(503, "no replica is ready", "no_replica", retry=True)
+        if path == "/generate" and parsed is not None:
+            self._remember_rids(tenant or "-", parsed.get("rid"), choice.replica.id)
+        return Pick(choice.replica, choice.decision, "other")
+
+    def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
+        """Kept for an abort by rid (as the router keeps them)."""
+        rids = rid if isinstance(rid, list) else [rid]
+        if len(rids) > MAX_BATCH or not all(
+            isinstance(one, str) and 0 < len(one) <= MAX_RID for one in rids
+        ):
+            return
+        self.background(lambda: self.directory.remember_requests(tenant, rids, replica))
+
+
+def _fan_out(path: str) -> Refusal:
+    return Refusal(
+        501,
+        f"{path} here goes to every replica, which one endpoint cannot be: send it to "
+        "each replica, or through the custody router",
+        "fan_out_unsupported",
+    )
