@@ -7,10 +7,12 @@ with the ratio (how many times faster custody is).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,3 +129,22 @@ def plot(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+@contextlib.contextmanager
+def first_for_cpu(pids: list[int]) -> Iterator[str | None]:
+    """The processes `pids` ahead of every other for the CPU (nice -10) while the body
+    runs: on two cores shared by every process of a stack, a front woken by a request
+    may wait for a core that its own pod would give it at once. Yields None, or why it
+    could not (no permission: the body runs as it is)."""
+    try:
+        for pid in pids:
+            os.setpriority(os.PRIO_PROCESS, pid, -10)
+    except PermissionError as err:
+        yield f"not measured: {err}"
+        return
+    try:
+        yield None
+    finally:
+        for pid in pids:
+            os.setpriority(os.PRIO_PROCESS, pid, 0)

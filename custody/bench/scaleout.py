@@ -40,6 +40,7 @@ from collections.abc import Callable
 import numpy as np
 import redis
 
+from custody.bench import harness
 from custody.bench import scaleout_load as load
 from custody.bench.harness import progress
 from custody.bench.scaleout_report import write
@@ -270,17 +271,10 @@ def _router_first(stack: Stack, urls: list[str], repeats: int, clients: int, tur
     for the CPU (nice -10): on two cores shared by two replicas, the store, Redis, the
     router and the clients, a router woken by a request may wait for a core, which its
     own pod would give it at once. A diagnostic beside the headline, never in its place."""
-    pids = [stack.children["router"].pid, stack.redis.proc.pid]
-    try:
-        for pid in pids:
-            os.setpriority(os.PRIO_PROCESS, pid, -10)
-    except PermissionError as err:
-        return {"router_first": f"not measured: {err}"}
-    try:
+    with harness.first_for_cpu([stack.children["router"].pid, stack.redis.proc.pid]) as why:
+        if why is not None:
+            return {"router_first": why}
         got = _sessions(stack.settings, urls, repeats, clients, turns, tag="first")
-    finally:
-        for pid in pids:
-            os.setpriority(os.PRIO_PROCESS, pid, 0)
     keys = ("router_overhead_p50_ms", "router_overhead_p99_ms", "router_overhead_by_kind")
     return {"router_first": {k: got[k] for k in keys}}
 

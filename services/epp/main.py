@@ -29,16 +29,9 @@ from services.epp.picker import Picker
 from shared.config import Settings
 from shared.redis_client import connect_async, warm_async
 from shared.routing.background import Background
-from shared.routing.choice import Chooser
-from shared.routing.directory import Directory
-from shared.routing.limits import SessionLimits
-from shared.routing.migration import Mover
-from shared.routing.prefix_feed import PrefixFeed
-from shared.routing.prefix_index import PrefixIndex
+from shared.routing.front import Routing, refuse_keys_without_secret, replica_table
 from shared.routing.replicas import ReplicaTable
 from shared.service_main import start
-from shared.tenancy import ApiKeys
-from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("custody.epp")
 WARM_REDIS_CONNECTIONS = 16
@@ -73,57 +66,22 @@ async def _report_health(table: ReplicaTable, servicer: health.aio.HealthService
 
 
 async def serve(settings: Settings) -> None:
-    if settings.api_keys.strip() and not settings.cluster_secret:
-        raise SystemExit(
-            "--api-keys without --cluster-secret: the picker would send API keys to "
-            "whatever address a Redis registration names; set --cluster-secret (the same "
-            "on every replica) too"
-        )
+    refuse_keys_without_secret(settings, "picker")
     client = await connect_async(settings.redis_url)
     await warm_async(client, WARM_REDIS_CONNECTIONS)
-    table = ReplicaTable(
-        client,
-        period=min(0.5, settings.heartbeat_seconds),
-        secret=settings.cluster_secret,
-        settle=3 * settings.heartbeat_seconds + 0.5,
-    )
-    await table.refresh()
-    metrics, index = PickerMetrics(), PrefixIndex()
-    metrics.watch(index)
-    tokenizer = load_tokenizer(settings.model, settings.tokenizer)  # as the replicas tokenize
-    chooser = Chooser(
-        table, index, tokenizer, settings.context_len, metrics.prefix, settings.router_policy
-    )
-    tenancy = ApiKeys(settings.api_keys, settings.admin_api_keys)
-    directory = Directory(client, lease_seconds=settings.replica_dead_seconds)
-    admin_key = next((k.strip() for k in settings.admin_api_keys.split(",") if k.strip()), None)
+    table, metrics = replica_table(settings, client), PickerMetrics()
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-    mover = Mover(
-        table,
-        directory,
-        session,
-        admin_key,
-        settings.replica_dead_seconds,
-        settings.replica_forget_seconds,
-    )
-    limits = SessionLimits(table, settings.max_sessions_per_key, settings.max_sessions)
+    routing = Routing.of(settings, table, metrics.prefix, session)
+    metrics.watch(routing.index)
+    await table.refresh()
     background = Background(metrics.faults)
-    picker = Picker(
-        table,
-        directory,
-        chooser,
-        limits,
-        mover,
-        tenancy,
-        background.run,
-        settings.session_header,
-        settings.max_queued_requests,
-    )
+    picker = Picker(routing, background.run, settings.session_header, settings.max_queued_requests)
     health_servicer = health.aio.HealthServicer()
     ext_proc = await _grpc_server(settings.epp_port, settings.host, health_servicer)
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, metrics), ext_proc)
     probes = await _grpc_server(settings.epp_health_port, settings.host, health_servicer)
-    runner = web.AppRunner(admin_app(table, mover, tenancy, metrics), access_log=None)
+    admin = admin_app(table, routing.mover, routing.tenancy, metrics)
+    runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.epp_http_port).start()
     await ext_proc.start()
@@ -136,9 +94,8 @@ async def serve(settings: Settings) -> None:
         settings.epp_http_port,
     )
     tasks = [
-        asyncio.create_task(PrefixFeed(client, table, index).run(metrics.faults)),
-        asyncio.create_task(mover.watch(metrics.faults)),
-        asyncio.create_task(directory.follow_changes(metrics.faults)),
+        *routing.loops(metrics.faults),
+        asyncio.create_task(routing.directory.follow_changes(metrics.faults)),
         asyncio.create_task(_report_health(table, health_servicer)),
     ]
     try:

@@ -33,13 +33,10 @@ from shared.http_limits import MAX_BATCH, MAX_RID
 from shared.placement import OPENED_HEADER, Placement, read_opened_mark
 from shared.retry import DEPENDENCY_FAULTS
 from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
-from shared.routing.choice import Chooser
-from shared.routing.directory import Directory
-from shared.routing.limits import SessionLimits
-from shared.routing.migration import Mover
-from shared.routing.replicas import Opening, Replica, ReplicaTable
+from shared.routing.front import Routing
+from shared.routing.replicas import Opening, Replica
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
-from shared.tenancy import ApiKeys, Refused
+from shared.tenancy import Refused
 
 log = logging.getLogger("custody.epp")
 
@@ -80,12 +77,7 @@ def endpoint(replica: Replica) -> str:
 class Picker:
     def __init__(
         self,
-        table: ReplicaTable,
-        directory: Directory,
-        chooser: Chooser,
-        limits: SessionLimits,
-        mover: Mover,
-        tenancy: ApiKeys,
+        routing: Routing,
         background: Callable[[Callable], None],
         session_header: str = "",
         max_queued: int = 0,
@@ -94,8 +86,8 @@ class Picker:
         `session_header`: the header naming a chat request's implicit session;
         `max_queued`: shed (429) while every replica allowed has this many waiting (0:
         never; each replica's own bound, the same setting)."""
-        self.table, self.directory, self.chooser = table, directory, chooser
-        self.limits, self.mover, self.tenancy = limits, mover, tenancy
+        self.table, self.directory, self.chooser = routing.table, routing.directory, routing.chooser
+        self.limits, self.mover, self.tenancy = routing.limits, routing.mover, routing.tenancy
         self.background, self.session_header = background, session_header.lower()
         self.max_queued = max_queued
 

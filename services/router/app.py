@@ -42,35 +42,23 @@ from shared.placement import Placement
 from shared.retry import DEPENDENCY_FAULTS
 from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
 from shared.routing.background import Background
-from shared.routing.choice import Chooser
-from shared.routing.directory import Directory
-from shared.routing.limits import SessionLimits
-from shared.routing.migration import Mover
-from shared.routing.replicas import Opening, Replica, ReplicaTable
+from shared.routing.front import Routing
+from shared.routing.replicas import Opening, Replica
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
-from shared.tenancy import ApiKeys, Refused
+from shared.tenancy import Refused
 
 log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
 
 
 class Router:
-    def __init__(
-        self,
-        table: ReplicaTable,
-        directory: Directory,
-        proxy: Proxy,
-        tenancy: ApiKeys,
-        chooser: Chooser,
-        mover: Mover,
-        limits: SessionLimits,
-        session_header: str = "",
-    ) -> None:
+    def __init__(self, routing: Routing, proxy: Proxy, session_header: str = "") -> None:
         """`session_header`: the header naming a chat request's implicit session
         (services/scheduler/http/header_sessions.py), as the replicas are told."""
-        self.limits, self.session_header = limits, session_header
-        self.table, self.directory, self.proxy, self.tenancy = table, directory, proxy, tenancy
-        self.metrics, self.chooser, self.mover = proxy.metrics, chooser, mover
+        self.limits, self.session_header = routing.limits, session_header
+        self.table, self.directory, self.proxy = routing.table, routing.directory, proxy
+        self.tenancy, self.chooser, self.mover = routing.tenancy, routing.chooser, routing.mover
+        self.metrics = proxy.metrics
         self.background = Background(self.metrics.faults)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
