@@ -195,7 +195,8 @@ def _phase(router: str, url: str, prompts: list[list[int]]) -> dict:
     _flush(router)
     before = load.scrape(url)
     start = time.perf_counter()
-    replies = load.send_plain(url, prompts, PREFIX_CLIENTS, PREFIX_OUT)
+    generate = functools.partial(load.post, url, "/generate")
+    replies = load.send_plain(generate, prompts, PREFIX_CLIENTS, PREFIX_OUT)
     seconds = time.perf_counter() - start
     after = load.scrape(url)
 

@@ -81,6 +81,13 @@ class Gate:
         answer = envoy.send(path, body)
         return answer.status, answer.body, answer.endpoint
 
+    def generate(self, body: dict) -> dict:
+        """A plain /generate's reply (load.send_plain's sender)."""
+        status, reply, _ = self.send("/generate", body)
+        if status != 200:
+            raise RuntimeError(f"/generate through the picker: {status} {reply}")
+        return reply
+
 
 def _wait_ready(gate: Gate, replicas: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
@@ -94,8 +101,10 @@ def _wait_ready(gate: Gate, replicas: int, timeout: float = 60) -> None:
     raise RuntimeError(f"the picker at {gate.address} did not see {replicas} replicas")
 
 
-def _session(gate: Gate, sid: str, endpoints: dict[str, str], store: redis.Redis) -> list:
-    """One session through the picker: opened, TURNS turns, closed; each turn's
+def _session(
+    gate: Gate, sid: str, endpoints: dict[str, str], store: redis.Redis, turns: int
+) -> list:
+    """One session through the picker: opened, `turns` turns, closed; each turn's
     (index, history, cached tokens, whether its endpoint is the placement's)."""
     rng = np.random.default_rng(abs(hash(sid)) % (1 << 32))
     status, _, _ = gate.send("/open_session", {"session_id": sid})
@@ -103,7 +112,7 @@ def _session(gate: Gate, sid: str, endpoints: dict[str, str], store: redis.Redis
     scoped = next(k.decode() for k in store.scan_iter(placement_key("*" + sid)))
     placed = Placement.decode(store.get(scoped)).replica
     history, record = 0, []
-    for t in range(TURNS):
+    for t in range(turns):
         body = {
             "input_ids": rng.integers(0, 256, INPUT).tolist(),
             "session_params": {"id": sid},
@@ -119,20 +128,27 @@ def _session(gate: Gate, sid: str, endpoints: dict[str, str], store: redis.Redis
 
 
 def _sessions(
-    stack: Stack, gate: Gate, endpoints: dict[str, str], repeats: int, tag: str = "gw"
+    stack: Stack,
+    gate: Gate,
+    endpoints: dict[str, str],
+    repeats: int,
+    shape: tuple[int, int],
+    tag: str = "gw",
 ) -> dict:
+    """`shape`: (clients, turns)."""
+    clients, turns = shape
     store = redis.Redis.from_url(stack.settings.redis_url)
-    before, turns = load.scrape(gate.metrics), []
+    before, ran = load.scrape(gate.metrics), []
     for r in range(repeats):
         jobs = [
-            functools.partial(_session, gate, f"{tag}-r{r}-{k}", endpoints, store)
-            for k in range(CLIENTS)
+            functools.partial(_session, gate, f"{tag}-r{r}-{k}", endpoints, store, turns)
+            for k in range(clients)
         ]
-        turns += load.concurrently(jobs)
+        ran += load.concurrently(jobs)
         progress("scaleout --gateway epp: sessions", r + 1, repeats)
     after = load.scrape(gate.metrics)
     store.close()
-    returning = [t for t in turns if t[0] > 0]
+    returning = [t for t in ran if t[0] > 0]
     page = stack.settings.page_size
     hits = sum(cached >= history - page for _, history, cached, _ in returning)
     name = "custody_epp_decision_seconds"
@@ -149,15 +165,17 @@ def _sessions(
         "affinity_hit_rate": round(hits / len(returning), 4),
         "affinity_hits": hits,
         "returning_turns": len(returning),
-        "endpoint_is_placement": all(t[3] for t in turns),
+        "endpoint_is_placement": all(t[3] for t in ran),
         "epp_decision_p99_ms": figures(kinds["turn"])["p99_ms"],
         "epp_decision_by_kind": {k: figures(b) for k, b in kinds.items()},
-        "sessions": {"clients": CLIENTS, "turns": TURNS, "input": INPUT, "output": OUTPUT},
+        "sessions": {"clients": clients, "turns": turns, "input": INPUT, "output": OUTPUT},
         "repeats": repeats,
     }
 
 
-def _epp_first(stack: Stack, gate: Gate, endpoints: dict[str, str], repeats: int) -> dict:
+def _epp_first(
+    stack: Stack, gate: Gate, endpoints: dict[str, str], repeats: int, shape: tuple[int, int]
+) -> dict:
     """The sessions again with the picker and Redis first for the CPU: what the picker
     takes when a core is free as it wakes, as its own pod would have. A diagnostic
     beside the headline, never in its place."""
@@ -165,7 +183,7 @@ def _epp_first(stack: Stack, gate: Gate, endpoints: dict[str, str], repeats: int
     with harness.first_for_cpu(pids) as why:
         if why is not None:
             return {"epp_first": why}
-        got = _sessions(stack, gate, endpoints, repeats, tag="first")
+        got = _sessions(stack, gate, endpoints, repeats, shape, tag="first")
     return {"epp_first": got["epp_decision_by_kind"]}
 
 
@@ -190,35 +208,14 @@ def _flush(urls: list[str], gates: list[Gate], timeout: float = 30) -> None:
             time.sleep(0.05)
 
 
-def _send_plain(gate: Gate, prompts: list[list[int]]) -> list[load.Reply]:
-    replies = [load.Reply(0, 0.0, 0.0) for _ in prompts]
-    cursor, lock = iter(range(len(prompts))), threading.Lock()
-
-    def client() -> list:
-        while True:
-            with lock:
-                i = next(cursor, None)
-            if i is None:
-                return []
-            params = {"max_new_tokens": PREFIX_OUT, "ignore_eos": True}
-            sent = time.perf_counter()
-            _, reply, _ = gate.send(
-                "/generate", {"input_ids": prompts[i], "sampling_params": params}
-            )
-            replies[i] = load.Reply(reply["meta_info"]["cached_tokens"], sent, time.perf_counter())
-
-    load.concurrently([client] * PREFIX_CLIENTS)
-    return replies
-
-
-def _prefix(stack: Stack, gates: dict[str, Gate], urls: list[str]) -> dict:
+def _prefix(stack: Stack, gates: dict[str, Gate], urls: list[str], rounds: int) -> dict:
     cap = capacity(stack.settings)
     phases: dict[str, dict] = {}
     for order in ("rounds", "iid"):
-        prompts = load.prefix_prompts(cap["P"], PREFIX_LEN, SUFFIX, ROUNDS * cap["P"], order)
+        prompts = load.prefix_prompts(cap["P"], PREFIX_LEN, SUFFIX, rounds * cap["P"], order)
         for name, gate in gates.items():
             _flush(urls, list(gates.values()))
-            replies = _send_plain(gate, prompts)
+            replies = load.send_plain(gate.generate, prompts, PREFIX_CLIENTS, PREFIX_OUT)
             phases.setdefault(order, {})[PICKERS[name]] = {
                 "hit_tokens": sum(r.cached for r in replies),
                 "requests": len(replies),
@@ -236,7 +233,7 @@ def _prefix(stack: Stack, gates: dict[str, Gate], urls: list[str]) -> dict:
     }
 
 
-def run(repeats: int = 7) -> dict:
+def run(repeats: int = 7, clients: int = CLIENTS, turns: int = TURNS, rounds: int = ROUNDS) -> dict:
     """The workload through the picker on one 2-replica stack; writes
     bench-results/scaleout_epp.*."""
     start = time.perf_counter()
@@ -249,9 +246,10 @@ def run(repeats: int = 7) -> dict:
         replicas = load.get(f"http://127.0.0.1:{stack.settings.port}", "/health")["replicas"]
         urls = [r["url"] for _, r in sorted(replicas.items())]
         endpoints = {rid: r["url"].partition("://")[2] for rid, r in replicas.items()}
-        payload = _sessions(stack, gates["epp"], endpoints, repeats)
-        payload |= _epp_first(stack, gates["epp"], endpoints, min(repeats, 3))
-        payload |= _prefix(stack, gates, urls)
+        shape = (clients, turns)
+        payload = _sessions(stack, gates["epp"], endpoints, repeats, shape)
+        payload |= _epp_first(stack, gates["epp"], endpoints, min(repeats, 3), shape)
+        payload |= _prefix(stack, gates, urls, rounds)
     finally:
         stack.stop()
     payload["wall_seconds"] = round(time.perf_counter() - start, 1)

@@ -185,9 +185,12 @@ class Reply:
     answered: float  # ... and when its reply came back
 
 
-def send_plain(url: str, prompts: list[list[int]], clients: int, out: int) -> list[Reply]:
-    """Every prompt as a plain /generate, `clients` at a time, in order; what each reply
-    reused, and when it was sent and answered."""
+def send_plain(
+    generate: Callable[[dict], dict], prompts: list[list[int]], clients: int, out: int
+) -> list[Reply]:
+    """Every prompt as a plain /generate (`generate(body)`: its reply, through whichever
+    front), `clients` at a time, in order; what each reply reused, and when it was sent
+    and answered."""
     replies = [Reply(0, 0.0, 0.0) for _ in prompts]
     cursor = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -201,7 +204,7 @@ def send_plain(url: str, prompts: list[list[int]], clients: int, out: int) -> li
             params = {"max_new_tokens": out, "ignore_eos": True}
             body = {"input_ids": prompts[i], "sampling_params": params}
             sent = time.perf_counter()
-            cached = post(url, "/generate", body)["meta_info"]["cached_tokens"]
+            cached = generate(body)["meta_info"]["cached_tokens"]
             replies[i] = Reply(cached, sent, time.perf_counter())
 
     concurrently([client] * clients)
