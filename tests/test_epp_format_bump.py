@@ -6,10 +6,6 @@ equal to one-shot: a wrong read of a blob would show as diverging outputs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 
 from custody.up import Stack
@@ -18,6 +14,7 @@ from tests.services_harness import stack_settings
 from tests.test_epp import (
     OUTPUT,
     _with_pickers,
+    drain,
     envoy,
     home,
     one_shots,
@@ -57,15 +54,7 @@ def test_a_drain_across_a_state_format_bump_re_homes_from_history_never_a_wrong_
         assert on_zero
         history: dict[str, list[int]] = {sid: [] for sid in sids}
         run_turns(stack, sids, history, rng, pickers=("epp-a",))
-        url = f"http://127.0.0.1:{stack.layout['epp-a'][1].epp_http_port}"
-        drained = subprocess.run(
-            [sys.executable, "-m", "custody.cli", "drain", "--replica", "0", "--url", url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert drained.returncode == 0, drained.stdout + drained.stderr
-        outcome = json.loads(drained.stdout.strip().splitlines()[-1])
+        outcome = drain(stack, "0")
         assert outcome["history"] == len(on_zero) and outcome["state"] == 0, outcome
         run_turns(stack, sids, history, rng, pickers=("epp-a",), resumed=set(sids) - set(on_zero))
         expected = one_shots([history[sid][:-OUTPUT] for sid in sids])
