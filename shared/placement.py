@@ -16,11 +16,13 @@ placement, and its cleanup runs even after the placement has changed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shared.streams import PLACEMENT_CHANGES, REPLICA_ID
 
 FIRST_EPOCH = 1
+MOVE_NONCE = re.compile(r"[0-9a-f]{1,32}")  # `Move.nonce`: hex, as `secrets.token_hex` writes
 # Sent by a router with the opens it places: the replica then knows that a session of its
 # without a placement was closed (or moved and closed) elsewhere (a session opened straight
 # on a scheduler has no placement at all).
@@ -86,12 +88,19 @@ class Placement:
 
 @dataclass(frozen=True)
 class Move:
-    """One move of `sid` from `source` at `epoch` to `target` (which takes it at epoch + 1)."""
+    """One move of `sid` from `source` at `epoch` to `target` (which takes it at epoch + 1).
+
+    `nonce` names this attempt: two attempts of the same session between the same
+    replicas from the same epoch (one aborted, then one begun again) are the same move
+    but for it, and a copy the aborted one left on the target must never pass for the
+    second one's arrival. A move listed by a build without nonces has "": it matches no
+    arrival, so its retry copies again."""
 
     sid: str
     source: str
     target: str
     epoch: int
+    nonce: str = ""
 
     @property
     def before(self) -> Placement:
@@ -106,12 +115,15 @@ class Move:
         return Placement(self.target, self.epoch + 1)
 
     def encode(self) -> str:
-        return f"{self.sid} {self.source} {self.target} {self.epoch}"
+        text = f"{self.sid} {self.source} {self.target} {self.epoch}"
+        return f"{text} {self.nonce}" if self.nonce else text
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Move:
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         parts = text.split(" ")
-        if len(parts) != 4 or not parts[3].isdigit():
+        if len(parts) not in (4, 5) or not parts[3].isdigit():
             raise ValueError(f"not a move: {text!r}")
-        return cls(parts[0], parts[1], parts[2], int(parts[3]))
+        if len(parts) == 5 and not MOVE_NONCE.fullmatch(parts[4]):
+            raise ValueError(f"not a move: {text!r}")
+        return cls(parts[0], parts[1], parts[2], int(parts[3]), *parts[4:])

@@ -104,6 +104,13 @@ class Keys:
         return self._name(f"session:{sid}")
 
     @property
+    def lost(self) -> str:
+        """Set of session ids whose records the store could not prove current after a
+        gap whose writer died (services/session_store/consumer.py): each answers
+        `session_lost` until its client closes it."""
+        return self._name("lost")
+
+    @property
     def checkpoint(self) -> str:
         """The store's ledger of this replica."""
         return self._name("ledger")

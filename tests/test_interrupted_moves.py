@@ -11,14 +11,21 @@ from its state there, answers as one-shot, and neither ledger leaks.
 - c: moved (committed) but never closed where it was, then given a turn where it went
   and moved back: its arrival replaces the stale copy left there (an older epoch).
 - d: undone in the directory, but its replica never told: the placement names that
-  replica and no target again, so the replica takes the session's turns again."""
+  replica and no target again, so the replica takes the session's turns again.
+
+Then, on one stack with a live router, the settles a router sends that are lost: a copy
+an undone move left on its target, and a source never told its move committed. Each
+replica settles its copies from the directory by itself, and a later move of the same
+session never takes a stale copy for its own."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import urllib.error
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -31,7 +38,7 @@ from shared.redis_client import connect_async
 from shared.routing.directory import Directory
 from tests.services_harness import call, health, stack_settings, start_stack
 from tests.test_migration import check_one_shot, ledgers_clean, play, restart
-from tests.test_replicas import home, turn
+from tests.test_replicas import OUTPUT, home, turn
 
 LEASE = 2.0  # replica_dead_seconds: a move's lease
 
@@ -57,14 +64,23 @@ def admin(stack: Stack, replica: str, path: str, sid: str, **extra: object) -> o
 def begin(stack: Stack, client: redis.Redis, sid: str) -> Move:
     """Put `sid` in transit to the other replica and take it out of its own."""
     placed = Placement.decode(client.get(streams.placement_key(sid)))
-    move = Move(sid, placed.replica, "1" if placed.replica == "0" else "0", placed.epoch)
+    target = "1" if placed.replica == "0" else "0"
+    move = Move(sid, placed.replica, target, placed.epoch, secrets.token_hex(8))
     assert directory(stack.settings.redis_url, "begin", move)
     admin(stack, move.source, "migrate_out", sid)
     return move
 
 
 def arrive(stack: Stack, move: Move) -> None:
-    admin(stack, move.target, "migrate_in", move.sid, source=move.source, epoch=move.epoch + 1)
+    admin(
+        stack,
+        move.target,
+        "migrate_in",
+        move.sid,
+        source=move.source,
+        epoch=move.epoch + 1,
+        move=move.nonce,
+    )
 
 
 def refused(stack: Stack, replica: str, sid: str) -> int:
@@ -143,31 +159,102 @@ def restart_scheduler(stack: Stack, replica: str) -> None:
     raise AssertionError(f"scheduler-{replica} did not come back")
 
 
+@pytest.fixture(scope="module")
+def steady(redis_url: str, module_redis_client: redis.Redis) -> Iterator[Stack]:
+    """Two replicas and a live router that finds no replica dead while the tests play
+    a router's steps (its leases outlast them)."""
+    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=30.0))
+    yield stack
+    stack.stop()
+
+
+def until_gone(stack: Stack, replica: str, sid: str, seconds: float = 10.0) -> None:
+    """Until `replica` holds no copy of `sid` (a direct turn gets 404)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            turn(stack.layout[f"scheduler-{replica}"][1].port, sid, [1, 2, 3])
+            code = 200
+        except urllib.error.HTTPError as err:
+            code = err.code
+        if code == 404:
+            return
+        assert time.monotonic() < deadline, f"replica {replica} still holds {sid}: {code}"
+        time.sleep(0.2)
+
+
 def test_a_turn_sent_where_a_router_last_saw_its_session_follows_a_move_it_did_not_make(
-    redis_url, redis_client
+    steady: Stack, module_redis_client: redis.Redis
 ):
     """The router remembers placements; a move by someone else (here the test, as a
     second router) makes that memory stale, and the old replica's 503 (moving) or 404
     (gone) sends the router to the directory."""
-    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=30.0))
+    stack, redis_client = steady, module_redis_client
+    port, rng = stack.settings.port, np.random.default_rng(13)
+    sids = [call(port, "/open_session", {}) for _ in range(2)]
+    history = {sid: [] for sid in sids}
+    play(port, sids, history, rng, 1, resumed=False)
+    url, moves = stack.settings.redis_url, [begin(stack, redis_client, sid) for sid in sids]
+    with pytest.raises(urllib.error.HTTPError) as moving:  # the first, while it moves
+        turn(port, sids[0], [1, 2, 3])
+    assert moving.value.code == 503
+    assert json.loads(moving.value.read())["error"]["type"] == "moving"
+    for move in moves:
+        arrive(stack, move)
+        assert directory(url, "commit", move)
+        admin(stack, move.source, "migrate_done", move.sid)
+        directory(url, "done", move)
+    play(port, sids, history, rng, 2, resumed=True)  # on the target, from its state
+    check_one_shot(sids, history)
+    for move in moves:
+        assert refused(stack, move.source, move.sid) == 404
+
+
+def test_a_copy_left_by_an_undone_move_never_answers_for_its_session(
+    steady: Stack, module_redis_client: redis.Redis
+):
+    """A move undone with the target's release lost left a copy there at the move's
+    epoch. It goes by itself, and when the session later moves there for real (a drain),
+    it resumes from the history it has now, not the copy's: before, the drain took the
+    stale copy for its own arrival and the next turn ran on two turns less history."""
+    stack, client = steady, module_redis_client
+    port, url, rng = stack.settings.port, stack.settings.redis_url, np.random.default_rng(17)
+    sid = call(port, "/open_session", {})
+    history: dict = {sid: []}
+    play(port, [sid], history, rng, 1, resumed=False)
+    move = begin(stack, client, sid)
+    arrive(stack, move)
+    assert directory(url, "abort", move)
+    admin(stack, move.source, "migrate_cancel", sid)  # ... and the target's release is lost
+    directory(url, "done", move)
+    play(port, [sid], history, rng, 2, resumed=True)  # on the source, which kept it
+    until_gone(stack, move.target, sid)
+    drained = call(port, "/admin/drain", {"replica": move.source})
     try:
-        port, rng = stack.settings.port, np.random.default_rng(13)
-        sids = [call(port, "/open_session", {}) for _ in range(2)]
-        history = {sid: [] for sid in sids}
-        play(port, sids, history, rng, 1, resumed=False)
-        url, moves = stack.settings.redis_url, [begin(stack, redis_client, sid) for sid in sids]
-        with pytest.raises(urllib.error.HTTPError) as moving:  # the first, while it moves
-            turn(port, sids[0], [1, 2, 3])
-        assert moving.value.code == 503
-        assert json.loads(moving.value.read())["error"]["type"] == "moving"
-        for move in moves:
-            arrive(stack, move)
-            assert directory(url, "commit", move)
-            admin(stack, move.source, "migrate_done", move.sid)
-            directory(url, "done", move)
-        play(port, sids, history, rng, 2, resumed=True)  # on the target, from its state
-        check_one_shot(sids, history)
-        for move in moves:
-            assert refused(stack, move.source, move.sid) == 404
+        assert drained["failed"] == 0 and home(client, sid) == move.target, drained
+        metas = play(port, [sid], history, rng, 1, resumed=True)
+        assert metas[0]["prompt_tokens"] == len(history[sid]) - OUTPUT, metas
+        check_one_shot([sid], history)
     finally:
-        stack.stop()
+        client.delete(streams.Keys(move.source).draining)  # the next test places anywhere
+    ledgers_clean(stack)
+
+
+def test_a_source_never_told_its_session_moved_lets_its_copy_go(
+    steady: Stack, module_redis_client: redis.Redis
+):
+    """A committed move whose release of the source was lost: the source's copy stayed
+    `moving` for good (never expiring, holding its blob, counted in its registration)."""
+    stack, client = steady, module_redis_client
+    port, url, rng = stack.settings.port, stack.settings.redis_url, np.random.default_rng(19)
+    sid = call(port, "/open_session", {"timeout": 3})
+    history: dict = {sid: []}
+    play(port, [sid], history, rng, 1, resumed=False)
+    move = begin(stack, client, sid)
+    arrive(stack, move)
+    assert directory(url, "commit", move)  # ... and the source's release is lost
+    directory(url, "done", move)
+    play(port, [sid], history, rng, 1, resumed=True)  # on the target
+    until_gone(stack, move.source, sid)
+    check_one_shot([sid], history)
+    ledgers_clean(stack)

@@ -12,6 +12,7 @@ through the router, and counted twice against the key's limits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,10 +24,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from custody.up import Stack
+from custody.soak.redis_proxy import RedisProxy
+from custody.up import Stack, layout
 from shared import streams
+from shared.config import Settings
 from shared.placement import Placement
-from tests.services_harness import call, stack_settings, start_stack
+from tests.services_harness import call, health, stack_settings
 from tests.test_migration import ledgers_clean
 from tests.test_replicas import OUTPUT, one_shots, turn
 
@@ -64,8 +67,28 @@ def redis_client(module_redis_client: redis.Redis) -> redis.Redis:
 
 
 @pytest.fixture(scope="module")
-def two(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
-    stack = start_stack(stack_settings(redis_url, replicas=2, replica_dead_seconds=DEAD_SECONDS))
+def proxy(redis_url: str) -> Iterator[RedisProxy]:
+    """Replica 0's scheduler reaches Redis through it (a fault hook: `RedisProxy.trap`)."""
+    proxy = RedisProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def two(redis_url: str, redis_client: redis.Redis, proxy: RedisProxy) -> Iterator[Stack]:
+    def plan(settings: Settings) -> dict[str, tuple[str, Settings]]:
+        children = layout(settings)
+        module, own = children["scheduler-0"]
+        children["scheduler-0"] = (module, dataclasses.replace(own, redis_url=proxy.url))
+        return children
+
+    settings = stack_settings(redis_url, replicas=2, replica_dead_seconds=DEAD_SECONDS)
+    stack = Stack(settings, plan=plan).start_all()
+    try:
+        stack.wait_healthy()
+    except RuntimeError:
+        stack.stop()
+        raise
     yield stack
     stack.stop()
 
@@ -211,3 +234,64 @@ def test_a_dead_replica_s_sessions_move_only_once_the_store_has_its_last_records
         assert time.monotonic() < deadline, status
         time.sleep(0.3)
     assert status == 404, status
+
+
+def test_a_new_life_paused_before_it_registers_takes_back_nothing_that_moved_meanwhile(
+    two: Stack, redis_client: redis.Redis, proxy: RedisProxy
+):
+    """Replica 0's scheduler is killed and started again; its new life is paused at its
+    first read of its session records (after it read where they are placed), long
+    enough for the router to re-home them. Woken, it must serve none of them: before,
+    it read the directory before it registered and was never fenced (its first write
+    could not find a lease lapsed), so both replicas answered 200 for the same sessions."""
+    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
+    sids: list[str] = []
+    deadline = time.monotonic() + 60  # replica 0 may still be coming back from the last test
+    while health(direct, timeout=2).get("status") != "ok":
+        assert time.monotonic() < deadline, "replica 0 is not back"
+        two.supervise_once()
+        time.sleep(0.3)
+    while len([s for s in sids if placement(redis_client, s).replica == "0"]) < 2:
+        assert time.monotonic() < deadline, "too few sessions were placed on replica 0"
+        sids.append(call(port, "/open_session", {}))
+    ours = [s for s in sids if placement(redis_client, s).replica == "0"]
+    history = {sid: [] for sid in ours}
+    for sid in ours:
+        history[sid] += [5, 6, 7] + turn(port, sid, [5, 6, 7])["output_ids"]
+    router, paused = two.children["router"], threading.Event()
+
+    def pause_new_life() -> None:
+        os.kill(two.children["scheduler-0"].pid, signal.SIGSTOP)
+        paused.set()
+
+    os.kill(router.pid, signal.SIGSTOP)  # it re-homes only once the new life has read
+    try:
+        two.kill("scheduler-0")
+        proxy.trap(b"$6\r\nrecord\r\n", pause_new_life)  # HGET <session key> record
+        two.start("scheduler-0")
+        assert paused.wait(60), "the new life never read its session records"
+    finally:
+        os.kill(router.pid, signal.SIGCONT)
+    scheduler = two.children["scheduler-0"]
+    try:
+        deadline = time.monotonic() + 60
+        while any(placement(redis_client, s).replica != "1" for s in ours):
+            assert time.monotonic() < deadline, [placement(redis_client, s) for s in ours]
+            time.sleep(0.2)
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while health(direct, timeout=2).get("status") != "ok":
+        assert time.monotonic() < deadline, "the new life did not come up"
+        time.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while any((status := status_of(direct, s, [1, 2])[0]) != 404 for s in ours):
+        assert status != 200, "the new life served a session that lives on replica 1"
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    for sid in ours:  # one copy, on replica 1, with the whole history
+        answer = turn(port, sid, [8, 9])
+        assert answer["meta_info"]["prompt_tokens"] == len(history[sid]) + 2, answer
+    for sid in sids:
+        call(port, "/close_session", {"session_id": sid})
+    ledgers_clean(two)

@@ -90,7 +90,7 @@ def test_an_unreadable_move_or_placement_is_dropped_or_taken_as_none_not_raised(
     """One bad value in Redis must not stop the router's take-over loop or a scheduler's
     start: a move that does not read is dropped (logged), a placement that does not read
     is taken as none by the rebuild."""
-    for bad in ("s a b", "s a b x", "s a b 1 2"):
+    for bad in ("s a b", "s a b x", "s a b 1 2 3", "s a b 1 nonce"):
         with pytest.raises(ValueError):
             Move.decode(bad)
     redis_client.zadd(streams.MOVES, {"not a move": 0})

@@ -7,7 +7,10 @@ Modes, switched at run time:
 - `partition`: nothing flows and new connections are accepted but get nothing, as on a
   network that drops packets (a client waits on its own timeouts) until `heal`;
 - `latency`: each chunk waits `delay` seconds before it goes on;
-- `cut()`: every open connection is reset at once (new ones pass).
+- `cut()`: every open connection is reset at once (new ones pass);
+- `trap(pattern, action)`: the next command sent that carries `pattern` waits for
+  `action` to run before it goes on (a fault that must land at one exact point of a
+  process's life, such as a pause at its first read of its session records).
 
 No registry here ships a proxy server, so this is one: a thread per direction per
 connection, which is plenty for two processes' connections."""
@@ -19,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 CHUNK = 65536
 POLL = 0.05  # how often a held pump looks at the mode again
@@ -32,6 +36,7 @@ class RedisProxy:
         self.mode = "pass"
         self.delay = 0.0
         self._open: set[socket.socket] = set()
+        self._trap: tuple[bytes, Callable[[], None]] | None = None
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
@@ -48,6 +53,11 @@ class RedisProxy:
 
     def heal(self) -> None:
         self.mode, self.delay = "pass", 0.0
+
+    def trap(self, pattern: bytes, action: Callable[[], None]) -> None:
+        """Run `action` once, when a command carrying `pattern` is sent, before it goes
+        on (a pattern split across two reads is not seen: commands are small)."""
+        self._trap = (pattern, action)
 
     def cut(self) -> None:
         """Reset every connection open now (RST, not FIN: as a middlebox dropping it)."""
@@ -82,10 +92,19 @@ class RedisProxy:
                 continue
             with self._lock:
                 self._open |= {client, upstream}
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, sent in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, sent), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _sprung(self, data: bytes) -> None:
+        """Run the trap's action if `data` (a command on its way) carries its pattern."""
+        with self._lock:
+            trap = self._trap
+            if trap is None or trap[0] not in data:
+                return
+            self._trap = None
+        trap[1]()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, sent: bool) -> None:
         try:
             while True:
                 while self.mode == "partition":
@@ -97,6 +116,8 @@ class RedisProxy:
                     time.sleep(POLL)
                 if self.mode == "latency":
                     time.sleep(self.delay)
+                if sent:
+                    self._sprung(data)
                 dst.sendall(data)
         except OSError:
             pass  # a reset (cut) or the other side gone: this connection is over

@@ -118,8 +118,10 @@ class Scheduler:
                 await retry.wait(err)
 
     async def start(self) -> None:
-        """Fence earlier scheduler lives, take the sessions back, announce the ledger."""
+        """Fence earlier scheduler lives, register this one (its lease runs from here,
+        registration.py), take the sessions back, announce the ledger."""
         await self.fence()
+        await self.registration.register(self.redis)
         epoch, self.unproven = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
         await self.redis.delete(self.keys.draining)  # a restarted replica takes work again
         if epoch is not None:

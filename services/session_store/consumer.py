@@ -14,6 +14,14 @@ session, shipped with each snapshot) has replaced what the gap may have lost. A 
 scheduler, or a replica taking a session over, reads from the records only once
 `records_through` has passed the stream's end as it saw it (shared/records_proof.py).
 
+A gap only the scheduler life that wrote it can fill ends in a decision when that life is
+gone (a snapshot of another epoch comes first): nothing can prove its sessions' records
+current any more, and a record a turn short would answer wrong, so every session recorded
+then is lost (`Keys.lost`, counted in `sessions_lost`), its record dropped. Its client
+hears so (`session_lost`) instead of a 503 for ever: the new life waits for a proof, the
+proof for a full set, and the full set for the new life's sessions to be taken back. A
+message of an epoch never seen (its snapshot was lost in the gap) is a gap too.
+
 A message that does not decode as one of shared/messages/ownership.py's kinds (or
 names slots the ledger lacks) is refused whole: counted in `refused`, its reason kept in
 `last_refused` (both on `/ledger` and `/metrics`), acknowledged, and treated as a gap,
@@ -54,6 +62,7 @@ from shared.messages.ownership import (
 from shared.placement import Placement
 
 log = logging.getLogger("custody.session_store")
+PAST_EPOCHS = 16  # epochs remembered as left behind (a restart a life, at most a few late)
 
 
 class OwnershipConsumer:
@@ -78,6 +87,10 @@ class OwnershipConsumer:
         self._full: set[str] | None = None  # a full set applied: every sid it named
         self.records_complete = True  # no session record lost since the last full set
         self.records_through = records_proof.NO_STREAM  # every record applied up to it
+        self.gap_epoch: str | None = None  # the epoch whose records a gap left incomplete
+        self.past_epochs: list[str] = []  # epochs left behind: their late tails are dropped
+        self.sessions_lost = 0  # sessions lost by a decision on an unfillable gap
+        self._lose = False  # every recorded session is to be lost with the next write
         streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
 
@@ -118,6 +131,8 @@ class OwnershipConsumer:
             if fields and fields.get(b"k") != CACHE_KIND:
                 self._apply(fields.get(b"m", b""))
         keys, pipe = self.keys, self.client.pipeline(transaction=True)
+        if self._lose:
+            self._lose_recorded(pipe)
         if self._full is not None:
             known = {m.decode() for m in self.client.smembers(keys.sessions)}
             for sid in known - self._full:  # closed in a gap: its close was lost
@@ -142,19 +157,44 @@ class OwnershipConsumer:
         # (a move then carried a history a turn short: the 3-replica campaign).
         self._writes.clear()
         self.ledger.dirty.clear()  # likewise: a refused checkpoint writes them next time
-        self._full = None
+        self._full, self._lose = None, False
         return len(entries)
+
+    def _lose_recorded(self, pipe: redis.client.Pipeline) -> None:
+        """Every session recorded now is lost (the decision on an unfillable gap): listed
+        in `Keys.lost` and its record dropped, in the checkpoint's transaction."""
+        keys = self.keys
+        lost = sorted(m.decode() for m in self.client.smembers(keys.sessions))
+        for sid in lost:
+            pipe.delete(keys.session(sid))
+        if lost:
+            pipe.sadd(keys.lost, *lost)
+        pipe.delete(keys.sessions)
+        self.sessions_lost += len(lost)
+        log.error(
+            "replica %s: the gap in epoch %s cannot be filled (a new life began): "
+            "%d recorded sessions are lost",
+            keys.replica,
+            self.gap_epoch,
+            len(lost),
+        )
 
     def _apply(self, raw: bytes) -> list[Violation]:
         try:
             msg = MESSAGES.decode(raw)
             if isinstance(msg, Snapshot):
+                if not self.records_complete and msg.epoch != self.gap_epoch:
+                    self._decide_lost()
+                if self.epoch is not None and self.epoch != msg.epoch:
+                    self.past_epochs = [*self.past_epochs, self.epoch][-PAST_EPOCHS:]
                 self.ledger.reset(msg)
                 self.epoch, self.seq = msg.epoch, msg.seq
                 if self.records_complete:  # else asked again until a full set comes
                     self.client.delete(self.keys.snapshot_wanted)
                 self.checker.reset(msg.epoch)
                 return self._steps_due()
+            if self.epoch is not None and msg.epoch not in (self.epoch, *self.past_epochs):
+                return self._gap(f"message {msg.seq} of epoch {msg.epoch}, its snapshot unread")
             if msg.epoch != self.epoch or msg.seq <= self.seq:
                 self.duplicates += msg.epoch == self.epoch
                 return []  # a duplicate, or an old epoch's tail after a snapshot
@@ -175,7 +215,7 @@ class OwnershipConsumer:
             return self.ledger.check_idle(msg.counts, msg.seq)
         if msg.full:
             self._writes.clear()  # the full set supersedes what this batch had taken
-            self._full = {r.sid for r in msg.records}
+            self._full = {r.sid for r in msg.records} | set(msg.kept)
             self.records_complete = True
             self.client.delete(self.keys.snapshot_wanted)
         self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]
@@ -228,9 +268,19 @@ class OwnershipConsumer:
         """Check the queued steps planned where the ledger stands now."""
         return self.ledger.report(self.checker.at(self.epoch, self.ledger.next_event, self.ledger))
 
+    def _decide_lost(self) -> None:
+        """The epoch whose gap left the records incomplete is over: no full set of it
+        will ever come. What it recorded is lost; the records are complete again (for
+        the new epoch, which starts from this decision)."""
+        self._writes.clear()  # that epoch's records, taken before the gap: in doubt too
+        self._full, self._lose = None, True
+        self.records_complete, self.gap_epoch = True, None
+
     def _gap(self, what: str) -> list[Violation]:
         found = Violation("gap", "*", [], what + "; snapshot requested", None)
         self.ledger.report([found])
+        if self.records_complete:  # the first gap since the last full set: its epoch
+            self.gap_epoch = self.epoch
         self.epoch = None  # apply nothing more until a snapshot arrives
         self.records_complete = False  # records may be lost: until a full set
         self.client.set(self.keys.snapshot_wanted, 1)
@@ -253,6 +303,9 @@ class OwnershipConsumer:
             "double_frees": led.double_frees,
             "events_applied": led.events_applied,
             "steps": self.checker.state(),
+            "gap_epoch": self.gap_epoch,
+            "past_epochs": self.past_epochs,
+            "sessions_lost": self.sessions_lost,
         }
         tables = {f"table:{i}": pack(led.tables[i], WIRE_DTYPES[OWNER]) for i in led.dirty}
         return {
@@ -283,3 +336,7 @@ class OwnershipConsumer:
         led.double_frees, led.events_applied = state["double_frees"], state["events_applied"]
         if "steps" in state:
             self.checker.load(state["steps"])
+        # absent from a checkpoint written before these existed (5000829): nothing known
+        self.gap_epoch = state.get("gap_epoch")
+        self.past_epochs = state.get("past_epochs") or []
+        self.sessions_lost = state.get("sessions_lost", 0)

@@ -48,6 +48,11 @@ class LedgerMetrics(Collector):
             "session records refused: written under a placement epoch the directory left",
             labels=[LABEL],
         )
+        lost = GaugeMetricFamily(
+            "custody_sessions_lost",
+            "sessions ended `session_lost`: a gap in the ownership stream whose writer died",
+            labels=[LABEL],
+        )
         steps = GaugeMetricFamily(
             "custody_ledger_steps_checked",
             "forward steps whose writes were checked against the ledger, or could not be",
@@ -63,7 +68,8 @@ class LedgerMetrics(Collector):
             applied.add_metric([replica], led.events_applied)
             refused.add_metric([replica], consumer.refused)
             fenced.add_metric([replica], consumer.fenced)
+            lost.add_metric([replica], consumer.sessions_lost)
             steps.add_metric(["checked", replica], consumer.checker.checked)
             steps.add_metric(["unchecked", replica], consumer.checker.unchecked)
-        yield from (violations, leaked, applied, refused, fenced, steps)
+        yield from (violations, leaked, applied, refused, fenced, lost, steps)
         yield from self.replicas.loop_faults.collect()

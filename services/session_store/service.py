@@ -57,6 +57,7 @@ class StoreService:
             "consumer_faults": self.replicas.faults[replica],
             "refused": {"total": consumer.refused, "last": consumer.last_refused},
             "fenced_records": consumer.fenced,
+            "sessions_lost": consumer.sessions_lost,
             "steps": {
                 "checked": consumer.checker.checked,
                 "unchecked": consumer.checker.unchecked,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 import aiohttp
@@ -37,6 +38,9 @@ from shared.routing.replicas import Replica, ReplicaTable
 
 log = logging.getLogger("custody.router")
 RELEASE_ATTEMPTS = 6  # over about 12 s
+# an admin call's bound: longer than a replica's own bound on any of them (a move's
+# arrival waits up to 10 s for the store's proof and 30 s for its copy)
+CALL_SECONDS = 60.0
 
 
 class Mover:
@@ -67,25 +71,45 @@ class Mover:
     async def _post(
         self, replica: Replica, path: str, sid: str, extra: dict | None = None
     ) -> tuple[int, object]:
+        """`replica`'s answer to an admin call, or 503 when it cannot be had: not
+        connected, no answer within `CALL_SECONDS`, or the replica stopped registering
+        meanwhile (paused, hung, cut off). A call must not hold a move, and the duties
+        behind it, for as long as TCP takes to give up on a peer that never answers."""
         body = {"session_id": sid, **(extra or {})}
+        call = asyncio.ensure_future(self._request(replica, path, body))
+        try:
+            while not call.done():
+                await asyncio.wait({call}, timeout=self.table.period)
+                if not call.done() and replica.id not in self.table.live:
+                    return 503, f"replica {replica.id} stopped registering during {path}"
+            return call.result()
+        finally:
+            call.cancel()
+
+    async def _request(self, replica: Replica, path: str, body: dict) -> tuple[int, object]:
+        timeout = aiohttp.ClientTimeout(total=CALL_SECONDS)
         try:
             async with self.session.post(
-                replica.url + path, json=body, headers=self.headers
+                replica.url + path, json=body, headers=self.headers, timeout=timeout
             ) as resp:
                 return resp.status, await resp.json(content_type=None)
-        except (aiohttp.ClientError, OSError, ValueError) as err:
-            return 503, str(err)
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as err:
+            return 503, str(err) or type(err).__name__
 
-    async def release(self, replica: Replica, sid: str) -> None:
-        """Close `replica`'s copy of `sid`, which the directory places elsewhere; a
+    async def release(self, replica: Replica, sid: str, path: str = "/admin/migrate_done") -> bool:
+        """Close `replica`'s copy of `sid`, which the directory places elsewhere (or, by
+        `path` /admin/migrate_cancel, let it take turns again); whether it answered. A
         replica that cannot answer now (Redis away, restarting) is asked again, a few
-        times, so a failed open leaves no copy behind."""
+        times, so a failed open or move leaves no copy behind."""
         for attempt in range(RELEASE_ATTEMPTS):
-            status, answer = await self._post(replica, "/admin/migrate_done", sid)
+            status, answer = await self._post(replica, path, sid)
             if status < 500:
-                return
+                return True
+            if replica.id not in self.table.live:
+                break  # it settles from the directory once back (directory_check.py)
             await asyncio.sleep(0.2 * 2**attempt)
-        log.warning("session %s: copy on %s not released: %s", sid, replica.id, answer)
+        log.warning("session %s: %s on %s not answered: %s", sid, path, replica.id, answer)
+        return False
 
     async def move(self, sid: str, source: str, target: Replica) -> str:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
@@ -98,7 +122,7 @@ class Mover:
             return "gone"
         if placement.replica != source or placement.moving_to:
             return "failed"  # moving meanwhile
-        move = Move(sid, source, target.id, placement.epoch)
+        move = Move(sid, source, target.id, placement.epoch, secrets.token_hex(8))
         if not await self.directory.begin(move):
             return "failed"
         self.moving[sid] = asyncio.Event()
@@ -132,7 +156,7 @@ class Mover:
             if status != 200:
                 log.warning("session %s stays on %s: %s", move.sid, move.source, answer)
                 return await self._undo(move)
-        body = {"source": move.source, "epoch": move.epoch + 1}
+        body = {"source": move.source, "epoch": move.epoch + 1, "move": move.nonce}
         status, placed = await self._post(target, "/admin/migrate_in", move.sid, body)
         if status == 404 and leaving is None:
             return await self._lost(move, placed)
@@ -165,16 +189,21 @@ class Mover:
     async def _settle(self, move: Move, placement: Placement | None) -> None:
         """Leave each replica of `move` as `placement` says, then unlist the move: the
         replica it names takes turns again (if the move was undone), every other closes
-        its copy (each refuses while the directory names it)."""
+        its copy (each refuses while the directory names it). A replica that does not
+        answer keeps the move listed: once its lease runs out, a front takes it over and
+        settles it again (`recover`). A replica not registered now settles its copies
+        from the directory itself when it is back (directory_check.py)."""
+        answered = True
         for rid in (move.source, move.target):
             replica = self.table.live.get(rid)
             if replica is None:
                 continue
             if placement == move.before and rid == move.source:
-                await self._post(replica, "/admin/migrate_cancel", move.sid)
+                answered &= await self.release(replica, move.sid, "/admin/migrate_cancel")
             elif placement is None or not placement.names(rid):
-                await self._post(replica, "/admin/migrate_done", move.sid)
-        await self.directory.done(move)
+                answered &= await self.release(replica, move.sid)
+        if answered:
+            await self.directory.done(move)
 
     async def recover(self) -> None:
         """Finish, or undo, every move whose router's lease ran out (it died, or lost

@@ -359,6 +359,24 @@ def test_an_id_closed_here_does_not_block_a_later_session_of_that_id_arriving():
     close_all(d)
 
 
+def test_only_the_attempt_that_brought_a_copy_finds_it_again_on_arrival():
+    """A move retried (the same attempt) finds its copy; a later attempt of the same move
+    (same source, same epoch: the first was aborted and its settle lost) replaces the
+    stale copy by the current record; an attempt older than the copy here is refused."""
+    d = Driver()
+    sessions = d.engine.sessions
+    old = SessionRecord(sid="x", history=array(np.arange(1, 6), I4))
+    first = sessions.arrive(old, source="7", epoch=2, move="aa")
+    assert sessions.arrive(old, source="7", epoch=2, move="aa") is first  # a retry
+    current = SessionRecord(sid="x", history=array(np.arange(1, 10), I4))
+    second = sessions.arrive(current, source="7", epoch=2, move="bb")
+    assert second is not first and second.history.tolist() == list(range(1, 10))
+    assert sessions.arrive(current, source="7", epoch=2) is not second  # no nonce: copied
+    with pytest.raises(SessionError):
+        sessions.arrive(current, source="7", epoch=1, move="cc")
+    close_all(d)
+
+
 def test_a_request_that_needs_a_waiting_turn_s_room_takes_it_instead_of_waiting_for_ever():
     """The head of the queue needs pages held only by a session whose turn waits behind
     it. The session's state is not in use until its turn is admitted, so pressure moves

@@ -32,6 +32,7 @@ SESSION_STATUS = {
     "rebuilding": 503,  # its records are not proven current yet (session_rebuild.py)
     "fenced": 503,  # this replica's lease on its sessions lapsed (replica_lease.py)
     "outcome_unknown": 504,  # moved while the turn's record was on its way (intake.py)
+    "lost": 410,  # its history cannot be proven current after a fault (session_rebuild.py)
 }
 RETRY_AFTER_SECONDS = 1  # on every 503: what is refused now is served soon
 

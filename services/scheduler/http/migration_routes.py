@@ -31,7 +31,7 @@ async def migrate_in(request: web.Request) -> web.Response:
             "source and epoch (the move's source replica, its new epoch) are required"
         )
     door = request.app[FRONT_DOOR]
-    return _placed(await door.migrate_in(body.session_id, body.source, body.epoch))
+    return _placed(await door.migrate_in(body.session_id, body.source, body.epoch, body.move))
 
 
 async def migrate_done(request: web.Request) -> web.Response:

@@ -34,7 +34,7 @@ from services.scheduler.http.logprobs import sglang as sglang_logprobs
 from services.scheduler.http.replies import Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
-from services.scheduler.http.tenancy import CACHE_SALT
+from services.scheduler.http.tenancy import CACHE_SALT, session_id
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
@@ -161,8 +161,10 @@ async def open_session(request: web.Request) -> web.Response:
 
 async def close_session(request: web.Request) -> web.Response:
     name = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
-    await request.app[FRONT_DOOR].close_session(own_session(request, name))
-    await request.app[FRONT_DOOR].durable()
+    door = request.app[FRONT_DOOR]
+    if not door.forget_lost(session_id(request, name)):  # a lost one's close ends it
+        await door.close_session(own_session(request, name))
+    await door.durable()
     return web.json_response(True)
 
 

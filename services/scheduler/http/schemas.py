@@ -29,6 +29,7 @@ from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.http.schemas_tokenizer import tokenizer_schemas
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from shared.http_limits import MAX_CHOICES
+from shared.placement import MOVE_NONCE
 from shared.session_ids import SESSION_ID
 from shared.streams import REPLICA_ID
 
@@ -98,12 +99,13 @@ class PlaceSessionRequest(Struct):
 
 class MigrateRequest(Struct):
     """The router moves a session between replicas (operator): `source` names the
-    replica it comes from, and `epoch` the placement epoch it takes, for the replica it
-    goes to."""
+    replica it comes from, `epoch` the placement epoch it takes and `move` the attempt's
+    nonce (shared/placement.py `Move`), for the replica it goes to."""
 
     session_id: str
     source: Annotated[str, Meta(pattern=REPLICA_ID.pattern)] | None = None
     epoch: Annotated[int, Meta(ge=1, le=2**62)] | None = None
+    move: Annotated[str, Meta(pattern=f"^({MOVE_NONCE.pattern})?$")] = ""
 
 
 class AbortRequest(Struct):

@@ -19,6 +19,8 @@ from shared.messages.ownership import ChatEntry
 from shared.placement import FIRST_EPOCH
 from shared.session_ids import session_name
 
+ARRIVED = "-"  # `Session.arrival` of a copy a move without a nonce brought (an older front)
+
 
 class SessionError(InvalidRequest):
     """A session-level refusal: unknown, closed, busy or a bad id."""
@@ -79,8 +81,18 @@ class Session:
     tenant: str | None = None  # sha256 of the opening API key, never the key; None: keys off
     chat: tuple[ChatEntry, ...] | None = None  # the conversation; None: raw tokens or empty
     moving: bool = False  # leaving for another replica: no turn starts (SessionManager.leave)
+    leaves: int = 0  # times it began to leave: a check that read the directory meanwhile is void
     epoch: int = FIRST_EPOCH  # its placement's epoch here (shared/placement.py)
     routed: bool = False  # placed in the directory (by a router): no placement means gone
+    # the attempt (`Move.nonce`, or `ARRIVED` for one without) of the move that brought
+    # it here, until the directory shows it placed here (directory_check.py `settle`)
+    arrival: str = ""
+
+    @property
+    def in_doubt(self) -> bool:
+        """A move's copy whose fate only the directory knows: leaving (`moving`), or
+        arrived and not yet seen placed here. Its settle from the router may be lost."""
+        return self.moving or bool(self.arrival)
 
     @property
     def name(self) -> str:

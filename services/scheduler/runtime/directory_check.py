@@ -8,7 +8,15 @@ Intake.refuse_turns), then the copy is closed. So one session never has two live
 and a copy here never counts against a key's limits twice.
 
 A session without a placement is released only if it was placed by a router
-(`Session.routed`): a session opened straight on this scheduler has none, and is kept."""
+(`Session.routed`): a session opened straight on this scheduler has none, and is kept.
+
+The same check settles, every heartbeat, each copy a move left in doubt here
+(`Session.in_doubt`): the router tells the replicas of a move how it ended, but that
+request can be lost, and then the directory alone knows. A copy it gives elsewhere goes
+(the source's after a commit, the target's after an abort); a leaving session it gives
+back to this replica at the same epoch, with no target, takes turns again (an abort); an
+arrived one it places here is no longer in doubt. So no copy stays `moving` for good,
+holding its state and counting against its key's limits, and no stale arrival lingers."""
 
 from __future__ import annotations
 
@@ -38,24 +46,55 @@ async def release_moved(
     client: aioredis.Redis, engine: EngineCore, intake: Intake, replica: str
 ) -> list[str]:
     """Release every held session the directory gives elsewhere; returns their ids."""
+    released = await _check(client, engine, intake, replica, list(engine.sessions.sessions))
+    if released:
+        log.warning("released %d sessions placed elsewhere: %s", len(released), released)
+    return released
+
+
+async def settle(
+    client: aioredis.Redis, engine: EngineCore, intake: Intake, replica: str
+) -> list[str]:
+    """Settle every copy a move left in doubt here, as the directory says; returns the
+    ids released."""
+    doubted = [  # a copy whose state a step still writes (an arrival's blob) waits a beat
+        sid for sid, s in engine.sessions.sessions.items() if s.in_doubt and s.state_ready
+    ]
+    released = await _check(client, engine, intake, replica, doubted)
+    if released:
+        log.warning("released %d copies whose move ended elsewhere: %s", len(released), released)
+    return released
+
+
+async def _check(
+    client: aioredis.Redis, engine: EngineCore, intake: Intake, replica: str, sids: list[str]
+) -> list[str]:
+    """Check `sids` against the directory: release each it gives elsewhere, and settle
+    each a move left in doubt that it gives to this replica."""
     released = []
-    for sid, session in list(engine.sessions.sessions.items()):
+    for sid in sids:
+        session = engine.sessions.sessions.get(sid)
+        if session is None:
+            continue
+        leaves = session.leaves
         try:
             placed = Placement.decode(await client.get(streams.placement_key(sid)))
         except ValueError as err:
             log.warning("session %s: its placement is unreadable (%s); kept here", sid, err)
             continue
-        if session is not engine.sessions.sessions.get(sid):
-            continue  # closed (or replaced) while the directory was read
+        if session is not engine.sessions.sessions.get(sid) or session.leaves != leaves:
+            continue  # closed, replaced or leaving again while the directory was read
         if placed is not None:
             session.routed = True
-        if not gone(session, placed, replica):
-            continue
-        intake.refuse_turns(session)
-        if session.turn is not None:
-            intake.ended(engine.abort(session.turn.rid, "the session moved to another replica"))
-        engine.sessions.depart(sid)
-        released.append(sid)
-    if released:
-        log.warning("released %d sessions placed elsewhere: %s", len(released), released)
+        if gone(session, placed, replica):
+            intake.refuse_turns(session)
+            if session.turn is not None:
+                intake.ended(engine.abort(session.turn.rid, "the session moved to another replica"))
+            engine.sessions.depart(sid)
+            released.append(sid)
+        elif placed == Placement(replica, session.epoch):  # here, no move under way
+            session.arrival = ""
+            if session.moving:
+                log.warning("session %s: its move was undone; it takes turns here again", sid)
+                engine.sessions.stay(sid)
     return released

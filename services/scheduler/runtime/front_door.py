@@ -152,6 +152,13 @@ class FrontDoor:
         """A chat request bound by the session header (http/header_sessions.py)."""
         self._metrics.header_turns.labels(outcome).inc()
 
+    def forget_lost(self, sid: str) -> bool:
+        """Whether `sid` was lost (SessionManager.lost): its close then takes away what
+        is left of it."""
+        forgotten = self._engine.sessions.forget_lost(sid)
+        self._intake.wake.set()
+        return forgotten
+
     async def close_session(self, session: Session) -> None:
         """Close `session` (resolved by the edge with `session`)."""
         await self._undo_stale_move(session)
@@ -210,12 +217,25 @@ class FrontDoor:
         ):
             raise SessionError("the session store is behind; retry the move", "moving")
 
-    async def migrate_in(self, sid: str, source: str, epoch: int, timeout: float = 30.0) -> Session:
+    async def migrate_in(
+        self, sid: str, source: str, epoch: int, move: str = "", timeout: float = 30.0
+    ) -> Session:
         """Open `sid` at placement `epoch` from the record replica `source` persisted,
-        its blob copied here; returns once the copy ran (or failed: then it re-prefills)
-        and it is recorded. The record is read only once proven current: a source that
-        died (or paused) with records still unapplied would otherwise hand over an older
-        history than the one it acknowledged."""
+        its blob copied here, as attempt `move` of its move; returns once the copy ran
+        (or failed: then it re-prefills) and it is recorded. Only while the directory has
+        the session in transit from `source` to here: a request of a move undone since
+        (delayed, or retried late) must not open a copy nobody will settle. The record
+        is read only once proven current: a source that died (or paused) with records
+        still unapplied would otherwise hand over an older history than the one it
+        acknowledged."""
+        transit = Placement(source, epoch - 1, self._outbox.keys.replica)
+        placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
+        if placed != transit:
+            raise SessionError(
+                f"session {sid} is not moving from {source} to this replica "
+                f"(placed: {None if placed is None else placed.encode()})",
+                "conflict",
+            )
         await self._records_current(streams.Keys(source))
         raw = await self._redis.hget(streams.Keys(source).session(sid), "record")
         if raw is None:
@@ -224,7 +244,7 @@ class FrontDoor:
             record = RECORDS.decode(raw)
         except WireError as err:
             raise SessionError(f"the record of session {sid} is refused: {err}", "invalid") from err
-        session = self._engine.sessions.arrive(record, source, epoch)
+        session = self._engine.sessions.arrive(record, source, epoch, move)
         deadline = time.monotonic() + timeout
         while not session.state_ready and time.monotonic() < deadline:
             self._intake.wake.set()

@@ -58,7 +58,8 @@ class PlacedSweep:
             self.suspects = {s: v for s, v in self.suspects.items() if s in self.walked}
             self.walked = set()
         for sid in batch:
-            if sid in self.sessions.sessions or sid in self.sessions.pending:
+            sessions = self.sessions
+            if sid in sessions.sessions or sid in sessions.pending or sid in sessions.lost:
                 self.suspects.pop(sid, None)
                 continue
             value = await client.get(streams.placement_key(sid))

@@ -17,7 +17,7 @@ import prometheus_client
 import redis.asyncio as aioredis
 
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.runtime.directory_check import release_moved
+from services.scheduler.runtime.directory_check import release_moved, settle
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.placed_sweep import PlacedSweep
@@ -94,16 +94,26 @@ class Registration:
             retry.ok()
             await asyncio.sleep(self.period)
 
-    async def beat(self, client: aioredis.Redis) -> None:
-        """Write the registration; renew the lease, unless it had lapsed: then, fenced,
-        check every held session against the directory first (directory_check.py), once
-        no router is re-homing this replica's sessions any more."""
+    async def register(self, client: aioredis.Redis) -> float:
+        """Write the registration; returns when it was sent. A new life does this first
+        of all, before it reads the sessions it holds: from that write on, a pause long
+        enough for a router to re-home them lapses its lease (and fences it), as it
+        would for a life that has served for hours."""
         sent = self.lease.clock()
         if self.lease.lapsed_at(sent) and not self.lease.fenced:
             self.lease.fenced = True
             log.warning("lease lapsed: sessions refused until checked against the directory")
         await client.sadd(streams.REPLICAS, self.keys.replica)
         await client.set(self.keys.alive, self.entry(), px=self.ttl_ms)
+        if self.lease.renewed_at is None:
+            self.lease.renew(sent)
+        return sent
+
+    async def beat(self, client: aioredis.Redis) -> None:
+        """Write the registration; renew the lease, unless it had lapsed: then, fenced,
+        check every held session against the directory first (directory_check.py), once
+        no router is re-homing this replica's sessions any more."""
+        sent = await self.register(client)
         if self.lease.fenced:
             if await client.exists(self.keys.rehoming):
                 return  # a router is moving them now: check once it is done
@@ -113,6 +123,7 @@ class Registration:
         self.intake.wake.set()  # records held while fenced may go now
         await self.unplace(client)
         await self.sweep.step(client)
+        await settle(client, self.engine, self.intake, self.keys.replica)
 
     async def unplace(self, client: aioredis.Redis) -> None:
         """Take away the placement of each routed session closed here, if it still names
@@ -127,4 +138,5 @@ class Registration:
             mine = Placement(self.keys.replica, epoch).encode()
             await script(keys=[streams.placement_key(sid)], args=[mine])
             await client.srem(self.keys.placed, sid)
+            await client.srem(self.keys.lost, sid)  # if it was lost, its client closed it
             sessions.unplaced.pop(0)

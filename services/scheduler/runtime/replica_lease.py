@@ -43,7 +43,7 @@ class ReplicaLease:
 
     def lapsed_at(self, sent: float) -> bool:
         """Whether a registration sent at `sent` finds the lease ended (never at the
-        first write of this life: a new life has checked the directory at its start)."""
+        first write of this life, which comes before it reads what it holds)."""
         return self.renewed_at is not None and sent - self.renewed_at >= self.seconds
 
     def renew(self, sent: float) -> None:

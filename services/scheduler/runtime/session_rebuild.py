@@ -10,7 +10,11 @@ With replicas, the placement directory is the authority on where a session lives
 record of a session placed on another replica (it moved while this one was down) is not
 taken back but recorded closed here, and a blob it named is deleted as unnamed. A
 session in transit from here is taken back moving (no turn starts) and at its placement's
-epoch: the router that finishes or undoes the move decides where it lives."""
+epoch: the router that finishes or undoes the move decides where it lives.
+
+A session the store lost (a gap its last life could not fill: services/session_store/
+consumer.py) has no record any more; it answers `session_lost` (410) until its client
+closes it, never 503 for ever."""
 
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ async def rebuild_sessions(
         )
         sessions.pending |= set(sids)
         return None, target
+    await _lost(client, sessions, keys)
     records = await _records(client, keys, sids)
     alive = await client.get(keys.executor_alive)
     epoch = alive.decode() if alive else None
@@ -79,6 +84,7 @@ async def finish_rebuild(
     while not await records_proof.records_current(client, keys, target):
         await asyncio.sleep(0.2)
     pending = sorted(sessions.pending)
+    await _lost(client, sessions, keys)
     sids, placements = await _ours(client, sessions, keys)
     records = [
         msgspec.structs.replace(r, disk=None)
@@ -108,6 +114,18 @@ async def _ours(
             placements[sid] = placed
         sids.append(sid)
     return sids, placements
+
+
+async def _lost(client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys) -> None:
+    """The sessions the store lost (`Keys.lost`, services/session_store/consumer.py): each
+    still placed here answers `session_lost` until its client closes it; one placed
+    elsewhere, or nowhere, is not this replica's to answer for any more."""
+    for sid in sorted(m.decode() for m in await client.smembers(keys.lost)):
+        placed = await _placement(client, sid)
+        if placed is not None and placed.replica == keys.replica:
+            sessions.lost[sid] = placed.epoch
+        elif placed is None:
+            await client.srem(keys.lost, sid)
 
 
 async def _records(client: aioredis.Redis, keys: streams.Keys, sids: list[str]) -> list:

@@ -30,6 +30,7 @@ from services.scheduler.ownership.owners import OwnerKind
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
+    ARRIVED,
     Session,
     SessionError,
     TurnStart,
@@ -75,6 +76,10 @@ class SessionManager:
         # recorded sessions a restarted scheduler has not taken back yet: their records
         # are not proven current (runtime/session_rebuild.py), so they answer 503
         self.pending: set[str] = set()
+        # recorded sessions the store could not prove current after a gap (session_
+        # rebuild.py), by their placement's epoch: each answers `session_lost` until its
+        # client closes it (its placement stays, so every front sends its turns here)
+        self.lost: dict[str, int] = {}
         self.conflicting_records = 0
         # whether this replica may serve its sessions now: its registration is provably
         # current (runtime/replica_lease.py); the composition root sets it
@@ -152,8 +157,15 @@ class SessionManager:
             raise SessionError(f"session {session.name} is closed", "closed")
 
     def _gone(self, sid: str) -> SessionError:
-        """The refusal of `sid` no longer open here: closed here, or never (or no longer:
-        it departed) known."""
+        """The refusal of `sid` no longer open here: lost, closed here, or never (or no
+        longer: it departed) known."""
+        if sid in self.lost:
+            return SessionError(
+                f"session {session_name(sid)} was lost: the session store could not prove "
+                "its history current after a fault; open a new session and send the whole "
+                "conversation",
+                "lost",
+            )
         if sid in self._closed:
             return SessionError(f"session {session_name(sid)} is closed", "closed")
         return SessionError(f"session {session_name(sid)} not found", "not_found")
@@ -239,6 +251,15 @@ class SessionManager:
             if s.turn is None and now - s.last_used >= at_least
         ]
         return sorted(idle, key=lambda pair: -pair[1])
+
+    def forget_lost(self, sid: str) -> bool:
+        """Whether `sid` was lost: then its client's close ends what is left of it (its
+        placement, taken away as a closed session's)."""
+        epoch = self.lost.pop(sid, None)
+        if epoch is None:
+            return False
+        self.unplaced.append((sid, epoch))
+        return True
 
     def forget_closed(self, sid: str) -> None:
         """`sid` closed here is no longer remembered as closed (a later session of that
@@ -451,6 +472,7 @@ class SessionManager:
         if session.turn is not None:
             raise SessionError(f"session {session_name(sid)} has a turn in flight", "busy")
         session.moving = True
+        session.leaves += 1
         return session
 
     def stay(self, sid: str) -> None:
@@ -463,21 +485,27 @@ class SessionManager:
             )
         session.moving = False
 
-    def arrive(self, record: SessionRecord, source: str, epoch: int) -> Session:
+    def arrive(self, record: SessionRecord, source: str, epoch: int, move: str = "") -> Session:
         """Open the session of `record` (persisted by replica `source`) here at placement
-        `epoch`, and plan the copy of its blob if it names one and a disk slot is free. A
-        copy here of an older epoch was left by a move that never closed it: it is stale,
-        and goes."""
+        `epoch` by attempt `move` of its move, and plan the copy of its blob if it names
+        one and a disk slot is free. A copy here that this very attempt brought is a
+        retry's: it stays. Any other copy of this epoch or older was left by a move that
+        never closed it (committed, or aborted with its settle lost): it is stale, and
+        goes. A copy of a newer epoch means this move is older than what is here."""
         if record.closed:
             raise SessionError(f"session {session_name(record.sid)} is closed", "not_found")
         here = self.sessions.get(record.sid)
-        if here is not None and here.epoch >= epoch:  # a retried move: it arrived already
+        if here is not None and here.epoch > epoch:
+            raise SessionError(
+                f"session {session_name(record.sid)} is here at a newer epoch", "conflict"
+            )
+        if here is not None and move and here.arrival == move:
             return here
         if here is not None:
             self.depart(record.sid)
         self.forget_closed(record.sid)  # the directory placed it here anew: it may come
         session = self.open(record.sid, record.timeout, record.tenant)
-        session.epoch, session.routed = epoch, True
+        session.epoch, session.routed, session.arrival = epoch, True, move or ARRIVED
         session.history = record.tokens().astype(np.int64)
         session.chat = None if record.chat is None else tuple(record.chat)
         if record.disk is not None and self.pools.disk.free_count:
