@@ -104,6 +104,13 @@ class Keys:
         return self._name(f"session:{sid}")
 
     @property
+    def trimmed_unread(self) -> str:
+        """The first ownership entry kept when the scheduler last had to trim entries the
+        store had not read (runtime/outbox.py `trim`): the store finds that gap by it
+        where no sequence shows one (an epoch's end trimmed away whole)."""
+        return self._name("trimmed-unread")
+
+    @property
     def lost(self) -> str:
         """Set of session ids whose records the store could not prove current after a
         gap whose writer died (services/session_store/consumer.py): each answers

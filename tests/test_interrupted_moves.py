@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
+import threading
 import time
 import urllib.error
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from custody.up import Stack
 from shared import streams
 from shared.placement import Move, Placement
 from shared.redis_client import connect_async
+from shared.registration_auth import signature
 from shared.routing.directory import Directory
 from tests.services_harness import call, health, stack_settings, start_stack
 from tests.test_migration import check_one_shot, ledgers_clean, play, restart
@@ -258,3 +261,73 @@ def test_a_source_never_told_its_session_moved_lets_its_copy_go(
     until_gone(stack, move.source, sid)
     check_one_shot([sid], history)
     ledgers_clean(stack)
+
+
+def register_black_hole(client: redis.Redis, secret: str, stop: threading.Event) -> str:
+    """Register replica "9" whose address accepts connections and never answers (a hung
+    process, a frozen VM, a black-holed path), renewing its registration until `stop`;
+    returns its id."""
+    hole = socket.create_server(("127.0.0.1", 0))
+    url, epoch = f"http://127.0.0.1:{hole.getsockname()[1]}", "hole"
+    entry = {
+        "replica": "9",
+        "url": url,
+        "executor": True,
+        "running": 0,
+        "queued": 0,
+        "sessions": 0,
+        "opened": 0,
+        "tenants": {},
+        "epoch": epoch,
+        "sig": signature(secret, "9", url, epoch),
+    }
+    client.sadd(streams.REPLICAS, "9")
+
+    def renew() -> None:
+        while not stop.is_set():
+            client.set(streams.Keys("9").alive, json.dumps(entry), px=600)
+            time.sleep(0.1)
+        hole.close()
+
+    threading.Thread(target=renew, daemon=True).start()
+    return "9"
+
+
+def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
+    steady: Stack, module_redis_client: redis.Redis
+):
+    """A drain whose target accepts the connection and never answers: the call waited
+    for TCP to give up (about 15 minutes), holding the move, the front's duties and the
+    drain (the preStop hook) with it. It ends once the target stops registering: the move
+    is undone, the session answers on the replica it never left."""
+    stack, client = steady, module_redis_client
+    port, rng = stack.settings.port, np.random.default_rng(23)
+    sid = call(port, "/open_session", {})
+    history: dict = {sid: []}
+    play(port, [sid], history, rng, 1, resumed=False)
+    source = home(client, sid)
+    other = "1" if source == "0" else "0"
+    stop, drained = threading.Event(), {}
+    client.set(streams.Keys(other).draining, 1)  # the hole is the only target
+    try:
+        hole = register_black_hole(client, stack.settings.cluster_secret, stop)
+        time.sleep(1.0)  # the router reads it (and tries to warm its connections)
+        drain = threading.Thread(
+            target=lambda: drained.update(call(port, "/admin/drain", {"replica": source}))
+        )
+        drain.start()
+        deadline = time.monotonic() + 20
+        while Placement.decode(client.get(streams.placement_key(sid))).moving_to != hole:
+            assert time.monotonic() < deadline, "the drain never began the move"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the call to the hole waits
+        stop.set()  # it stops registering
+        drain.join(30)
+        assert not drain.is_alive(), "the drain waits on a replica that never answers"
+        assert drained["failed"] == 1 and home(client, sid) == source, drained
+        play(port, [sid], history, rng, 1, resumed=True)
+        check_one_shot([sid], history)
+    finally:
+        stop.set()
+        client.delete(streams.Keys(other).draining, streams.Keys(source).draining)
+        client.srem(streams.REPLICAS, "9")

@@ -73,7 +73,7 @@ class Scheduler:
         self.loop = StepLoop(
             settings, self.engine, self.link, self.outbox, self.intake, metrics, self.redis
         )
-        metrics.watch(LiveState(self.engine, self.link, lambda: self.loop.faults))
+        metrics.watch(LiveState(self.engine, self.link, self.outbox, lambda: self.loop.faults))
         self.front_door = FrontDoor(
             settings,
             tokenizer,

@@ -90,6 +90,7 @@ class OwnershipConsumer:
         self.gap_epoch: str | None = None  # the epoch whose records a gap left incomplete
         self.past_epochs: list[str] = []  # epochs left behind: their late tails are dropped
         self.sessions_lost = 0  # sessions lost by a decision on an unfillable gap
+        self.last_entry = records_proof.NO_STREAM  # the last stream entry handled
         self._lose = False  # every recorded session is to be lost with the next write
         streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
@@ -125,11 +126,12 @@ class OwnershipConsumer:
             return 0
         self.checker.read()  # every step planned before these messages' events is there
         self._steps_due()
-        for _, fields in entries:
+        for entry, fields in entries:
             # An entry trimmed before it was read has no fields, and one for the routers
             # (the prefix cache's, `k` = cache) is none of the store's: just ack them.
             if fields and fields.get(b"k") != CACHE_KIND:
                 self._apply(fields.get(b"m", b""))
+            self.last_entry = entry.decode() if isinstance(entry, bytes) else entry
         keys, pipe = self.keys, self.client.pipeline(transaction=True)
         if self._lose:
             self._lose_recorded(pipe)
@@ -183,6 +185,8 @@ class OwnershipConsumer:
         try:
             msg = MESSAGES.decode(raw)
             if isinstance(msg, Snapshot):
+                if self.epoch not in (None, msg.epoch) and self._trimmed_unread():
+                    self._gap(f"entries of epoch {self.epoch} trimmed before they were read")
                 if not self.records_complete and msg.epoch != self.gap_epoch:
                     self._decide_lost()
                 if self.epoch is not None and self.epoch != msg.epoch:
@@ -268,6 +272,16 @@ class OwnershipConsumer:
         """Check the queued steps planned where the ledger stands now."""
         return self.ledger.report(self.checker.at(self.epoch, self.ledger.next_event, self.ledger))
 
+    def _trimmed_unread(self) -> bool:
+        """Whether the scheduler trimmed entries after the last one handled here before
+        they were read (its mark, `Keys.trimmed_unread`, is past it): the end of an epoch
+        trimmed away whole, before a new life's snapshot, shows no gap in any sequence.
+        Asked only there (a new life)."""
+        mark = self.client.get(self.keys.trimmed_unread)
+        if mark is None or self.last_entry == records_proof.NO_STREAM:
+            return False  # no such trim (or nothing handled here yet)
+        return records_proof.entry_id(mark) > records_proof.entry_id(self.last_entry)
+
     def _decide_lost(self) -> None:
         """The epoch whose gap left the records incomplete is over: no full set of it
         will ever come. What it recorded is lost; the records are complete again (for
@@ -306,6 +320,7 @@ class OwnershipConsumer:
             "gap_epoch": self.gap_epoch,
             "past_epochs": self.past_epochs,
             "sessions_lost": self.sessions_lost,
+            "last_entry": self.last_entry,
         }
         tables = {f"table:{i}": pack(led.tables[i], WIRE_DTYPES[OWNER]) for i in led.dirty}
         return {
@@ -340,3 +355,4 @@ class OwnershipConsumer:
         self.gap_epoch = state.get("gap_epoch")
         self.past_epochs = state.get("past_epochs") or []
         self.sessions_lost = state.get("sessions_lost", 0)
+        self.last_entry = state.get("last_entry", records_proof.NO_STREAM)

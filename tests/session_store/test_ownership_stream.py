@@ -331,3 +331,71 @@ def test_records_a_refused_write_dropped_are_written_with_the_next_batch(redis_c
     assert len(kept.tokens()) == 9
     last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
     assert redis_client.hget(keys.checkpoint, "records_through").decode() == last
+
+
+def two_lives(redis_client) -> tuple[Driver, EventShipper, OwnershipConsumer, str]:
+    """A scheduler life "e5" with two sessions recorded by the store; the last entry read."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e5")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    d.engine.sessions.open("sa")
+    d.engine.sessions.open("sb")
+    publish(redis_client, shipper.snapshot())
+    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
+    drain(consumer)
+    return d, shipper, consumer, consumer.records_through
+
+
+def test_a_gap_whose_life_ended_loses_its_sessions_instead_of_waiting_for_ever(redis_client):
+    """Records lost in a gap, and the life that could have sent them whole gone (a new
+    life's snapshot comes first): the store decides, every recorded session is lost
+    (listed, its record dropped), and the proof goes on for the new life, which before
+    waited for a full set it withholds while its sessions wait for that very proof."""
+    d, shipper, consumer, applied = two_lives(redis_client)
+    keys = streams.SINGLE
+    shipper.sessions(d.engine.sessions.records.take_records(), None)  # lost
+    publish(redis_client, shipper.idle({}))  # the gap shows
+    drain(consumer)
+    assert not consumer.records_complete
+    new_life = EventShipper(Driver().pools.ledger, epoch="e6")
+    publish(redis_client, new_life.snapshot())
+    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa", "sb"]))
+    drain(consumer)
+    assert consumer.records_complete and consumer.sessions_lost == 2
+    assert entry_id(consumer.records_through) > entry_id(applied)
+    assert redis_client.smembers(keys.lost) == {b"sa", b"sb"}
+    assert not redis_client.smembers(keys.sessions) and not redis_client.exists(keys.session("sa"))
+
+
+def test_an_epoch_s_end_trimmed_away_whole_is_a_gap_too(redis_client):
+    """No sequence shows it: the old life's last entries went before the store read them,
+    and the next it reads is a new life's snapshot. The mark the trim left does (as the
+    scheduler's trim leaves it: the first entry kept)."""
+    d, shipper, consumer, _ = two_lives(redis_client)
+    keys = streams.SINGLE
+    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
+    redis_client.xtrim(keys.ownership, maxlen=0)  # trimmed unread
+    publish(redis_client, EventShipper(Driver().pools.ledger, epoch="e6").snapshot())
+    redis_client.set(keys.trimmed_unread, redis_client.xrange(keys.ownership, count=1)[0][0])
+    drain(consumer)
+    assert consumer.sessions_lost == 2 and redis_client.smembers(keys.lost) == {b"sa", b"sb"}
+
+
+def test_a_full_set_sent_while_sessions_wait_to_be_taken_back_keeps_their_records(
+    redis_client,
+):
+    """A restarted life whose sessions wait for the store's proof names them `kept` in
+    its full set: a gap in its own epoch is made whole without dropping their records."""
+    _, _, consumer, _ = two_lives(redis_client)
+    keys = streams.SINGLE
+    new_life = EventShipper(Driver().pools.ledger, epoch="e6")
+    publish(redis_client, new_life.snapshot())
+    new_life.idle({})  # lost
+    publish(redis_client, new_life.idle({}))
+    drain(consumer)
+    assert not consumer.records_complete
+    publish(redis_client, new_life.snapshot())
+    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa"]))
+    drain(consumer)
+    assert consumer.records_complete and consumer.sessions_lost == 0
+    assert redis_client.smembers(keys.sessions) == {b"sa"}  # sb: named by neither

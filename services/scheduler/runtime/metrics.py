@@ -23,14 +23,22 @@ from shared.retry import DEPENDENCY_FAULTS, background_faults
 if TYPE_CHECKING:
     from services.scheduler.engine.core import EngineCore
     from services.scheduler.runtime.executor_link import ExecutorLink
+    from services.scheduler.runtime.outbox import OwnershipOutbox
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class LiveState(Collector):
-    def __init__(self, engine: EngineCore, link: ExecutorLink, loop_faults: Callable[[], int]):
+    def __init__(
+        self,
+        engine: EngineCore,
+        link: ExecutorLink,
+        outbox: OwnershipOutbox,
+        loop_faults: Callable[[], int],
+    ):
         self.engine = engine
         self.link = link
+        self.outbox = outbox
         self.loop_faults = loop_faults
         self.stream_lag: dict[str, int] = {}  # read fresh by `SchedulerMetrics.render`
 
@@ -62,6 +70,11 @@ class LiveState(Collector):
             engine.guard.failures,
         )
         yield _counter("custody_retractions", "running requests preempted", engine.retractions)
+        yield _counter(
+            "custody_ownership_trimmed_unread",
+            "ownership stream entries trimmed before the session store read them (a gap)",
+            self.outbox.trimmed_unread,
+        )
         yield _counter(
             "custody_dropped_rows",
             "rows of steps in flight whose request ended or was re-queued first (wasted work)",

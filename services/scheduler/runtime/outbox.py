@@ -14,16 +14,24 @@ is taken (deleted) once a heartbeat with the store's snapshot check."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.runtime.cache_shipper import CacheShipper
 from services.scheduler.runtime.event_shipper import EventShipper
 from shared import streams
 from shared.messages.cache import CACHE_KIND
+
+log = logging.getLogger("custody.scheduler")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class OwnershipOutbox:
@@ -47,6 +55,7 @@ class OwnershipOutbox:
         self.taken = 0  # passes that took the changed session records, so far
         self.shipped = 0  # the last such pass whose messages Redis has taken
         self._flushed = asyncio.Event()  # set (and replaced) at every flush
+        self.trimmed_unread = 0  # ownership entries trimmed before the store read them
         self._was_idle = True
         self._next_snapshot_check = 0.0
         # whether this replica's lease lets it write session records (replica_lease.py)
@@ -102,6 +111,7 @@ class OwnershipOutbox:
             pipe.exists(self.keys.snapshot_wanted)
             pipe.delete(self.keys.cache_snapshot_wanted)
             store_wants, routers_want = await pipe.execute()
+            await self.trim(redis)
         taken = self.queue_ownership(executor_epoch)
         idle = self.engine.idle
         if idle and not self._was_idle:
@@ -121,17 +131,48 @@ class OwnershipOutbox:
             self._shipped(carried)  # the passes up to here took nothing: all is on the stream
             return
         pipe = redis.pipeline(transaction=False)
-        stream, maxlen = self.keys.ownership, self.stream_maxlen
-        for message in self.messages:
-            pipe.xadd(stream, {"m": message}, maxlen=maxlen, approximate=True)
+        stream = self.keys.ownership
+        for message in self.messages:  # trimmed by `trim`, never past what the store read
+            pipe.xadd(stream, {"m": message})
         for message in self.cache_messages:
-            pipe.xadd(stream, {"k": CACHE_KIND, "m": message}, maxlen=maxlen, approximate=True)
+            pipe.xadd(stream, {"k": CACHE_KIND, "m": message})
         if step is not None:
             pipe.xadd(self.keys.forward, {"m": step}, maxlen=self.stream_maxlen, approximate=True)
         await pipe.execute()
         self.messages.clear()
         self.cache_messages.clear()
         self._shipped(carried)
+
+    async def trim(self, redis: aioredis.Redis) -> None:
+        """Trim the ownership stream up to what the store has consumed (its group's
+        oldest entry not acknowledged, else the last one it read), never past it: an
+        entry trimmed before the store applied it is a gap only this life can fill. With
+        more than `stream_maxlen` entries unconsumed all the same (a store away that
+        long), the oldest go, to bound Redis's memory: counted (`trimmed_unread`),
+        logged, and marked (`Keys.trimmed_unread`) for the store to find the gap."""
+        stream = self.keys.ownership
+        try:
+            groups = await redis.xinfo_groups(stream)
+        except ResponseError:
+            return  # no stream yet
+        store = next((g for g in groups if _text(g["name"]) == streams.STORE_GROUP), None)
+        if store is not None:
+            pending = await redis.xpending(stream, streams.STORE_GROUP)
+            keep = pending["min"] if pending["pending"] else store["last-delivered-id"]
+            await redis.xtrim(stream, minid=_text(keep))
+        removed = await redis.xtrim(stream, maxlen=self.stream_maxlen)
+        if removed:
+            first = await redis.xrange(stream, count=1)
+            if first:
+                await redis.set(self.keys.trimmed_unread, first[0][0])
+            self.trimmed_unread += removed
+            log.error(
+                "replica %s: %d ownership entries trimmed before the session store read "
+                "them (more than %d unconsumed): it will find a gap",
+                self.keys.replica,
+                removed,
+                self.stream_maxlen,
+            )
 
     def _shipped(self, carried: int) -> None:
         """What the passes up to `carried` took is on the stream: wake `durable`."""

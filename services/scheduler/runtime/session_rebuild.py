@@ -30,7 +30,7 @@ from services.scheduler.sessions.records import without_device_state
 from shared import records_proof, streams
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS, SessionRecord
-from shared.placement import Placement
+from shared.placement import FIRST_EPOCH, Placement
 
 log = logging.getLogger("custody.scheduler")
 
@@ -118,13 +118,13 @@ async def _ours(
 
 async def _lost(client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys) -> None:
     """The sessions the store lost (`Keys.lost`, services/session_store/consumer.py): each
-    still placed here answers `session_lost` until its client closes it; one placed
-    elsewhere, or nowhere, is not this replica's to answer for any more."""
+    answers `session_lost` until its client closes it, unless the directory places it on
+    another replica now (then it is not this replica's to answer for)."""
     for sid in sorted(m.decode() for m in await client.smembers(keys.lost)):
         placed = await _placement(client, sid)
-        if placed is not None and placed.replica == keys.replica:
-            sessions.lost[sid] = placed.epoch
-        elif placed is None:
+        if placed is None or placed.replica == keys.replica:
+            sessions.lost[sid] = FIRST_EPOCH if placed is None else placed.epoch
+        else:
             await client.srem(keys.lost, sid)
 
 
