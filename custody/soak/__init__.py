@@ -91,6 +91,9 @@ def run_campaign(duration: float, replicas: int, dead_seconds: float, as_json: b
         print(f"{row['at']:7.1f}s  {row['kind']:26} {row['seconds']:5.1f}s  {held}  {row['hit']}")
     print(f"{campaign.turns_acked} turns acknowledged; found: {campaign.examples or 'nothing'}")
     print(f"{campaign.orphans} sessions whose open's answer was lost, closed at the end")
+    print(f"stuck: {campaign.load.stuck or 'none'}; lost: {len(campaign.load.lost)}")
+    if campaign.deaths_outside_faults():
+        print(f"replicas declared dead outside a fault: {campaign.deaths_outside_faults()}")
     if campaign.left_behind:
         print(f"left behind: {campaign.left_behind}")
     if as_json:
@@ -104,5 +107,6 @@ def campaign_held(result: dict) -> bool:
         all(result["faults"].values())
         and result["stale_turns"] == result["twin_copies"] == result["wrong_outputs"] == 0
         and not any(result["leaked_slots"].values())
-        and result["leaked_placements"] == 0
+        and result["leaked_placements"] == result["stuck_sessions"] == 0
+        and result["deaths_outside_faults"] == 0
     )

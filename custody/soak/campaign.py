@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from custody.soak.fault_kinds import KINDS, Target
 from custody.soak.history import Turn, judge, wrong_outputs
@@ -34,6 +35,7 @@ from custody.soak.verdict import disowned
 from custody.up import Backoff, Stack, layout
 from shared import streams
 from shared.config import Settings
+from shared.routing.migration import MOVE_SECONDS
 
 SUMMARY_KEYS = (
     "faults",
@@ -42,8 +44,14 @@ SUMMARY_KEYS = (
     "wrong_outputs",
     "leaked_slots",
     "leaked_placements",
+    "stuck_sessions",
+    "lost_sessions",
+    "deaths_outside_faults",
 )
 WORKERS = 6
+# ownership entries a replica's stream keeps unread: a store paused for a fault's window
+# outlasts it under the load, so trimmed_stream (and store_lag) meet a real unread trim
+STREAM_MAXLEN = 500
 SETTLE_SECONDS = 1.5  # after a fault, once the stack is ready again, before the next
 POOLS = {
     "page_size": 4,
@@ -66,13 +74,20 @@ class Campaign:
             heartbeat_seconds=0.2,
             executor_timeout_seconds=2.0,
             compile=False,
+            stream_maxlen=STREAM_MAXLEN,
             **POOLS,
         )
         self.proxies: dict[str, RedisProxy] = {}
+        self.http_proxies: dict[str, RedisProxy] = {}  # router -> each replica's API
         self.stack = Stack(self.settings, plan=self.plan)
         self.stack.backoff = {name: Backoff(ceiling=2.0) for name in self.stack.backoff}
         self.admin = redis.Redis.from_url(self.stack.settings.redis_url)
-        self.load = SessionLoad(self.settings.port, WORKERS, self.settings.context_len)
+        # a session refused 503 longer than this is stuck: 3 dead periods and a move
+        stuck = 3 * dead_seconds + MOVE_SECONDS
+        self.load = SessionLoad(self.settings.port, WORKERS, self.settings.context_len, stuck)
+        self.deaths: list[tuple[float, str]] = []  # (when, replica) a front declared dead
+        self._dead_counted: dict[str, float] = {}  # the router's count, as last read
+        self._deaths_read = 0.0
         self.rows: list[dict] = []  # one per fault injected
         self.examples: list[str] = []  # what the checker found, a few
         self.turns_acked = 0
@@ -82,7 +97,8 @@ class Campaign:
 
     def plan(self, settings: Settings) -> dict[str, tuple[str, Settings]]:
         """`custody up`'s children, each replica's scheduler and executor through their
-        replica's proxy."""
+        replica's proxy; each scheduler advertising an address of its own on the
+        loopback (127.0.0.<2 + n>), where its HTTP proxy listens for the router."""
         port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
         children = {}
         for name, (module, own) in layout(settings).items():
@@ -91,6 +107,10 @@ class Campaign:
                     self.proxies[own.replica] = RedisProxy(port)
                 proxy = self.proxies[own.replica]
                 own = dataclasses.replace(own, redis_url=proxy.url)
+            if name.startswith("scheduler-"):
+                address = f"127.0.0.{2 + len(self.http_proxies)}"
+                self.http_proxies[own.replica] = RedisProxy(own.port, own.host, listen=address)
+                own = dataclasses.replace(own, advertise_host=address)
             children[name] = (module, own)
         return children
 
@@ -112,6 +132,7 @@ class Campaign:
             deadline = time.monotonic() + self.duration
             while time.monotonic() < deadline or threads[-1].is_alive():
                 self.stack.supervise_once()
+                self.watch_deaths()
                 time.sleep(0.1)
                 if time.monotonic() >= deadline:
                     self.load.stop.set()
@@ -123,7 +144,7 @@ class Campaign:
             leaked_slots, leaked_placements = self.end()
         finally:
             self.stack.stop()
-            for proxy in self.proxies.values():
+            for proxy in [*self.proxies.values(), *self.http_proxies.values()]:
                 proxy.close()
         return self.summary(leaked_slots, leaked_placements)
 
@@ -140,7 +161,12 @@ class Campaign:
                 rng.shuffle(kinds)
             kind = kinds.pop()
             target = Target(
-                self.stack, self.admin, self.proxies, rng.choice(replicas), self.dead_seconds + 1.5
+                self.stack,
+                self.admin,
+                self.proxies,
+                self.http_proxies,
+                rng.choice(replicas),
+                self.dead_seconds + 1.5,
             )
             began = time.monotonic()
             try:
@@ -153,6 +179,30 @@ class Campaign:
                 {"at": round(began - self.started, 1), "kind": kind, "hit": hit, "began": began}
                 | {"seconds": round(time.monotonic() - began, 1), "ended": time.monotonic()}
             )
+
+    def watch_deaths(self) -> None:
+        """Note each replica the router newly declares dead (its
+        `custody_router_replicas_declared_dead_total`), once a second."""
+        now = time.monotonic()
+        if now - self._deaths_read < 1.0:
+            return
+        self._deaths_read = now
+        for replica, count in dead_counts(self.settings.port).items():
+            last = self._dead_counted.get(replica, 0.0)
+            new = count - last if count >= last else count  # a restarted router counts anew
+            self.deaths += [(now, replica)] * int(new)
+            self._dead_counted[replica] = count
+
+    def deaths_outside_faults(self) -> list[tuple[float, str]]:
+        """Deaths declared outside every fault's window (its start to its end plus a
+        dead period and a settle: a death is declared `dead_seconds` after the last
+        registration, and read a second late)."""
+        margin = self.dead_seconds + SETTLE_SECONDS + 2.0
+        return [
+            (at, r)
+            for at, r in self.deaths
+            if not any(row["began"] <= at <= row["ended"] + margin for row in self.rows)
+        ]
 
     def settled(self, timeout: float = 60.0) -> None:
         """Until the router sees every replica ready, then a little longer."""
@@ -234,7 +284,25 @@ class Campaign:
             "wrong_outputs": len(wrong),
             "leaked_slots": leaked_slots,
             "leaked_placements": leaked_placements,
+            "stuck_sessions": len(self.load.stuck),
+            "lost_sessions": len(self.load.lost),
+            "deaths_outside_faults": len(self.deaths_outside_faults()),
         }
+
+
+def dead_counts(port: int) -> dict[str, float]:
+    """The router's count of deaths declared, by replica; {} when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "custody_router_replicas_declared_dead_total"
+    }
 
 
 def get(port: int, path: str) -> dict:

@@ -3,7 +3,10 @@ a process paused (SIGSTOP: a GC pause, a stall, a VM frozen) past the time after
 it is declared dead; one replica partitioned from Redis, slowed or its connections cut
 (through its own proxy, redis_proxy.py); Redis refusing writes (a `maxmemory` OOM
 window, a read-only window as after a failover); the session store lagging while a
-scheduler restarts; a router killed in the middle of moving sessions; a drain under load.
+scheduler restarts; a router killed in the middle of moving sessions; a drain under load;
+a move whose target hangs; replies from replicas to the router lost; a scheduler's new
+life paused at its first read of its records; the ownership stream trimmed past what a
+paused store read, and the scheduler that wrote it killed.
 
 Each fault is a function of the campaign's `Target` that returns what it hit, and ends
 with everything it did undone: no fault outlives its window."""
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,8 +39,13 @@ class Target:
     stack: Stack
     admin: redis.Redis  # straight to Redis, never through a proxy
     proxies: dict[str, RedisProxy]
+    http_proxies: dict[str, RedisProxy]  # between the router and each replica's API
     replica: str
     pause_seconds: float  # longer than replica_dead_seconds
+
+    @property
+    def others(self) -> list[str]:
+        return [r for r in sorted(self.proxies) if r != self.replica]
 
     def process(self, name: str) -> subprocess.Popen:
         return self.stack.children[name]
@@ -175,6 +184,103 @@ def undrain(t: Target) -> None:
     t.admin.delete(streams.Keys(t.replica).draining)
 
 
+def hang_target(t: Target) -> str:
+    """A drain of the other replicas moves sessions to this one, whose scheduler stops
+    (SIGSTOP) once the moves have begun: each move must end (undone) once it stops
+    registering, not wait for TCP to give up."""
+    drains = [
+        threading.Thread(target=post, args=(t.stack.settings.port, "/admin/drain", {"replica": r}))
+        for r in t.others
+    ]
+    for thread in drains:
+        thread.start()
+    time.sleep(0.3)
+    pause(t.process(f"scheduler-{t.replica}"), t.pause_seconds)
+    for thread in drains:
+        thread.join(60)
+    for other in t.others:
+        t.admin.delete(streams.Keys(other).draining)
+    return f"scheduler-{t.replica}, moves to it under way"
+
+
+def lost_reply(t: Target) -> str:
+    """A drain of this replica while every answer of the others to the router is lost
+    (the requests run): its moves' arrivals, and the releases of what an undone move
+    left, are answered into the void."""
+    for other in t.others:
+        t.http_proxies[other].lose_replies()
+    try:
+        draining = threading.Thread(
+            target=post, args=(t.stack.settings.port, "/admin/drain", {"replica": t.replica})
+        )
+        draining.start()
+        time.sleep(t.pause_seconds)
+    finally:
+        for other in t.others:
+            t.http_proxies[other].heal()
+    draining.join(60)
+    undrain(t)
+    return f"replies of {', '.join(t.others)}, draining replica {t.replica}"
+
+
+RECORD_READ = b"$6\r\nrecord\r\n"  # HGET <session key> record, as redis-py sends it
+
+
+def restart_race(t: Target) -> str:
+    """The scheduler killed; its new life, restarted by the supervisor, paused at its
+    first read of its session records (after it read where they are placed) for longer
+    than it takes the router to re-home them."""
+    name, paused = f"scheduler-{t.replica}", threading.Event()
+
+    def pause_new_life() -> None:
+        os.kill(t.process(name).pid, signal.SIGSTOP)
+        paused.set()
+
+    seen = t.stack.restarts[name]
+    t.process(name).kill()
+    t.proxies[t.replica].trap(RECORD_READ, pause_new_life)
+    try:
+        t.wait_restarted(name, seen)
+        paused.wait(30)  # a life with no records never reads one
+    finally:
+        t.proxies[t.replica].disarm()
+        if paused.is_set():
+            time.sleep(t.pause_seconds)
+            os.kill(t.process(name).pid, signal.SIGCONT)
+    return name if paused.is_set() else f"{name} (it read no record)"
+
+
+def trimmed_stream(t: Target) -> str:
+    """The store paused until the scheduler has trimmed ownership entries it never read,
+    then the scheduler killed: no life left can fill the gap, and the store must decide
+    (its sessions end `session_lost`) rather than all wait for one another."""
+    name, store = f"scheduler-{t.replica}", t.process("session-store")
+    metrics = f"http://127.0.0.1:{t.stack.layout[name][1].port}/metrics"
+    os.kill(store.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _trimmed_unread(metrics):
+            time.sleep(0.5)
+        seen = t.stack.restarts[name]
+        t.process(name).kill()
+        t.wait_restarted(name, seen)
+    finally:
+        os.kill(store.pid, signal.SIGCONT)
+    return name
+
+
+def _trimmed_unread(metrics_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return False
+    return any(
+        line.startswith("custody_ownership_trimmed_unread_total") and float(line.split()[-1]) > 0
+        for line in text.splitlines()
+    )
+
+
 KINDS: dict[str, Callable[[Target], str]] = {
     f.__name__: f
     for f in (
@@ -191,5 +297,9 @@ KINDS: dict[str, Callable[[Target], str]] = {
         store_lag,
         router_kill_mid_migration,
         drain,
+        hang_target,
+        lost_reply,
+        restart_race,
+        trimmed_stream,
     )
 }

@@ -1,12 +1,16 @@
 """A TCP proxy in front of Redis, for the fault campaign: one replica's scheduler and
 executor reach Redis only through it, so the campaign can partition that replica, slow
 it down or cut its connections while every other process keeps its own path to Redis.
+The same proxy stands in front of each replica's HTTP port, between it and the router
+(at the address the replica advertises), for the replies a front never gets.
 
 Modes, switched at run time:
 - `pass`: bytes flow both ways;
 - `partition`: nothing flows and new connections are accepted but get nothing, as on a
   network that drops packets (a client waits on its own timeouts) until `heal`;
 - `latency`: each chunk waits `delay` seconds before it goes on;
+- `lose_replies`: what is sent goes through, and whatever comes back is dropped with
+  its connection (the request ran, its answer is lost) until `heal`;
 - `cut()`: every open connection is reset at once (new ones pass);
 - `trap(pattern, action)`: the next command sent that carries `pattern` waits for
   `action` to run before it goes on (a fault that must land at one exact point of a
@@ -29,9 +33,11 @@ POLL = 0.05  # how often a held pump looks at the mode again
 
 
 class RedisProxy:
-    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, target_port: int, host: str = "127.0.0.1", listen: str = "") -> None:
+        """Forwards to `host`:`target_port`, listening on a free port of `host`, or on
+        `listen`:`target_port` (another loopback address, the same port)."""
         self.host, self.target_port = host, target_port
-        self.server = socket.create_server((host, 0))
+        self.server = socket.create_server((listen, target_port) if listen else (host, 0))
         self.port = self.server.getsockname()[1]
         self.mode = "pass"
         self.delay = 0.0
@@ -51,13 +57,22 @@ class RedisProxy:
     def slow(self, delay: float) -> None:
         self.mode, self.delay = "latency", delay
 
+    def lose_replies(self) -> None:
+        self.mode = "lose_replies"
+
     def heal(self) -> None:
         self.mode, self.delay = "pass", 0.0
 
     def trap(self, pattern: bytes, action: Callable[[], None]) -> None:
         """Run `action` once, when a command carrying `pattern` is sent, before it goes
         on (a pattern split across two reads is not seen: commands are small)."""
-        self._trap = (pattern, action)
+        with self._lock:
+            self._trap = (pattern, action)
+
+    def disarm(self) -> None:
+        """The trap set, if it has not sprung, never will."""
+        with self._lock:
+            self._trap = None
 
     def cut(self) -> None:
         """Reset every connection open now (RST, not FIN: as a middlebox dropping it)."""
@@ -118,6 +133,8 @@ class RedisProxy:
                     time.sleep(self.delay)
                 if sent:
                     self._sprung(data)
+                elif self.mode == "lose_replies":
+                    break  # dropped, and the connection with it
                 dst.sendall(data)
         except OSError:
             pass  # a reset (cut) or the other side gone: this connection is over

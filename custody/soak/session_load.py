@@ -3,9 +3,12 @@ the router and take greedy turns on it, recording every turn for the history che
 (history.py), and the probes that look for a second live copy of a session.
 
 A turn refused cleanly (503: the replica is fenced, the session moving or rebuilding, no
-replica ready) changed nothing and is tried again. A turn without an answer (connection
-lost, timeout) may or may not have run: its session is abandoned (closed, best effort)
-and a new one opened, so the checker never has to guess a history."""
+replica ready) changed nothing and is tried again, but a session refused so for longer
+than `stuck_seconds` is stuck (counted, and given up). A session ended `session_lost`
+(410: its records could not be proven after a fault) is counted lost and given up. A
+turn without an answer (connection lost, timeout) may or may not have run: its session is
+abandoned (closed, best effort) and a new one opened, so the checker never has to guess a
+history."""
 
 from __future__ import annotations
 
@@ -52,8 +55,11 @@ def turn_body(sid: str, ids: list[int], max_new: int = OUTPUT) -> dict:
 
 
 class SessionLoad:
-    def __init__(self, port: int, workers: int, context_len: int) -> None:
+    def __init__(self, port: int, workers: int, context_len: int, stuck_seconds: float) -> None:
         self.port, self.workers, self.context_len = port, workers, context_len
+        self.stuck_seconds = stuck_seconds
+        self.stuck: list[str] = []  # sessions refused 503 for longer than stuck_seconds
+        self.lost: list[str] = []  # sessions ended `session_lost`
         self.turns: list[Turn] = []  # every turn and probe, in the order they ended
         self.held: dict[str, int] = {}  # session -> acknowledged tokens, while a client holds it
         self.lock = threading.Lock()
@@ -75,11 +81,22 @@ class SessionLoad:
             with self.lock:
                 self.held[sid] = 0
             turns, outcome = rng.randint(*TURNS_PER_SESSION), "ok"
+            refused_since: float | None = None
             while turns and not self.stop.is_set():
                 outcome = self.one_turn(sid, [rng.randrange(1, 250) for _ in range(INPUT)])
                 if outcome == "retry":
+                    refused_since = refused_since or time.monotonic()
+                    if time.monotonic() - refused_since > self.stuck_seconds:
+                        with self.lock:
+                            self.stuck.append(sid)
+                        outcome = "gone"
+                        break
                     time.sleep(0.3)
                     continue
+                refused_since = None
+                if outcome == "lost":
+                    with self.lock:
+                        self.lost.append(sid)
                 if outcome != "ok":
                     break
                 turns -= 1
@@ -89,7 +106,8 @@ class SessionLoad:
             self.close(sid)
 
     def one_turn(self, sid: str, ids: list[int]) -> str:
-        """ "ok", "retry" (refused cleanly), or "gone" (no answer, or another refusal)."""
+        """ "ok", "retry" (refused cleanly), "lost" (410 `session_lost`), or "gone" (no
+        answer, or another refusal)."""
         started = time.monotonic()
         status, body = post(self.port, "/generate", turn_body(sid, ids))
         turn = Turn(sid, ids, status, started, time.monotonic())
@@ -101,6 +119,8 @@ class SessionLoad:
         self.record(turn)
         if status == 200:
             return "ok"
+        if status == 410:
+            return "lost"
         return "retry" if status == 503 else "gone"
 
     def close(self, sid: str) -> None:

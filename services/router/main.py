@@ -32,7 +32,7 @@ async def serve(settings: Settings) -> None:
     proxy = Proxy(metrics, settings.session_header)
     await proxy.start()
     routing = Routing.of(settings, table, metrics.prefix, proxy.session)
-    metrics.watch(routing.index)
+    metrics.watch(routing.index, routing.mover)
     table.warm = proxy.warm  # a replica is ready once this router's connections are open
     await table.refresh()
     router = Router(routing, proxy, settings.session_header)

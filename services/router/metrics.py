@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.retry import background_faults
 from shared.routing.choice import PrefixCounters
+from shared.routing.migration import Mover
 from shared.routing.prefix_index import IndexCollector, PrefixIndex
 from shared.routing.replicas import ReplicaTable
 
@@ -48,8 +49,9 @@ class RouterMetrics:
         self.faults = background_faults(self.registry)  # its background loops'
         self.registry.register(_Replicas(table))
 
-    def watch(self, index: PrefixIndex) -> None:
+    def watch(self, index: PrefixIndex, mover: Mover) -> None:
         self.registry.register(IndexCollector(index, "router"))
+        self.registry.register(_Deaths(mover))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -80,3 +82,21 @@ class _Replicas:
             "registrations read and refused: not signed with the cluster secret",
             value=self.table.unverified,
         )
+
+
+class _Deaths:
+    """The replicas this router found dead (shared/routing/migration.py `Mover._dead`)."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.mover = mover
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        dead = CounterMetricFamily(
+            "custody_router_replicas_declared_dead",
+            "times a replica was found dead (its registration missing for "
+            "replica_dead_seconds), by replica",
+            labels=["replica"],
+        )
+        for replica, times in sorted(self.mover.declared_dead.items()):
+            dead.add_metric([replica], times)
+        yield dead

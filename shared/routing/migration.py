@@ -22,6 +22,7 @@ the key to go, then takes back nothing the directory has placed elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -41,6 +42,7 @@ RELEASE_ATTEMPTS = 6  # over about 12 s
 # an admin call's bound: longer than a replica's own bound on any of them (a move's
 # arrival waits up to 10 s for the store's proof and 30 s for its copy)
 CALL_SECONDS = 60.0
+MOVE_SECONDS = 2 * CALL_SECONDS  # a move's bound: its state out, then in (each one call)
 
 
 class Mover:
@@ -61,6 +63,8 @@ class Mover:
         self.moving: dict[str, asyncio.Event] = {}
         self.last_seen: dict[str, float] = {}
         self.moved = {"state": 0, "history": 0, "failed": 0, "gone": 0}
+        self.declared_dead: collections.Counter[str] = collections.Counter()  # by replica
+        self._dead_before: set[str] = set()
 
     async def settled(self, sid: str) -> None:
         """Until a move of `sid` by this router is over."""
@@ -261,12 +265,17 @@ class Mover:
             retry.ok()
 
     def _dead(self) -> list[str]:
+        """The replicas not seen live for `dead_seconds`; each newly found so is counted
+        (`declared_dead`: a death no fault explains is a false alarm to look into)."""
         now = time.monotonic()
         for rid in self.table.live:
             self.last_seen[rid] = now
         for rid in self.table.known:
             self.last_seen.setdefault(rid, now)  # a replica first seen dead gets its grace
-        return [r for r, seen in self.last_seen.items() if now - seen > self.dead_seconds]
+        dead = [r for r, seen in self.last_seen.items() if now - seen > self.dead_seconds]
+        self.declared_dead.update(set(dead) - self._dead_before)
+        self._dead_before = set(dead)
+        return dead
 
     async def _forget(self, replica: str) -> None:
         """A replica dead for `forget_seconds` whose sessions all moved leaves the
