@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.session_store.ledger_replay import KINDS
@@ -48,7 +48,7 @@ class LedgerMetrics(Collector):
             "session records refused: written under a placement epoch the directory left",
             labels=[LABEL],
         )
-        lost = GaugeMetricFamily(
+        lost = CounterMetricFamily(
             "custody_sessions_lost",
             "sessions ended `session_lost`: a gap in the ownership stream whose writer died",
             labels=[LABEL],
