@@ -88,6 +88,7 @@ class OwnershipConsumer:
         self.records_complete = True  # no session record lost since the last full set
         self.records_through = records_proof.NO_STREAM  # every record applied up to it
         self.gap_epoch: str | None = None  # the epoch whose records a gap left incomplete
+        self.lost_epoch: str | None = None  # the last epoch whose records were decided lost
         self.past_epochs: list[str] = []  # epochs left behind: their late tails are dropped
         self.sessions_lost = 0  # sessions lost by a decision on an unfillable gap
         self.last_entry = records_proof.NO_STREAM  # the last stream entry handled
@@ -98,6 +99,9 @@ class OwnershipConsumer:
     # ---- reading ----
     def poll(self, block_ms: int = 100, count: int = 64) -> int:
         """Read and apply what is there (pending first); returns entries handled."""
+        if self._writer_gone(self._fenced_by()):  # nothing more may come from it
+            self._decide_lost()
+            self._handle([])
         handled = 0
         for start in ("0", ">"):
             reply = self.client.xreadgroup(
@@ -122,7 +126,9 @@ class OwnershipConsumer:
 
     # ---- applying ----
     def _handle(self, entries: list) -> int:
-        if not entries:
+        """Apply `entries`, then write what they changed (and a decision taken before
+        them) in one transaction with the checkpoint and their acknowledgements."""
+        if not entries and not self._lose:
             return 0
         self.checker.read()  # every step planned before these messages' events is there
         self._steps_due()
@@ -147,11 +153,11 @@ class OwnershipConsumer:
             else:
                 pipe.hset(keys.session(rec.sid), "record", encode_record(rec))
                 pipe.sadd(keys.sessions, rec.sid)
-        if self.records_complete and self.epoch is not None:
-            last = entries[-1][0]
-            self.records_through = last.decode() if isinstance(last, bytes) else last
+        if self.records_complete:  # every record up to the last entry applied, or lost
+            self.records_through = self.last_entry
         pipe.hset(keys.checkpoint, mapping=self._checkpoint())
-        pipe.xack(self.stream, self.group, *[i for i, _ in entries])
+        if entries:
+            pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         self.checker.ack(pipe)
         pipe.execute()
         # Only now: a write Redis refused (OOM, READONLY) keeps them for the next batch.
@@ -177,7 +183,7 @@ class OwnershipConsumer:
             "replica %s: the gap in epoch %s cannot be filled (a new life began): "
             "%d recorded sessions are lost",
             keys.replica,
-            self.gap_epoch,
+            self.lost_epoch,
             len(lost),
         )
 
@@ -187,7 +193,7 @@ class OwnershipConsumer:
             if isinstance(msg, Snapshot):
                 if self.epoch not in (None, msg.epoch) and self._trimmed_unread():
                     self._gap(f"entries of epoch {self.epoch} trimmed before they were read")
-                if not self.records_complete and msg.epoch != self.gap_epoch:
+                if self._writer_gone(msg.epoch):
                     self._decide_lost()
                 if self.epoch is not None and self.epoch != msg.epoch:
                     self.past_epochs = [*self.past_epochs, self.epoch][-PAST_EPOCHS:]
@@ -197,8 +203,11 @@ class OwnershipConsumer:
                     self.client.delete(self.keys.snapshot_wanted)
                 self.checker.reset(msg.epoch)
                 return self._steps_due()
-            if self.epoch is not None and msg.epoch not in (self.epoch, *self.past_epochs):
-                return self._gap(f"message {msg.seq} of epoch {msg.epoch}, its snapshot unread")
+            if msg.epoch not in (self.epoch, self.lost_epoch, *self.past_epochs):
+                if not self.records_complete:
+                    return []  # a gap already waits for a snapshot
+                what = f"message {msg.seq} of epoch {msg.epoch}, its snapshot unread"
+                return self._gap(what, self.epoch or msg.epoch)
             if msg.epoch != self.epoch or msg.seq <= self.seq:
                 self.duplicates += msg.epoch == self.epoch
                 return []  # a duplicate, or an old epoch's tail after a snapshot
@@ -282,19 +291,39 @@ class OwnershipConsumer:
             return False  # no such trim (or nothing handled here yet)
         return records_proof.entry_id(mark) > records_proof.entry_id(self.last_entry)
 
+    def _writer_gone(self, epoch: str | None) -> bool:
+        """Whether records a gap left incomplete can no longer be made whole: a life
+        other than the one the gap was in (`epoch`: a snapshot's, or the fence a new
+        life writes first, read when no message comes) has begun."""
+        return (
+            not self.records_complete
+            and self.gap_epoch is not None
+            and epoch not in (None, self.gap_epoch)
+        )
+
+    def _fenced_by(self) -> str | None:
+        """The epoch of the scheduler life fenced in now, read only while a gap waits."""
+        if self.records_complete or self.gap_epoch is None:
+            return None
+        raw = self.client.get(self.keys.scheduler_epoch)
+        return None if raw is None else raw.decode()
+
     def _decide_lost(self) -> None:
         """The epoch whose gap left the records incomplete is over: no full set of it
-        will ever come. What it recorded is lost; the records are complete again (for
-        the new epoch, which starts from this decision)."""
+        will ever come. What it recorded is lost (`_lose_recorded`, with the next
+        write); the records are complete again, for the lives after it."""
         self._writes.clear()  # that epoch's records, taken before the gap: in doubt too
         self._full, self._lose = None, True
-        self.records_complete, self.gap_epoch = True, None
+        self.lost_epoch, self.gap_epoch = self.gap_epoch, None
+        self.records_complete = True
 
-    def _gap(self, what: str) -> list[Violation]:
+    def _gap(self, what: str, epoch: str | None = None) -> list[Violation]:
+        """A gap in `epoch` (the one applied now unless named): nothing more is applied
+        until a snapshot, and the records wait for a full set of that epoch."""
         found = Violation("gap", "*", [], what + "; snapshot requested", None)
         self.ledger.report([found])
         if self.records_complete:  # the first gap since the last full set: its epoch
-            self.gap_epoch = self.epoch
+            self.gap_epoch = epoch or self.epoch
         self.epoch = None  # apply nothing more until a snapshot arrives
         self.records_complete = False  # records may be lost: until a full set
         self.client.set(self.keys.snapshot_wanted, 1)
@@ -321,6 +350,7 @@ class OwnershipConsumer:
             "past_epochs": self.past_epochs,
             "sessions_lost": self.sessions_lost,
             "last_entry": self.last_entry,
+            "lost_epoch": self.lost_epoch,
         }
         tables = {f"table:{i}": pack(led.tables[i], WIRE_DTYPES[OWNER]) for i in led.dirty}
         return {
@@ -356,3 +386,4 @@ class OwnershipConsumer:
         self.past_epochs = state.get("past_epochs") or []
         self.sessions_lost = state.get("sessions_lost", 0)
         self.last_entry = state.get("last_entry", records_proof.NO_STREAM)
+        self.lost_epoch = state.get("lost_epoch")

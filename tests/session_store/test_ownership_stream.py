@@ -399,3 +399,22 @@ def test_a_full_set_sent_while_sessions_wait_to_be_taken_back_keeps_their_record
     drain(consumer)
     assert consumer.records_complete and consumer.sessions_lost == 0
     assert redis_client.smembers(keys.sessions) == {b"sa"}  # sb: named by neither
+
+
+def test_a_gap_is_decided_once_a_new_life_is_fenced_in_though_it_writes_nothing(redis_client):
+    """The new life may write nothing for a while (it waits for a front re-homing its
+    sessions, which waits for the store's proof): the fence it writes first is enough."""
+    d, shipper, consumer, _ = two_lives(redis_client)
+    keys = streams.SINGLE
+    shipper.sessions(d.engine.sessions.records.take_records(), None)  # lost
+    publish(redis_client, shipper.idle({}))
+    drain(consumer)
+    assert not consumer.records_complete
+    redis_client.set(keys.scheduler_epoch, "e5")  # the life of the gap: it may fill it
+    consumer.poll(block_ms=10)
+    assert not consumer.records_complete
+    redis_client.set(keys.scheduler_epoch, "e6")  # a new life: it cannot
+    consumer.poll(block_ms=10)
+    assert consumer.records_complete and consumer.sessions_lost == 2
+    last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
+    assert consumer.records_through == last  # the proof comes with the decision

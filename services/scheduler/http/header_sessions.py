@@ -28,14 +28,18 @@ from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 from services.scheduler.text.chat_tokens import ChatEncoder
 from shared.placement import PLACED_HEADER
+from shared.routing.addressing import RepeatedHeader, read_session_header
 
 Bound = tuple[Session, list[int], ChatTurn]
 
 
 def header_session_name(request: web.Request) -> str | None:
-    """The session name the request's header gives, if the server binds one."""
-    header = request.app[FRONT_DOOR].settings.session_header
-    return request.headers.get(header) if header else None
+    """The session name the request's header gives, if the server binds one; the header
+    sent twice is refused, as the router and the endpoint picker refuse it."""
+    try:
+        return read_session_header(request.headers, request.app[FRONT_DOOR].settings.session_header)
+    except RepeatedHeader as err:
+        raise InvalidRequest(str(err)) from None
 
 
 async def bind(

@@ -31,7 +31,10 @@ async def migrate_in(request: web.Request) -> web.Response:
             "source and epoch (the move's source replica, its new epoch) are required"
         )
     door = request.app[FRONT_DOOR]
-    return _placed(await door.migrate_in(body.session_id, body.source, body.epoch, body.move))
+    session = await door.migrate_in(body.session_id, body.source, body.epoch, body.move)
+    if session is None:  # it arrived lost: no state, no history, `session_lost` here
+        return web.json_response(msgspec.to_builtins(Placed(body.session_id, None, 0)))
+    return _placed(session)
 
 
 async def migrate_done(request: web.Request) -> web.Response:

@@ -219,12 +219,13 @@ class FrontDoor:
 
     async def migrate_in(
         self, sid: str, source: str, epoch: int, move: str = "", timeout: float = 30.0
-    ) -> Session:
+    ) -> Session | None:
         """Open `sid` at placement `epoch` from the record replica `source` persisted,
         its blob copied here, as attempt `move` of its move; returns once the copy ran
         (or failed: then it re-prefills) and it is recorded. Only while the directory has
         the session in transit from `source` to here: a request of a move undone since
-        (delayed, or retried late) must not open a copy nobody will settle. The record
+        (delayed, or retried late) must not open a copy nobody will settle. None: the
+        session was lost at `source` and arrived lost (`_arrive_lost`). The record
         is read only once proven current: a source that died (or paused) with records
         still unapplied would otherwise hand over an older history than the one it
         acknowledged."""
@@ -238,6 +239,8 @@ class FrontDoor:
             )
         await self._records_current(streams.Keys(source))
         raw = await self._redis.hget(streams.Keys(source).session(sid), "record")
+        if raw is None and await self._redis.sismember(streams.Keys(source).lost, sid):
+            return await self._arrive_lost(sid, source, epoch)
         if raw is None:
             raise SessionError(f"replica {source} has no record of session {sid}", "not_found")
         try:
@@ -252,6 +255,14 @@ class FrontDoor:
         await self.durable()
         return session
 
+    async def _arrive_lost(self, sid: str, source: str, epoch: int) -> None:
+        """A session the store lost moves as lost (its record is gone, its client must
+        still hear `session_lost`): held here as lost at `epoch`, listed here, no longer
+        listed at `source`."""
+        self._engine.sessions.lost[sid] = epoch
+        await self._redis.sadd(self._outbox.keys.lost, sid)
+        await self._redis.srem(streams.Keys(source).lost, sid)
+
     def migrate_cancel(self, sid: str) -> None:
         """The move of `sid` failed before its placement changed: it stays here."""
         self._engine.sessions.stay(sid)
@@ -262,6 +273,8 @@ class FrontDoor:
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
         if placed is not None and placed.names(self._outbox.keys.replica):
             raise SessionError(f"session {sid} is placed on this replica", "busy")
+        if self._engine.sessions.lost.pop(sid, None) is not None:
+            return  # it was lost here, and moved on as lost
         self._engine.sessions.depart(sid)
         await self.durable()
 

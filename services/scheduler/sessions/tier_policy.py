@@ -16,7 +16,7 @@ something must move.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
 from services.scheduler.allocators.tier_slots import host_fits
@@ -45,14 +45,20 @@ class TierPolicy:
             lambda s: s.slots is not None and s.slots.ready and not s.state_in_use and s is not keep
         )
 
-    def host_room(self, tokens: int, keep: Session | None = None) -> bool:
-        """Free host room for a state of `tokens` positions by spilling (or, with the disk
-        full, dropping) the least recently used ready host states; False if it cannot."""
+    def host_room(
+        self, tokens: int, keep: Session | None = None, ahead: Collection[Session] = ()
+    ) -> bool:
+        """Free host room for a state of `tokens` positions (`keep`'s) by spilling (or,
+        with the disk full, dropping) the least recently used ready host states but those
+        of `ahead`, sessions whose queued turns need their state before `keep`'s; False
+        if it cannot."""
         while not host_fits(self.pools, tokens):
-            victim = self._lru(lambda s: s.host is not None and s.host.ready and s is not keep)
+            victim = self._lru(
+                lambda s: s.host is not None and s.host.ready and s is not keep and s not in ahead
+            )
             if victim is None:
                 return False
-            if self.disk_room(keep):
+            if self.disk_room(keep, ahead):
                 self.moves.spill(victim)
             else:
                 self.moves.drop_host(victim, "host_full")
@@ -60,13 +66,15 @@ class TierPolicy:
                 self.moves.dropped["host"] += 1
         return True
 
-    def disk_room(self, keep: Session | None = None) -> bool:
-        """A free disk slot, dropping the least recently used valid blob if the disk is
-        full; False if the disk tier has no slot to give."""
+    def disk_room(self, keep: Session | None = None, ahead: Collection[Session] = ()) -> bool:
+        """A free disk slot, dropping the least recently used valid blob (not `keep`'s or
+        one of `ahead`'s) if the disk is full; False if the disk tier has no slot to give."""
         disk = self.pools.disk
         if disk.can_alloc(1):
             return True
-        victim = self._lru(lambda s: s.disk is not None and s.disk.ready and s is not keep)
+        victim = self._lru(
+            lambda s: s.disk is not None and s.disk.ready and s is not keep and s not in ahead
+        )
         if victim is None:
             return False
         self.moves.drop_disk(victim, "disk_full")
@@ -75,20 +83,33 @@ class TierPolicy:
         return disk.can_alloc(1)
 
     def prefetch(self, waiting: Iterable[Request]) -> None:
-        """Start loading the blobs of queued turns' sessions; a blob that cannot be
-        loaded now (no host room) is dropped: that turn re-prefills rather than wait."""
+        """Start loading the blobs of queued turns' sessions, in queue order. A load makes
+        its host room only from states no turn ahead of it needs: were the room taken from
+        a turn ahead, each load would spill what an earlier one loaded, and with more
+        queued turns on disk than the host holds the head of the queue would never find
+        its state ready (admission takes the queue in order), for ever. A load that does
+        not fit beside the host states of the turns ahead waits for them to go up to the
+        device; one that does not fit without them is dropped: that turn re-prefills
+        rather than wait."""
         if self.pools.disk.free_count == self.pools.disk.capacity:
             return  # no session holds a blob: nothing to look for in the queue
+        ahead: set[Session] = set()  # the sessions of the turns before this one
+        held_ahead = False  # whether one of them holds a host state
         for req in waiting:
             s = req.session
-            if s is None or s.disk is None or not s.disk.ready:
+            if s is None:
                 continue
-            if self.host_room(s.disk.tokens, keep=s):
-                self.moves.load(s)
-            else:
-                self.moves.drop_disk(s, "no_host_room")
-                s.cached_len = 0
-                self.moves.dropped["disk"] += 1
+            if s.disk is not None and s.disk.ready:
+                if self.host_room(s.disk.tokens, keep=s, ahead=ahead):
+                    self.moves.load(s)
+                elif held_ahead:
+                    return  # the turns ahead leave the host first
+                else:
+                    self.moves.drop_disk(s, "no_host_room")
+                    s.cached_len = 0
+                    self.moves.dropped["disk"] += 1
+            ahead.add(s)
+            held_ahead = held_ahead or s.host is not None
 
     def bring_to_device(self, s: Session, make_room: MakeRoom, pages: int, mamba: int) -> bool:
         """A hibernated session's state back on the device, with room for `pages` more
