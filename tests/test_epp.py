@@ -14,6 +14,7 @@ every turn after it must resume from the state moved, with outputs equal to one-
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import subprocess
 import sys
@@ -279,6 +280,65 @@ def test_bad_streams_and_bodies_get_their_own_answer_and_the_picker_lives(gatewa
         assert gate.send("/generate", plain).status == 200
 
 
+def post(
+    stack: Stack, child: str, path: str, body: dict, headers: list[tuple[str, str]]
+) -> tuple[int, dict]:
+    """(status, JSON answer) of `body` POSTed straight to `child`, every header pair sent
+    as given (a repeated header once per copy)."""
+    raw = json.dumps(body).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", stack.layout[child][1].port, timeout=60)
+    try:
+        connection.putrequest("POST", path)
+        for key, value in [("content-type", "application/json"), *headers]:
+            connection.putheader(key, value)
+        connection.putheader("content-length", str(len(raw)))
+        connection.endheaders(raw)
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+def test_a_doubled_session_header_is_refused_by_picker_router_and_replica_alike(gateway):
+    """Envoy passes both copies on; a picker reading the last and a replica the first
+    would each hold a different session, one of them never placed. Every hop refuses."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    doubled = [("X-Session-ID", "first-copy"), ("X-Session-ID", "second-copy")]
+    with envoy(gateway, "epp-a") as gate:
+        refused = gate.send("/v1/chat/completions", body, doubled)
+    assert refused.status == 400 and refused.endpoint is None, refused.body
+    assert refused.body["error"]["type"] == "invalid_request_error"
+    for child in ("router", "scheduler-0"):
+        status, answer = post(gateway, child, "/v1/chat/completions", body, doubled)
+        assert status == 400, (child, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert "X-Session-ID header is sent 2 times" in answer["error"]["message"]
+    placed = stack_client(gateway).scan_iter(streams.placement_key("") + "*-copy*")
+    assert not list(placed)
+
+
+def test_a_percent_encoded_open_is_an_open_placed_and_limited(gateway):
+    """Envoy passes the path on undecoded and the replica's routes match it decoded:
+    `/%6Fpen_session` opens a session there, so the picker places it and holds it to
+    the session limit (epp-limited's 1, held by the header session an earlier test of
+    this module left open), and `/%63lose_session` takes its placement back."""
+    client = stack_client(gateway)
+    with envoy(gateway, "epp-a") as gate:
+        opened = gate.send("/%6Fpen_session", {"session_id": "encoded-open"})
+    assert opened.status == 200, opened.body
+    sid = placed_sid(client, "encoded-open")
+    assert opened.endpoint == endpoint_of(gateway, home(client, sid))
+    with envoy(gateway, "epp-limited") as gate:
+        refused = gate.send("/%6Fpen_session", {"session_id": "encoded-too-many"})
+    assert refused.status == 429 and refused.endpoint is None, refused.body
+    with envoy(gateway, "epp-b") as gate:
+        assert gate.send("/%63lose_session", {"session_id": "encoded-open"}).body is True
+    deadline = time.monotonic() + 5  # a close's placement goes once it is answered
+    while client.exists(streams.placement_key(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not client.exists(streams.placement_key(sid))
+
+
 def test_rolling_update_drill_moves_every_session_with_its_state(gateway, capsys):
     """The pod of the replica holding most of the drill's sessions is replaced (which
     one: placed by load, after the module's earlier tests): its preStop hook drains it
@@ -295,10 +355,14 @@ def test_rolling_update_drill_moves_every_session_with_its_state(gateway, capsys
     on_drained = [sid for sid, at in zip(sids, homes, strict=True) if at == gone]
     history: dict[str, list[int]] = {sid: [] for sid in sids}
     run_turns(gateway, sids, history, rng)
+    # the drain moves every session placed there, those the module's earlier tests left
+    # open too (with their state, or from history), so only the drill's own are exact
+    placed = client.smembers(streams.Keys(gone).placed)
     started = time.monotonic()
     outcome = drain(gateway, gone)
     seconds = time.monotonic() - started
-    assert outcome["state"] == len(on_drained) and outcome["failed"] == 0, outcome
+    assert outcome["failed"] == 0 and outcome["state"] >= len(on_drained), outcome
+    assert outcome["state"] + outcome["history"] + outcome["gone"] == len(placed), outcome
     assert all(home(client, sid) == kept for sid in sids)
     with envoy(gateway, "epp-b") as gate:  # the draining replica takes nothing new
         late = [gate.send("/open_session", {}).body for _ in range(2)]

@@ -22,13 +22,13 @@ from tests.services_harness import call, health, ledger_when_idle, stack_setting
 SESSIONS, FIRST, SECOND, OUT = 240, 400, 8, 8  # histories of 408 tokens
 
 
-def turn(port: int, sid: str, tokens: list[int], n: int) -> dict:
+def turn(port: int, sid: str, tokens: list[int], n: int, timeout: float = 600) -> dict:
     body = {
         "input_ids": tokens,
         "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
         "session_params": {"id": sid},
     }
-    return call(port, "/generate", body, timeout=600)
+    return call(port, "/generate", body, timeout=timeout)
 
 
 def one_shots(settings: Settings, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -157,3 +157,46 @@ def test_an_executor_killed_during_a_move_loses_nothing(drill, kind, before, tar
     call(port, "/close_session", {"session_id": sid})
     view = ledger_when_idle(drill)
     assert view["violations"] == [] and view["leaked"] == {}
+
+
+def test_a_turn_queued_behind_a_load_never_spills_the_state_loaded_for_the_turn_ahead(
+    redis_url, redis_client, tmp_path
+):
+    """Issue 43, finding 7: the state a queued turn's load brought to the host is not
+    spilled again to load the blob of a turn queued behind it. It was: each load spilled
+    the other's, the head of the queue never found its state ready, and the replica
+    answered nothing more. An executor kill leaves every session with state on disk and
+    the host tier empty; here two sessions are placed there, with room on the host for
+    one state, and the second turn is queued while the first one's load runs."""
+    settings = stack_settings(
+        redis_url,
+        state_dir=tmp_path / "state",
+        host_state_bytes=100_000,  # one 42-token state (one host Mamba slot)
+        tier_move_delay_seconds=0.4,
+    )
+    stack = start_stack(settings)
+    try:
+        port = settings.port
+        sids = [call(port, "/open_session", {}) for _ in range(2)]
+        histories = []
+        for i, sid in enumerate(sids):
+            first = turn(port, sid, tokens(37, i), 5)
+            histories.append(tokens(37, i) + first["output_ids"])
+            assert place(port, sid, "disk")["tier"] == "disk"
+        client = redis.Redis.from_url(redis_url)
+        with ThreadPoolExecutor(2) as pool:
+            head = pool.submit(turn, port, sids[0], [7, 8, 9], 6, 20)
+            deadline = time.monotonic() + 20
+            while int(client.hget(streams.SINGLE.tier_in_flight, "load") or 0) == 0:
+                assert time.monotonic() < deadline, "the head's load was never seen in flight"
+                time.sleep(0.01)
+            behind = pool.submit(turn, port, sids[1], [7, 8, 9], 6, 20)
+            replies = [head.result(), behind.result()]
+        client.close()
+        expected = one_shots(settings, [[*h, 7, 8, 9] for h in histories], 6)
+        assert [r["output_ids"] for r in replies] == expected
+        # the head resumed from its blob (the one behind may have found no room yet, and
+        # re-prefilled rather than wait)
+        assert replies[0]["meta_info"]["cached_tokens"] == len(histories[0]) - 1
+    finally:
+        stack.stop()

@@ -10,11 +10,10 @@ protocol's text (docs/kubernetes.md)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import queue
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +26,7 @@ from google.protobuf.json_format import MessageToDict
 DESTINATION = "x-gateway-destination-endpoint"
 CHUNK = 1 << 16  # body bytes per ext_proc message, as Envoy streams a body in pieces
 _END = object()
+Headers = list[tuple[str, str]]  # in order, a repeated header once per copy, as Envoy sends
 
 
 @dataclass
@@ -40,10 +40,14 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)  # the answer's, lower-cased
 
 
-def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
+def _header_map(headers: Headers) -> base_pb2.HeaderMap:
     return base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
     )
+
+
+def _without(headers: Headers, key: str) -> Headers:
+    return [(k, v) for k, v in headers if k != key]
 
 
 def _metadata(namespace: str, key: str, value: object) -> base_pb2.Metadata:
@@ -78,18 +82,21 @@ class Envoy:
         self,
         path: str,
         body: dict | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
         subset: list[str] | None = None,
         served: str | None = None,
     ) -> Answer:
-        """POST `body` to `path` through the picker. `subset`: the endpoints this gateway
-        allows (the subset hint); `served`: the endpoint reported as having served it
-        (default: the one picked)."""
+        """POST `body` to `path` (sent as written: no percent-encoding normalised, as
+        Envoy's default) through the picker. `headers`: a mapping, or pairs to send a
+        header more than once; `subset`: the endpoints this gateway allows (the subset
+        hint); `served`: the endpoint reported as having served it (default: the one
+        picked)."""
         raw = b"" if body is None else json.dumps(body).encode()
+        pairs = list(headers.items() if isinstance(headers, Mapping) else headers)
         sent: queue.Queue = queue.Queue()
         answers = self.stub.Process(_drain(sent), timeout=self.timeout)
         try:
-            return self._exchange(path, raw, headers or {}, subset, served, sent, answers)
+            return self._exchange(path, raw, pairs, subset, served, sent, answers)
         finally:
             sent.put(_END)
             answers.cancel()
@@ -98,20 +105,20 @@ class Envoy:
         self,
         path: str,
         raw: bytes,
-        headers: dict[str, str],
+        headers: Headers,
         subset: list[str] | None,
         served: str | None,
         sent: queue.Queue,
         answers: Iterator[ext.ProcessingResponse],
     ) -> Answer:
-        request_headers = {
-            ":method": "POST" if raw else "GET",
-            ":path": path,
-            ":authority": "gateway",
-            "content-type": "application/json",
-            "content-length": str(len(raw)),
-            **{k.lower(): v for k, v in headers.items()},
-        }
+        request_headers = [
+            (":method", "POST" if raw else "GET"),
+            (":path", path),
+            (":authority", "gateway"),
+            ("content-type", "application/json"),
+            ("content-length", str(len(raw))),
+            *((k.lower(), v) for k, v in headers),
+        ]
         context = (
             _metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset)
             if subset is not None
@@ -140,9 +147,11 @@ class Envoy:
             return Answer(immediate.status.code, _decoded(immediate.body), headers=refusal_headers)
         mutation = first.request_headers.response.header_mutation
         for key in mutation.remove_headers:
-            request_headers.pop(key, None)
-        for option in mutation.set_headers:
-            request_headers[option.header.key] = option.header.raw_value.decode()
+            request_headers = _without(request_headers, key)
+        for option in mutation.set_headers:  # OVERWRITE_IF_EXISTS_OR_ADD: one copy left
+            key = option.header.key
+            request_headers = _without(request_headers, key)
+            request_headers.append((key, option.header.raw_value.decode()))
         metadata = MessageToDict(first.dynamic_metadata)
         body = b""
         if raw:
@@ -151,12 +160,12 @@ class Envoy:
                 body += streamed.body
                 if streamed.end_of_stream:
                     break
-        chosen = request_headers[DESTINATION]
+        chosen = dict(request_headers)[DESTINATION]
         status, reply, reply_headers = _forward(chosen, path, body, request_headers, self.timeout)
         served_context = _metadata(
             "envoy.lb", "x-gateway-destination-endpoint-served", served or chosen
         )
-        response_headers = {":status": str(status), **reply_headers}
+        response_headers = [(":status", str(status)), *reply_headers.items()]
         sent.put(
             ext.ProcessingRequest(
                 response_headers=ext.HttpHeaders(
@@ -177,18 +186,19 @@ def _drain(sent: queue.Queue) -> Iterator[ext.ProcessingRequest]:
 
 
 def _forward(
-    endpoint: str, path: str, body: bytes, headers: dict[str, str], timeout: float
+    endpoint: str, path: str, body: bytes, headers: Headers, timeout: float
 ) -> tuple[int, bytes, dict[str, str]]:
-    """The request sent to the endpoint as the gateway sends it (pseudo-headers out)."""
-    plain = {k: v for k, v in headers.items() if not k.startswith(":") and k != DESTINATION}
-    request = urllib.request.Request(
-        f"http://{endpoint}{path}",
-        data=body or None,
-        headers=plain,
-        method="POST" if body else "GET",
-    )
+    """The request sent to the endpoint as the gateway sends it: pseudo-headers out, the
+    path as it came, every copy of a header."""
+    host, _, port = endpoint.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            return reply.status, reply.read(), {k.lower(): v for k, v in reply.headers.items()}
-    except urllib.error.HTTPError as err:
-        return err.code, err.read(), {k.lower(): v for k, v in err.headers.items()}
+        connection.putrequest("POST" if body else "GET", path)
+        for key, value in headers:
+            if not key.startswith(":") and key != DESTINATION:
+                connection.putheader(key, value)
+        connection.endheaders(body or None)
+        reply = connection.getresponse()
+        return reply.status, reply.read(), {k.lower(): v for k, v in reply.getheaders()}
+    finally:
+        connection.close()

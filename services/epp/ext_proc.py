@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -30,6 +30,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from multidict import CIMultiDict
+from yarl import URL
 
 from services.epp.metrics import PickerMetrics
 from services.epp.picker import Pick, Picker, Refusal, endpoint
@@ -48,12 +50,23 @@ class StreamFault(Exception):
     """A stream that broke the protocol (a message out of Envoy's order)."""
 
 
-def _headers(message: ext.HttpHeaders) -> dict[str, str]:
-    """Header names lower-cased (HTTP/2's, as Envoy sends them), values as text."""
-    return {
-        h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+def _headers(message: ext.HttpHeaders) -> CIMultiDict[str]:
+    """The headers as the replica's aiohttp holds them: names case-insensitive, values as
+    text, every copy of a repeated header kept (Envoy sends each as its own entry), so
+    `get` reads the first as aiohttp does, and a repeat stays visible."""
+    return CIMultiDict(
+        (h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
         for h in message.headers.headers
-    }
+    )
+
+
+def _path(target: str) -> str:
+    """The path the replica's routes match for a request target (`:path`, which Envoy
+    passes on with its percent-encoding untouched): cut as aiohttp's request parser cuts
+    it, and read as its router reads it (yarl's `path_safe`: percent-decoded but for
+    `%2F` and `%25`), so `/%6Fpen_session` is an open here as there."""
+    path = target.partition("#")[0].partition("?")[0]
+    return URL.build(path=path, encoded=True).path_safe
 
 
 def _subset(request: ext.ProcessingRequest) -> list[str] | None:
@@ -152,7 +165,7 @@ class _Stream:
 
     def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
         self.picker, self.metrics = picker, metrics
-        self.headers: dict[str, str] | None = None
+        self.headers: CIMultiDict[str] | None = None
         self.subset: list[str] | None = None
         self.chunks: list[bytes] = []
         self.size = 0
@@ -199,13 +212,13 @@ class _Stream:
 
     async def _decide(self) -> list[ext.ProcessingResponse]:
         received = time.perf_counter()
-        path = self.headers.get(":path", "/").partition("?")[0]
         body, self.chunks = b"".join(self.chunks), []
         kind = "other"
         try:
             if self.size > MAX_BODY:  # bounded before it is parsed, as the router bounds it
                 message = f"the body is larger than {MAX_BODY} bytes"
                 raise Refusal(413, message, "request_too_large")
+            path = _path(self.headers.get(":path", "/"))
             self.pick = await self.picker.pick(path, self.headers, body, self.subset)
         except Refusal as refusal:
             self.metrics.refused.labels(str(refusal.status), refusal.kind).inc()
@@ -228,7 +241,7 @@ class _Stream:
             self._settle(int(status) if status.isdigit() else None, headers)
         return [ext.ProcessingResponse(response_headers=ext.HeadersResponse())]
 
-    def _settle(self, status: int | None, headers: dict[str, str]) -> None:
+    def _settle(self, status: int | None, headers: Mapping[str, str]) -> None:
         """The pick's bookkeeping, once: with the answer's status, or None if none came."""
         if self.pick is None or self.settled:
             return

@@ -14,6 +14,9 @@ headers, the whole body) instead of from an HTTP request the picker would forwar
 - Anything else goes by the prefix index within a load bound (shared/routing/choice.py).
 - The gateway's subset hint (the endpoints it allows) narrows every choice; a session
   placed outside it is refused 503, never served elsewhere.
+- A request is read as its replica will read it: the path its routes match (decoded:
+  `/%6Fpen_session` is an open), the first copy of a header; the session header sent
+  twice is refused 400, as the replica and the router refuse it (addressing.py).
 
 What the picker cannot do, it refuses with a status and says why: fan-out routes
 (`/flush_cache`, `/reset_prefix_cache`, an `abort_all`, an abort by a rid it does not
@@ -26,13 +29,22 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+
+from multidict import MultiMapping
 
 from shared.http_limits import MAX_BATCH, MAX_RID
 from shared.placement import OPENED_HEADER, Placement, read_opened_mark
 from shared.retry import DEPENDENCY_FAULTS
-from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
+from shared.routing.addressing import (
+    FANOUT_ROUTES,
+    RepeatedHeader,
+    aborts_all,
+    header_session,
+    read_json,
+    session_of,
+)
 from shared.routing.front import Routing
 from shared.routing.replicas import Opening, Replica
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
@@ -53,7 +65,7 @@ class Refusal(Exception):
         return json.dumps({"error": {"message": str(self), "type": self.kind}}).encode()
 
 
-def _nothing(status: int | None, headers: dict[str, str]) -> None:
+def _nothing(status: int | None, headers: Mapping[str, str]) -> None:
     """A pick with no bookkeeping after its answer."""
 
 
@@ -66,7 +78,7 @@ class Pick:
     placing: bool = False  # a placement written for it: the replica is told
     # called once with the answer's status and headers (None: no answer came), for the
     # bookkeeping an open or a close leaves (placements kept or taken back)
-    done: Callable[[int | None, dict[str, str]], None] = field(default=_nothing)
+    done: Callable[[int | None, Mapping[str, str]], None] = field(default=_nothing)
 
 
 def endpoint(replica: Replica) -> str:
@@ -88,14 +100,15 @@ class Picker:
         never; each replica's own bound, the same setting)."""
         self.table, self.directory, self.chooser = routing.table, routing.directory, routing.chooser
         self.limits, self.mover, self.tenancy = routing.limits, routing.mover, routing.tenancy
-        self.background, self.session_header = background, session_header.lower()
+        self.background, self.session_header = background, session_header
         self.max_queued = max_queued
 
     async def pick(
-        self, path: str, headers: dict[str, str], body: bytes, subset: Collection[str] | None
+        self, path: str, headers: MultiMapping[str], body: bytes, subset: Collection[str] | None
     ) -> Pick:
-        """The replica for a request (`headers` keyed lower-case); raises `Refusal`.
-        `subset`: the endpoints the gateway allows (None: any)."""
+        """The replica for a request (`path` as the replica's routes match it, `headers`
+        every copy of each, as it reads them); raises `Refusal`. `subset`: the endpoints
+        the gateway allows (None: any)."""
         try:
             caller = self.tenancy.caller(headers.get("authorization", ""), path)
         except Refused as refused:
@@ -110,8 +123,12 @@ class Picker:
             raise Refusal(404, "drain through the picker's HTTP port", "not_found")
         if path == "/open_session":
             return await self._open(parsed, body, tenant, only)
-        sid = session_of(path, parsed, tenant)
-        implicit = sid is None and (sid := self._header_session(path, headers, parsed, tenant))
+        try:
+            implied = header_session(path, parsed, headers, self.session_header, tenant)
+        except RepeatedHeader as err:
+            raise Refusal(400, str(err), "invalid_request_error") from None
+        implicit = implied is not None  # never with a session in the body
+        sid = implied if implicit else session_of(path, parsed, tenant)
         if sid is not None:
             home = await self.directory.current(sid)
             if home is not None:
@@ -129,17 +146,6 @@ class Picker:
             raise Refusal(503, "no ready replica in the gateway's subset", "no_replica", True)
         return allowed
 
-    def _header_session(
-        self, path: str, headers: dict[str, str], parsed: dict | None, tenant: str | None
-    ) -> str | None:
-        """The session a chat request names by the session header (none in its body)."""
-        if not self.session_header or path != "/v1/chat/completions" or parsed is None:
-            return None
-        name = headers.get(self.session_header)
-        if parsed.get("session_id") is not None or not valid_session_name(name):
-            return None  # an invalid name: the replica answers it (or runs stateless)
-        return scoped_session_id(tenant, name)
-
     def _placed(self, path: str, sid: str, home: Placement, only: set[str] | None) -> Pick:
         """A placed session's request: to its replica, or refused while it cannot run."""
         if home.moving_to is not None:
@@ -152,7 +158,7 @@ class Picker:
         done = _nothing
         if path == "/close_session":
 
-            def done(status: int | None, headers: dict[str, str]) -> None:
+            def done(status: int | None, headers: Mapping[str, str]) -> None:
                 if status == 200:
                     self.background(lambda: self.directory.forget(sid, home.replica))
 
@@ -205,7 +211,7 @@ class Picker:
         opening = Opening(tenant)
         replica.placed.append(opening)  # counted while it runs (shared/routing/replicas.py)
 
-        def done(status: int | None, headers: dict[str, str]) -> None:
+        def done(status: int | None, headers: Mapping[str, str]) -> None:
             replica.placed.remove(opening)
             if status == 200:
                 mark = read_opened_mark(headers.get(OPENED_HEADER.lower()))

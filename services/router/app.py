@@ -40,7 +40,14 @@ from services.router.proxy import (
 from shared.http_limits import MAX_BATCH, MAX_BODY, MAX_RID
 from shared.placement import Placement
 from shared.retry import DEPENDENCY_FAULTS
-from shared.routing.addressing import FANOUT_ROUTES, aborts_all, read_json, session_of
+from shared.routing.addressing import (
+    FANOUT_ROUTES,
+    RepeatedHeader,
+    aborts_all,
+    header_session,
+    read_json,
+    session_of,
+)
 from shared.routing.background import Background
 from shared.routing.front import Routing
 from shared.routing.replicas import Opening, Replica
@@ -117,8 +124,14 @@ class Router:
             return await self.open_session(request, caller.tenant, parsed, body, received)
         if request.path == "/admin/drain":
             return await self.drain(caller.operator, parsed)
-        sid = session_of(request.path, parsed, caller.tenant)
-        implicit = sid is None and (sid := self.header_session(request, parsed, caller.tenant))
+        try:
+            implied = header_session(
+                request.path, parsed, request.headers, self.session_header, caller.tenant
+            )
+        except RepeatedHeader as err:
+            return error(400, str(err), "invalid_request_error")
+        implicit = implied is not None  # never with a session in the body
+        sid = implied if implicit else session_of(request.path, parsed, caller.tenant)
         if sid is not None:
             request[KIND] = "turn"
             await self.mover.settled(sid)
@@ -135,17 +148,6 @@ class Router:
         if request.path == "/generate" and parsed is not None:
             self._remember_rids(tenant, parsed.get("rid"), choice.replica.id)
         return await self.send(request, body, choice.replica, choice.decision, received)
-
-    def header_session(
-        self, request: web.Request, parsed: dict | None, tenant: str | None
-    ) -> str | None:
-        """The session a chat request names by the session header (none in its body)."""
-        if not self.session_header or request.path != "/v1/chat/completions" or parsed is None:
-            return None
-        name = request.headers.get(self.session_header)
-        if parsed.get("session_id") is not None or not valid_session_name(name):
-            return None  # an invalid name: the replica answers it (or runs stateless)
-        return scoped_session_id(tenant, name)
 
     async def place_implicit(
         self,

@@ -1,10 +1,13 @@
-"""What a request addresses (a session, every replica), read from its path and body
-before anything is sent: by the router as by the endpoint picker, so both send a
-session's turns to the same replica."""
+"""What a request addresses (a session, every replica), read from its path, body and
+session header before anything is sent: by the router as by the endpoint picker, so both
+send a session's turns to the same replica. The replica reads the session header here
+too, so all three refuse a repeated one alike."""
 
 from __future__ import annotations
 
 import json
+
+from multidict import MultiMapping
 
 from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
 
@@ -42,3 +45,33 @@ def session_of(path: str, body: dict | None, tenant: str | None) -> str | None:
 
 def aborts_all(path: str, body: dict | None) -> bool:
     return path == "/abort_request" and body is not None and body.get("abort_all") is True
+
+
+class RepeatedHeader(ValueError):
+    """The session header sent more than once: refused (400) by the router, the picker
+    and the replica alike, since no rule for which copy counts is shared by every hop
+    (Envoy passes each copy on, aiohttp reads the first, a dict keeps the last)."""
+
+
+def read_session_header(headers: MultiMapping[str], header: str) -> str | None:
+    """The value of the session header `header` (None: no header configured, or none
+    sent); raises `RepeatedHeader`."""
+    values = headers.getall(header, []) if header else []
+    if len(values) > 1:
+        raise RepeatedHeader(f"the {header} header is sent {len(values)} times; send it once")
+    return values[0] if values else None
+
+
+def header_session(
+    path: str, body: dict | None, headers: MultiMapping[str], header: str, tenant: str | None
+) -> str | None:
+    """The session a chat request names by the session header: read where the replica
+    reads it (no `session_id` in the body, `n` at most 1), scoped to the caller's key. An
+    invalid name addresses nothing (the replica answers it, or runs stateless); a
+    repeated header raises `RepeatedHeader`."""
+    if path != "/v1/chat/completions" or body is None or body.get("session_id") is not None:
+        return None
+    if body.get("n") not in (None, 1):
+        return None  # n > 1 runs stateless there
+    name = read_session_header(headers, header)
+    return scoped_session_id(tenant, name) if valid_session_name(name) else None

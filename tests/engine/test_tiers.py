@@ -222,3 +222,30 @@ def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
         assert t.cached_tokens == cached
         assert t.output == reference(histories[sid] + text(2, 70), 3, VOCAB)
     again.assert_idle_clean()
+
+
+def test_a_load_for_a_turn_behind_never_spills_the_state_loaded_for_the_turn_ahead():
+    """Issue 43, finding 7: room on the host for one state, two sessions on disk, the
+    second turn queued once the first one's load has run, before the first is admitted
+    (the service plans the step after a load only once the load has run). The load
+    behind waits for the turn ahead to take its state to the device; it used to spill
+    that state to load its own, the next load of the head spilled it back, and neither
+    turn ever ran."""
+    d = tiered(host_pages=12, host_slots=1, disk_slots=8)
+    sids, histories = [], []
+    for i in range(2):
+        sid = d.engine.sessions.open().sid
+        first = d.run_turn(sid, text(30, 70 + i), max_new=4)
+        sids.append(sid)
+        histories.append(text(30, 70 + i) + first.output)
+        place(d, sid, "disk")
+    head = d.turn(sids[0], text(3, 80), max_new=4)
+    d.step()  # the head's load is planned
+    d.step()  # nothing more to plan: the load runs
+    assert head.session.host.ready and not d.engine.in_flight
+    behind = d.turn(sids[1], text(3, 81), max_new=4)  # queued before the head is admitted
+    d.run(max_steps=200)
+    assert head.cached_tokens == len(histories[0]) - 1  # from its blob
+    for t, history, seed in ((head, histories[0], 80), (behind, histories[1], 81)):
+        assert t.output == reference(history + text(3, seed), 4, VOCAB)
+    d.assert_idle_clean()

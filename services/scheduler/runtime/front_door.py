@@ -259,7 +259,7 @@ class FrontDoor:
         """A session the store lost moves as lost (its record is gone, its client must
         still hear `session_lost`): held here as lost at `epoch`, listed here, no longer
         listed at `source`."""
-        self._engine.sessions.lost[sid] = epoch
+        self._engine.sessions.lost.add(sid, epoch)
         await self._redis.sadd(self._outbox.keys.lost, sid)
         await self._redis.srem(streams.Keys(source).lost, sid)
 
@@ -273,7 +273,7 @@ class FrontDoor:
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
         if placed is not None and placed.names(self._outbox.keys.replica):
             raise SessionError(f"session {sid} is placed on this replica", "busy")
-        if self._engine.sessions.lost.pop(sid, None) is not None:
+        if self._engine.sessions.lost.pop(sid) is not None:
             return  # it was lost here, and moved on as lost
         self._engine.sessions.depart(sid)
         await self.durable()

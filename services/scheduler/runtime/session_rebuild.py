@@ -123,7 +123,7 @@ async def _lost(client: aioredis.Redis, sessions: SessionManager, keys: streams.
     for sid in sorted(m.decode() for m in await client.smembers(keys.lost)):
         placed = await _placement(client, sid)
         if placed is None or placed.replica == keys.replica:
-            sessions.lost[sid] = FIRST_EPOCH if placed is None else placed.epoch
+            sessions.lost.add(sid, FIRST_EPOCH if placed is None else placed.epoch)
         else:
             await client.srem(keys.lost, sid)
 

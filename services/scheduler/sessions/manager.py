@@ -38,6 +38,7 @@ from services.scheduler.records.session import (
 )
 from services.scheduler.sessions.chat_log import settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
+from services.scheduler.sessions.lost import LostSessions
 from services.scheduler.sessions.records import DurableRecords, trusted_records
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
@@ -76,10 +77,7 @@ class SessionManager:
         # recorded sessions a restarted scheduler has not taken back yet: their records
         # are not proven current (runtime/session_rebuild.py), so they answer 503
         self.pending: set[str] = set()
-        # recorded sessions the store could not prove current after a gap (session_
-        # rebuild.py), by their placement's epoch: each answers `session_lost` until its
-        # client closes it (its placement stays, so every front sends its turns here)
-        self.lost: dict[str, int] = {}
+        self.lost = LostSessions()  # the store's decision on a gap (lost.py)
         self.conflicting_records = 0
         # whether this replica may serve its sessions now: its registration is provably
         # current (runtime/replica_lease.py); the composition root sets it
@@ -160,12 +158,7 @@ class SessionManager:
         """The refusal of `sid` no longer open here: lost, closed here, or never (or no
         longer: it departed) known."""
         if sid in self.lost:
-            return SessionError(
-                f"session {session_name(sid)} was lost: the session store could not prove "
-                "its history current after a fault; open a new session and send the whole "
-                "conversation",
-                "lost",
-            )
+            return self.lost.refusal(sid)
         if sid in self._closed:
             return SessionError(f"session {session_name(sid)} is closed", "closed")
         return SessionError(f"session {session_name(sid)} not found", "not_found")
@@ -253,13 +246,11 @@ class SessionManager:
         return sorted(idle, key=lambda pair: -pair[1])
 
     def forget_lost(self, sid: str) -> bool:
-        """Whether `sid` was lost: then its client's close ends what is left of it (its
-        placement, taken away as a closed session's)."""
-        epoch = self.lost.pop(sid, None)
-        if epoch is None:
-            return False
-        self.unplaced.append((sid, epoch))
-        return True
+        """Whether `sid` was lost: then its client's close ends it (lost.py)."""
+        epoch = self.lost.pop(sid)
+        if epoch is not None:
+            self.unplaced.append((sid, epoch))
+        return epoch is not None
 
     def forget_closed(self, sid: str) -> None:
         """`sid` closed here is no longer remembered as closed (a later session of that
@@ -488,17 +479,12 @@ class SessionManager:
     def arrive(self, record: SessionRecord, source: str, epoch: int, move: str = "") -> Session:
         """Open the session of `record` (persisted by replica `source`) here at placement
         `epoch` by attempt `move` of its move, and plan the copy of its blob if it names
-        one and a disk slot is free. A copy here that this very attempt brought is a
-        retry's: it stays. Any other copy of this epoch or older was left by a move that
-        never closed it (committed, or aborted with its settle lost): it is stale, and
-        goes. A copy of a newer epoch means this move is older than what is here."""
+        one and a disk slot is free. A copy this very attempt brought (a retry's) stays;
+        any other was left by a move that never closed it (the directory has the session
+        in transit to here: front_door.py): it is stale, and goes."""
         if record.closed:
             raise SessionError(f"session {session_name(record.sid)} is closed", "not_found")
         here = self.sessions.get(record.sid)
-        if here is not None and here.epoch > epoch:
-            raise SessionError(
-                f"session {session_name(record.sid)} is here at a newer epoch", "conflict"
-            )
         if here is not None and move and here.arrival == move:
             return here
         if here is not None:
