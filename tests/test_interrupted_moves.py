@@ -263,11 +263,12 @@ def test_a_source_never_told_its_session_moved_lets_its_copy_go(
     ledgers_clean(stack)
 
 
-def register_black_hole(client: redis.Redis, secret: str, stop: threading.Event) -> str:
-    """Register replica "9" whose address accepts connections and never answers (a hung
-    process, a frozen VM, a black-holed path), renewing its registration until `stop`;
-    returns its id."""
-    hole = socket.create_server(("127.0.0.1", 0))
+def register_black_hole(
+    client: redis.Redis, secret: str, hole: socket.socket, stop: threading.Event
+) -> str:
+    """Register replica "9" at `hole`, a socket that accepts connections and never
+    answers (a hung process, a frozen VM, a black-holed path), renewing its registration
+    until `stop`; returns its id. (Closing `hole` would reset what waits on it.)"""
     url, epoch = f"http://127.0.0.1:{hole.getsockname()[1]}", "hole"
     entry = {
         "replica": "9",
@@ -287,10 +288,13 @@ def register_black_hole(client: redis.Redis, secret: str, stop: threading.Event)
         while not stop.is_set():
             client.set(streams.Keys("9").alive, json.dumps(entry), px=600)
             time.sleep(0.1)
-        hole.close()
 
     threading.Thread(target=renew, daemon=True).start()
     return "9"
+
+
+def moving_to(client: redis.Redis, sid: str, target: str) -> bool:
+    return Placement.decode(client.get(streams.placement_key(sid))).moving_to == target
 
 
 def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
@@ -307,19 +311,24 @@ def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
     play(port, [sid], history, rng, 1, resumed=False)
     source = home(client, sid)
     other = "1" if source == "0" else "0"
-    stop, drained = threading.Event(), {}
+    stop, drained, listening = threading.Event(), {}, socket.create_server(("127.0.0.1", 0))
     client.set(streams.Keys(other).draining, 1)  # the hole is the only target
     try:
-        hole = register_black_hole(client, stack.settings.cluster_secret, stop)
-        time.sleep(1.0)  # the router reads it (and tries to warm its connections)
-        drain = threading.Thread(
-            target=lambda: drained.update(call(port, "/admin/drain", {"replica": source}))
-        )
-        drain.start()
-        deadline = time.monotonic() + 20
-        while Placement.decode(client.get(streams.placement_key(sid))).moving_to != hole:
-            assert time.monotonic() < deadline, "the drain never began the move"
-            time.sleep(0.1)
+        hole = register_black_hole(client, stack.settings.cluster_secret, listening, stop)
+        deadline = time.monotonic() + 30
+        while True:  # drained again until the router takes the hole for ready (it warms
+            drained.clear()  # its connections first, which takes their 2 s timeout)
+            drain = threading.Thread(
+                target=lambda: drained.update(call(port, "/admin/drain", {"replica": source}))
+            )
+            drain.start()
+            while drain.is_alive() and not moving_to(client, sid, hole):
+                assert time.monotonic() < deadline, "the drain hangs before the move began"
+                time.sleep(0.05)
+            if moving_to(client, sid, hole):
+                break
+            assert time.monotonic() < deadline, f"the drain never began the move: {drained}"
+            time.sleep(0.3)
         time.sleep(1.0)  # the call to the hole waits
         stop.set()  # it stops registering
         drain.join(30)
@@ -329,5 +338,6 @@ def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
         check_one_shot([sid], history)
     finally:
         stop.set()
+        listening.close()
         client.delete(streams.Keys(other).draining, streams.Keys(source).draining)
         client.srem(streams.REPLICAS, "9")
