@@ -51,7 +51,7 @@ SUMMARY_KEYS = (
 WORKERS = 6
 # ownership entries a replica's stream keeps unread: a store paused for a fault's window
 # outlasts it under the load, so trimmed_stream (and store_lag) meet a real unread trim
-STREAM_MAXLEN = 500
+STREAM_MAXLEN = 300
 SETTLE_SECONDS = 1.5  # after a fault, once the stack is ready again, before the next
 POOLS = {
     "page_size": 4,

@@ -144,23 +144,28 @@ class OwnershipOutbox:
         self._shipped(carried)
 
     async def trim(self, redis: aioredis.Redis) -> None:
-        """Trim the ownership stream up to what the store has consumed (its group's
-        oldest entry not acknowledged, else the last one it read), never past it: an
-        entry trimmed before the store applied it is a gap only this life can fill. With
-        more than `stream_maxlen` entries unconsumed all the same (a store away that
-        long), the oldest go, to bound Redis's memory: counted (`trimmed_unread`),
-        logged, and marked (`Keys.trimmed_unread`) for the store to find the gap."""
-        stream = self.keys.ownership
+        """Keep the ownership stream's newest `stream_maxlen` entries (what the routers
+        read the prefix cache from) and every entry the store has not consumed (its
+        group's oldest entry not acknowledged, else the last one it read): an entry
+        trimmed before the store applied it is a gap only this life can fill. Past twice
+        `stream_maxlen` unconsumed all the same (a store away that long), the oldest go,
+        to bound Redis's memory: counted (`trimmed_unread`), logged, and marked
+        (`Keys.trimmed_unread`) for the store to find the gap."""
+        stream, cap = self.keys.ownership, self.stream_maxlen
         try:
             groups = await redis.xinfo_groups(stream)
         except ResponseError:
             return  # no stream yet
         store = next((g for g in groups if _text(g["name"]) == streams.STORE_GROUP), None)
+        behind = None if store is None or store.get("lag") is None else store["lag"]
+        if behind is not None and behind + store["pending"] <= cap:
+            await redis.xtrim(stream, maxlen=cap, approximate=True)  # all consumed
+            return
         if store is not None:
             pending = await redis.xpending(stream, streams.STORE_GROUP)
             keep = pending["min"] if pending["pending"] else store["last-delivered-id"]
             await redis.xtrim(stream, minid=_text(keep))
-        removed = await redis.xtrim(stream, maxlen=self.stream_maxlen)
+        removed = await redis.xtrim(stream, maxlen=2 * cap)
         if removed:
             first = await redis.xrange(stream, count=1)
             if first:
@@ -171,7 +176,7 @@ class OwnershipOutbox:
                 "them (more than %d unconsumed): it will find a gap",
                 self.keys.replica,
                 removed,
-                self.stream_maxlen,
+                2 * cap,
             )
 
     def _shipped(self, carried: int) -> None:
