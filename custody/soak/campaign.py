@@ -49,8 +49,8 @@ SUMMARY_KEYS = (
     "deaths_outside_faults",
 )
 WORKERS = 6
-# ownership entries a replica's stream keeps unread: a store paused for a fault's window
-# outlasts it under the load, so trimmed_stream (and store_lag) meet a real unread trim
+# a replica's ownership stream keeps twice this unread: a store paused for a fault's
+# window falls further behind under the load, so trimmed_stream meets a real unread trim
 STREAM_MAXLEN = 300
 SETTLE_SECONDS = 1.5  # after a fault, once the stack is ready again, before the next
 POOLS = {
