@@ -4,12 +4,12 @@ Redis.
 
 The store is paused while the scheduler writes more ownership entries than the stream
 keeps unconsumed (twice `stream_maxlen`, 50): the scheduler trims what the store has not
-read, counts it and marks it. Then the scheduler is killed and the store goes on: it finds the gap, and
-the life that could have filled it (with a full set of records) is gone. Before, the new
-life waited for the store's proof, the store for a full set, and the full set for the new
-life's sessions to be taken back: every session answered 503 for ever. Now the store
-decides (its sessions are lost), each turn of them answers 410 `session_lost`, its close
-ends it, and new sessions are served."""
+read, counts it and marks it. Then the scheduler is killed and the store goes on: it
+finds the gap, and the life that could have filled it (with a full set of records) is
+gone. Before, the new life waited for the store's proof, the store for a full set, and
+the full set for the new life's sessions to be taken back: every session answered 503
+for ever. Now the store decides (its sessions are lost), each turn of them answers 410
+`session_lost`, its close ends it, and new sessions are served."""
 
 from __future__ import annotations
 

@@ -256,10 +256,11 @@ def trimmed_stream(t: Target) -> str:
     (its sessions end `session_lost`) rather than all wait for one another."""
     name, store = f"scheduler-{t.replica}", t.process("session-store")
     metrics = f"http://127.0.0.1:{t.stack.layout[name][1].port}/metrics"
+    before = _trimmed_unread(metrics)  # this life's count so far (another fault's)
     os.kill(store.pid, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not _trimmed_unread(metrics):
+        while time.monotonic() < deadline and _trimmed_unread(metrics) <= before:
             time.sleep(0.5)
         seen = t.stack.restarts[name]
         t.process(name).kill()
@@ -269,16 +270,19 @@ def trimmed_stream(t: Target) -> str:
     return name
 
 
-def _trimmed_unread(metrics_url: str) -> bool:
+def _trimmed_unread(metrics_url: str) -> float:
+    """The scheduler's `custody_ownership_trimmed_unread_total`; 0 when it does not answer."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as resp:
             text = resp.read().decode()
     except OSError:
-        return False
-    return any(
-        line.startswith("custody_ownership_trimmed_unread_total") and float(line.split()[-1]) > 0
+        return 0.0
+    counted = [
+        float(line.split()[-1])
         for line in text.splitlines()
-    )
+        if line.startswith("custody_ownership_trimmed_unread_total")
+    ]
+    return sum(counted)
 
 
 KINDS: dict[str, Callable[[Target], str]] = {

@@ -14,14 +14,19 @@ from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session
 
 
-def _placed(session: Session) -> web.Response:
-    placed = Placed(session.sid, session.state_tier, session.cached_len)
+def _placed(sid: str, session: Session | None) -> web.Response:
+    """Where `session`'s state is now; a lost session (None) has none."""
+    placed = (
+        Placed(sid, None, 0)
+        if session is None
+        else Placed(sid, session.state_tier, session.cached_len)
+    )
     return web.json_response(msgspec.to_builtins(placed))
 
 
 async def migrate_out(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].migrate)
-    return _placed(await request.app[FRONT_DOOR].migrate_out(body.session_id))
+    return _placed(body.session_id, await request.app[FRONT_DOOR].migrate_out(body.session_id))
 
 
 async def migrate_in(request: web.Request) -> web.Response:
@@ -32,9 +37,7 @@ async def migrate_in(request: web.Request) -> web.Response:
         )
     door = request.app[FRONT_DOOR]
     session = await door.migrate_in(body.session_id, body.source, body.epoch, body.move)
-    if session is None:  # it arrived lost: no state, no history, `session_lost` here
-        return web.json_response(msgspec.to_builtins(Placed(body.session_id, None, 0)))
-    return _placed(session)
+    return _placed(body.session_id, session)  # None: it arrived lost (`session_lost` here)
 
 
 async def migrate_done(request: web.Request) -> web.Response:

@@ -198,9 +198,13 @@ class FrontDoor:
         tiers.placing.pop(sid, None)
         return session
 
-    async def migrate_out(self, sid: str) -> Session:
+    async def migrate_out(self, sid: str) -> Session | None:
         """Stop `sid`'s turns, place its state on disk, and return once its record (the
-        one the replica it goes to reads) is persisted by the store."""
+        one the replica it goes to reads) is persisted by the store. None: it was lost
+        here, and leaves as lost (nothing to place: the replica it goes to finds it in
+        this replica's `Keys.lost`), so a drain moves it like any other."""
+        if sid in self._engine.sessions.lost:
+            return None
         self._engine.sessions.leave(sid)
         session = await self.place_session(sid, "disk")
         await self.durable()
