@@ -1,6 +1,6 @@
 """The distributed fault campaign (docs/faults.md): its history checker can fail, its
 proxy really partitions, slows and cuts a real Redis connection, and a run of
-CUSTODY_FAULT_SECONDS (CI: 200) over two replicas injects every kind of fault with every
+CUSTODY_FAULT_SECONDS (CI: 165) over two replicas injects every kind of fault with every
 invariant holding."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
-SECONDS = float(os.environ.get("CUSTODY_FAULT_SECONDS", "200"))
+SECONDS = float(os.environ.get("CUSTODY_FAULT_SECONDS", "165"))
 
 
 def turn(sid: str, ids: list[int], out: list[int], prompt: int, status: int = 200) -> Turn:

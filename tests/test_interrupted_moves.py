@@ -333,7 +333,7 @@ def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
         stop.set()  # it stops registering
         drain.join(30)
         assert not drain.is_alive(), "the drain waits on a replica that never answers"
-        assert drained["failed"] == 1 and home(client, sid) == source, drained
+        assert drained["failed"] >= 1 and home(client, sid) == source, drained  # and others'
         play(port, [sid], history, rng, 1, resumed=True)
         check_one_shot([sid], history)
     finally:

@@ -226,9 +226,10 @@ class OwnershipConsumer:
             return self._replay(msg)
         if isinstance(msg, Idle):
             return self.ledger.check_idle(msg.counts, msg.seq)
-        if msg.full:
-            self._writes.clear()  # the full set supersedes what this batch had taken
-            self._full = {r.sid for r in msg.records} | set(msg.kept)
+        if msg.full:  # it supersedes what this batch had taken, but for the kept
+            kept = set(msg.kept)
+            self._writes = [w for w in self._writes if w.sid in kept]
+            self._full = {r.sid for r in msg.records} | kept
             self.records_complete = True
             self.client.delete(self.keys.snapshot_wanted)
         self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]

@@ -418,3 +418,21 @@ def test_a_gap_is_decided_once_a_new_life_is_fenced_in_though_it_writes_nothing(
     assert consumer.records_complete and consumer.sessions_lost == 2
     last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
     assert consumer.records_through == last  # the proof comes with the decision
+
+
+def test_a_kept_session_s_records_read_in_the_batch_of_the_full_set_are_kept(redis_client):
+    """The old life's last records and the new life's full set in one batch (the store
+    was paused across the restart): the full set keeps what the batch read of the
+    sessions it names as kept. Before, it dropped them with the rest of the batch, and
+    the session came back with the history of a record two turns old."""
+    d, shipper, consumer, _ = two_lives(redis_client)
+    keys = streams.SINGLE
+    d.engine.sessions.sessions["sa"].history = np.arange(9)
+    d.engine.sessions.dirty.add("sa")
+    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
+    new_life = EventShipper(Driver().pools.ledger, epoch="e6")
+    publish(redis_client, new_life.snapshot())
+    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa", "sb"]))
+    drain(consumer)  # one batch
+    stored = RECORDS.decode(redis_client.hget(keys.session("sa"), "record"))
+    assert stored.tokens().tolist() == list(range(9))

@@ -11,8 +11,15 @@ from services.scheduler.http import schema_types as st
 from services.scheduler.http.schemas_openai import Message
 
 DETOKENIZE_FACTOR = 16  # a /detokenize list may be this many contexts long
-# What TokenizeRequest.__post_init__ enforces, stated in its schema.
-PROMPT_OR_MESSAGES = {"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+# What TokenizeRequest.__post_init__ enforces, stated in its schema: exactly one of the
+# two given, not null (a null one is absent to the server; "required" alone would count
+# it present, and the schema would refuse a body the server rightly accepts).
+PROMPT_OR_MESSAGES = {
+    "oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]
+}
 
 
 def tokenizer_schemas(limits: st.Limits) -> tuple[Any, type]:
