@@ -37,4 +37,4 @@ install_prometheus
 .venv/bin/pip install -q --no-deps sglang==0.5.23
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest --durations=30 "$@"  # and where the time goes
