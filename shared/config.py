@@ -85,6 +85,10 @@ class Settings:
     # how it marks its reasoning (text/reasoning.py: nemotron_v3, deepseek_r1, qwen3);
     # empty: reasoning stays in the content
     reasoning_parser: str = ""
+    # reasoning tokens a chat reply may write before a constraint's answer (a forced
+    # tool call, a schema) when the prompt opened its reasoning: then its end is forced;
+    # at most half the reply's max_tokens. A request's `thinking_budget` overrides it
+    thinking_budget: int = 1024
     # a request header naming the session a stateless chat request continues (e.g.
     # X-Session-ID; services/scheduler/http/header_sessions.py); empty: none
     session_header: str = ""
@@ -150,6 +154,7 @@ class Settings:
             "max_sessions_per_key",
             "max_queued_requests",
             "state_checkpoint_interval",
+            "thinking_budget",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

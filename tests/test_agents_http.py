@@ -35,6 +35,11 @@ from tests.checkpoints import reference
 from tests.services_harness import agent_settings, call, kill_executor_during, metrics, start_stack
 
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+# thinking on (the template's default): the reply reasons first, for at most this many
+# tokens before the executor forces the end of its reasoning (the random model never
+# ends it itself), then answers under the constraint
+THINKING_ON = {"thinking_budget": 12}
+THINKING = {"thinking-off": THINKING_OFF, "thinking-on": THINKING_ON}
 WEATHER = {
     "type": "function",
     "function": {
@@ -103,14 +108,25 @@ def test_the_stack_serves_its_moe_checkpoint_as_transformers_generates(stack, ag
     assert served == out[0, len(prompt) :].tolist()
 
 
-def test_a_json_schema_response_parses_validates_and_stops(client):
+def reasoned(message: object, thinking: str) -> None:
+    """Thinking on, the reply reasoned first, and its reasoning stayed out of the answer;
+    off, it did not reason."""
+    reasoning = getattr(message, "reasoning_content", None)
+    assert (reasoning is not None) == (thinking == "thinking-on"), message
+
+
+@pytest.mark.parametrize("thinking", THINKING)
+def test_a_json_schema_response_parses_validates_and_stops(client, thinking):
     schema = WEATHER["function"]["parameters"]
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
     for seed in range(3):
-        reply = ask(client, response_format=fmt, temperature=1.0, seed=seed)
+        reply = ask(
+            client, response_format=fmt, temperature=1.0, seed=seed, extra_body=THINKING[thinking]
+        )
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), schema)
+        reasoned(choice.message, thinking)
 
 
 def test_json_object_regex_choice_and_ebnf_hold(client, stack):
@@ -286,7 +302,8 @@ def test_generated_schemas_give_valid_json_that_stops(stack, schemas):
 
 
 # ---- tool calls ----
-def test_required_tool_calls_parse_and_match_their_schemas(client):
+@pytest.mark.parametrize("thinking", THINKING)
+def test_required_tool_calls_parse_and_match_their_schemas(client, thinking):
     for seed in range(3):
         reply = ask(
             client,
@@ -295,8 +312,10 @@ def test_required_tool_calls_parse_and_match_their_schemas(client):
             parallel_tool_calls=False,
             temperature=1.0,
             seed=seed,
+            extra_body=THINKING[thinking],
         )
         choice = reply.choices[0]
+        reasoned(choice.message, thinking)
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None and choice.message.tool_calls
         for call_ in choice.message.tool_calls:
@@ -307,17 +326,22 @@ def test_required_tool_calls_parse_and_match_their_schemas(client):
             assert call_.type == "function" and call_.id.startswith("call_")
 
 
-def test_a_named_tool_choice_calls_that_tool_once(client):
+@pytest.mark.parametrize("thinking", THINKING)
+def test_a_named_tool_choice_calls_that_tool_once(client, thinking):
     named = {"type": "function", "function": {"name": "get_time"}}
-    reply = ask(client, tools=[WEATHER, CLOCK], tool_choice=named, temperature=1.0, seed=3)
+    extra = {"temperature": 1.0, "seed": 3, "extra_body": THINKING[thinking]}
+    reply = ask(client, tools=[WEATHER, CLOCK], tool_choice=named, **extra)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    reasoned(reply.choices[0].message, thinking)
     calls = reply.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"]
     assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET", "PST")
 
 
-def test_streamed_tool_calls_assemble_in_the_clients_accumulator(client):
+@pytest.mark.parametrize("thinking", THINKING)
+def test_streamed_tool_calls_assemble_in_the_clients_accumulator(client, thinking):
     """`chat.completions.stream()` puts OpenAI's tool-call deltas together: its final
-    message must equal the unstreamed reply's (same seed)."""
+    message must equal the unstreamed reply's (same seed), reasoning included."""
     args = {
         "model": "m",
         "messages": [{"role": "user", "content": "wetter?"}],
@@ -327,14 +351,17 @@ def test_streamed_tool_calls_assemble_in_the_clients_accumulator(client):
         "parallel_tool_calls": False,
         "temperature": 1.0,
         "seed": 11,
-        "extra_body": THINKING_OFF,
+        "extra_body": THINKING[thinking],
     }
     whole = client.chat.completions.create(**args).choices[0]
+    reasoning = ""
     with client.chat.completions.stream(**args) as stream:
-        for _ in stream:
-            pass
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                reasoning += getattr(event.chunk.choices[0].delta, "reasoning_content", "") or ""
         final = stream.get_final_completion().choices[0]
     assert final.finish_reason == "tool_calls"
+    assert reasoning == (getattr(whole.message, "reasoning_content", None) or "")
     got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
     want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert got == want and all(c.id.startswith("call_") for c in final.message.tool_calls)
@@ -370,18 +397,20 @@ def test_auto_without_a_call_is_plain_content_and_none_parses_nothing(client):
 
 def test_reasoning_is_split_from_the_answer(client):
     """Thinking on: the prompt opens <think>, so the reply's text before </think> is
-    reasoning; a grammar makes the model close the block and answer."""
-    ebnf = 'root ::= [a-z]{1,8} "</think>" [0-9]{2}'
+    reasoning, and a grammar holds the answer after it. The random model never closes
+    the block itself: the default budget (half of max_tokens) ends it."""
     args = {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 60,
+        "max_tokens": 40,
         "temperature": 1.0,
         "seed": 2,
-        "extra_body": {"guided_grammar": ebnf},
+        "extra_body": {"guided_grammar": "root ::= [0-9]{2}"},
     }
-    message = client.chat.completions.create(**args).choices[0].message
-    assert re.fullmatch(r"[a-z]{1,8}", message.reasoning_content), message
+    reply = client.chat.completions.create(**args)
+    message = reply.choices[0].message
+    assert message.reasoning_content and reply.choices[0].finish_reason == "stop", message
+    assert reply.usage.completion_tokens <= 20 + len("</think>") + 2
     assert re.fullmatch(r"[0-9]{2}", message.content), message
     with client.chat.completions.stream(**args) as stream:
         reasoning = content = ""
@@ -509,9 +538,11 @@ def test_a_session_keeps_exact_with_reasoning_the_template_truncates_later(stack
     reply differently. The session turn still equals the stateless request (no 409), and
     resumes from the state the turn before kept at its reply's start: its cached tokens
     reach at least where the two turns' prompts part (what any reply's rendering shares
-    with the prompt; the generation prompt's opened <think> block is not in it)."""
+    with the prompt; the generation prompt's opened <think> block is not in it). The
+    reasoning is the budget's (half of max_tokens), longer than the message after it
+    once emptied: the session's record must still order its messages' ends."""
     port = stack.settings.port
-    ebnf = 'root ::= [a-z]{1,8} "</think>" [0-9]{2}'
+    ebnf = "root ::= [0-9]{2}"
     sid = call(port, "/open_session", {})
     messages = [{"role": "user", "content": "Grüße"}]
     prompts = []

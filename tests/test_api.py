@@ -327,7 +327,7 @@ def bad_inputs() -> list[tuple[str, bytes]]:
         "top_p": [0, -0.5, 1.5, "all", []],
         "top_k": [0, -2, 10**6, 2.5, "k"],
         "seed": ["s", 1.5, [], {}],
-        "stop_token_ids": [[-1], [10**6], "x", [1.5], 5],
+        "stop_token_ids": [[-1], [2**31], "x", [1.5], 5],
         "ignore_eos": ["yes", 1, [], None],
     }
     generated = []

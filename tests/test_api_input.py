@@ -89,6 +89,15 @@ def test_values_no_layer_can_hold_get_json_400s(stack):
     assert "temperature" in refusal(port, "/generate", generate([1], temperature=100.5))
     assert "top_k" in refusal(port, "/generate", generate([1], top_k=0))
     assert "stop_token_ids" in refusal(port, "/generate", generate([1], stop_token_ids=[1] * 257))
+    # SGLang's JSON kit sends an id past the vocabulary: accepted, and it never matches
+    plain = call(port, "/generate", generate([5, 6], max_new_tokens=8, ignore_eos=True))
+    past = generate([5, 6], max_new_tokens=8, ignore_eos=True, stop_token_ids=[119690])
+    assert call(port, "/generate", past)["output_ids"] == plain["output_ids"]
+    completion = {"prompt": [5, 6], "max_tokens": 2, "stop_token_ids": [119690]}
+    # a reasoning budget where no reasoning parser marks where reasoning ends
+    budget = {"messages": [{"role": "user", "content": "x"}], "thinking_budget": 4}
+    assert "thinking_budget" in refusal(port, "/v1/chat/completions", budget)
+    assert call(port, "/v1/completions", completion)["choices"][0]["finish_reason"] == "length"
     assert "stop" in refusal(port, "/generate", generate([1], stop=["x"] * 17))
     assert "stop[0]" in refusal(port, "/generate", generate([1], stop=["x" * 257]))
     assert "context length" in refusal(port, "/generate", generate([1] * CONTEXT))

@@ -73,6 +73,24 @@ def test_s1_s2_s9_inheritance_rejections_and_append_only(stack):
     assert t2["meta_info"]["cached_tokens"] == 5 + 12 - 1
     assert t2["meta_info"]["prompt_tokens"] == 5 + 12 + 2
     assert t2["output_ids"] == one_shot([1, 2, 3, 4, 5, *t1["output_ids"], 9, 10], 12)
+    # a turn naming an earlier turn would branch: refused naming rid, never appended
+    earlier = {"id": sid, "rid": t1["meta_info"]["id"]}
+    code, message = refused(port, {"input_ids": [11], "session_params": earlier})
+    assert code == 400 and "session_params.rid" in message and t2["meta_info"]["id"] in message
+    # the latest turn's rid (SGLang's kit sends it) and offset 0 cut nothing: appended
+    latest = {"id": sid, "rid": t2["meta_info"]["id"], "offset": 0}
+    t3 = call(
+        port,
+        "/generate",
+        {
+            "input_ids": [11],
+            "session_params": latest,
+            "sampling_params": {"max_new_tokens": 4, **GREEDY},
+        },
+    )
+    history = [1, 2, 3, 4, 5, *t1["output_ids"], 9, 10, *t2["output_ids"], 11]
+    assert t3["meta_info"]["prompt_tokens"] == len(history)
+    assert t3["output_ids"] == one_shot(history, 4)
     call(port, "/close_session", {"session_id": sid})
     assert_clean(stack)
 

@@ -17,6 +17,7 @@ the request, whose re-prefill starts its matcher again).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -33,11 +34,13 @@ import torch
 import xgrammar as xgr
 from prometheus_client import Counter, Histogram
 
+from services.executor.reasoning_budget import ReasoningBudget, reasoning_grammar
 from shared import streams
 from shared.config import Settings
 from shared.messages.grammar import (
     GrammarSpec,
     GrammarVerdict,
+    ReasoningPrefix,
     RowGrammar,
     decode_check,
 )
@@ -93,11 +96,20 @@ def grammars_for(settings: Settings, cfg: ModelConfig) -> Grammars:
 class _Matcher:
     key: str
     matcher: xgr.GrammarMatcher
-    accepted: int
+    accepted: int  # output tokens taken, the reasoning's included
+    budget: ReasoningBudget | None = None
+
+    def take(self, token: int) -> bool:
+        """The row's next output token; False if its grammar refuses it."""
+        self.accepted += 1
+        if self.budget is not None:
+            self.budget.take(token)
+        return self.matcher.accept_token(token)
 
 
 class Grammars:
     def __init__(self, info: xgr.TokenizerInfo | None, max_matchers: int) -> None:
+        self.info = info
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False) if info else None
         self.vocab = info.vocab_size if info else 0
         self.compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
@@ -109,7 +121,7 @@ class Grammars:
     def compile(self, spec: GrammarSpec, where: str) -> xgr.CompiledGrammar:
         """The compiled grammar of `spec` (from the cache, else compiled now); a
         ValueError says why a spec does not compile."""
-        key = spec.key
+        key = spec.grammar_key
         with self.lock:
             hit = self.compiled.get(key)
             if hit is not None:
@@ -131,25 +143,36 @@ class Grammars:
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        compiler = self.compiler
-        if spec.kind == "json_schema":
-            grammar = xgr.Grammar.from_json_schema(
-                spec.source, any_whitespace=spec.any_whitespace, strict_mode=True
+        grammar = _grammar(spec)
+        if spec.reasoning is not None:
+            grammar = xgr.Grammar.concat(reasoning_grammar(spec.reasoning.close), grammar)
+        return self.compiler.compile_grammar(grammar)
+
+    def close_tokens(self, prefix: ReasoningPrefix) -> None:
+        """The tokens the executor forces must spell the marker the grammar waits for."""
+        ids, special = prefix.close_ids, set(self.info.special_token_ids)
+        spelled = b"".join(self.token_bytes[t] for t in ids if t < self.vocab)
+        if spelled != prefix.close.encode() or max(ids) >= self.vocab or special & set(ids):
+            raise ValueError(
+                f"the reasoning end {prefix.close!r} is not spelled by tokens a grammar may "
+                f"choose ({list(ids)})"
             )
-            return compiler.compile_grammar(_strict_strings(str(grammar)))
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.source)
-        if spec.kind == "ebnf":
-            return compiler.compile_grammar(spec.source)
-        return compiler.compile_structural_tag(spec.source)
 
     def check(self, spec: GrammarSpec) -> str | None:
         """None if `spec` compiles, else why not."""
         try:
             self.compile(spec, "check")
+            if spec.reasoning is not None:  # a grammar compiled before, by another spec
+                self.close_tokens(spec.reasoning)
         except ValueError as err:
             return str(err)
         return None
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        """What each token spells, as xgrammar reads it (a reasoning budget watches for
+        its end marker in these)."""
+        return list(self.info.decoded_vocab) if self.info is not None else []
 
     # ---- masking ----
     def masks(self, rows: Sequence) -> torch.Tensor | None:
@@ -161,11 +184,20 @@ class Grammars:
             return None
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab)  # all allowed
+        forced: list[tuple[int, int]] = []
         for j, row in constrained:
-            matcher = self._matcher(row.rid, row.grammar).matcher
-            if not matcher.is_terminated():  # else a row its request dropped: left free
-                matcher.fill_next_token_bitmask(bitmask, j)
+            held = self._matcher(row.rid, row.grammar)
+            if held.matcher.is_terminated():  # a row its request dropped: left free
+                continue
+            token = None if held.budget is None else held.budget.forced()
+            if token is None:
+                held.matcher.fill_next_token_bitmask(bitmask, j)
+            else:
+                forced.append((j, token))
         allowed = unpack_bitmask(bitmask, self.vocab)
+        for j, token in forced:  # the reasoning ran out of budget: its end, token by token
+            allowed[j] = False
+            allowed[j, token] = True
         MASK_SECONDS.observe(time.perf_counter() - started)
         return allowed
 
@@ -201,12 +233,14 @@ class Grammars:
 
     def _start(self, rid: str, grammar: RowGrammar) -> _Matcher:
         """A new matcher for `rid`, with the request's output so far replayed into it."""
-        compiled = self.compile(grammar.spec, "step")
-        matcher = xgr.GrammarMatcher(compiled)
+        spec = grammar.spec
+        compiled = self.compile(spec, "step")
+        prefix = spec.reasoning
+        budget = None if prefix is None else ReasoningBudget(prefix, self.token_bytes)
+        held = _Matcher(grammar.key, xgr.GrammarMatcher(compiled), 0, budget)
         for i, token in enumerate(grammar.replay.tolist()):
-            if not matcher.accept_token(token):
+            if not held.take(token):
                 raise GrammarRefused(f"row {rid}: output token {i} ({token}) breaks its grammar")
-        held = _Matcher(grammar.key, matcher, grammar.accepted)
         with self.lock:
             self.matchers[rid] = held
             self.matchers.move_to_end(rid)
@@ -223,10 +257,10 @@ class Grammars:
             if row.grammar is None:
                 continue
             held = self.matchers[row.rid]  # masks() started or found it
-            held.accepted += 1
             if held.matcher.is_terminated():
+                held.accepted += 1
                 continue  # ended before: a pipelined row its request has dropped
-            if not held.matcher.accept_token(int(token)):  # the mask forbade it: a bug
+            if not held.take(int(token)):  # the mask forbade it: a bug
                 log.error("row %s sampled %d, which its grammar refuses", row.rid, token)
             if held.matcher.is_terminated():
                 ended.append(row.rid)
@@ -271,6 +305,20 @@ class Grammars:
 # classes are replaced with one that excludes them.
 LOOSE_CHARACTERS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
 STRICT_CHARACTER = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
+
+
+def _grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The spec's own constraint as an xgrammar grammar (not yet compiled)."""
+    if spec.kind == "json_schema":
+        schema = xgr.Grammar.from_json_schema(
+            spec.source, any_whitespace=spec.any_whitespace, strict_mode=True
+        )
+        return xgr.Grammar.from_ebnf(_strict_strings(str(schema)))
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.source)
+    if spec.kind == "ebnf":
+        return xgr.Grammar.from_ebnf(spec.source)
+    return xgr.Grammar.from_structural_tag(spec.source)
 
 
 def _strict_strings(ebnf: str) -> str:

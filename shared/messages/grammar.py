@@ -23,17 +23,38 @@ from shared.messages.envelope import I4, Arrays, WireError, empty
 
 GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 MAX_GRAMMAR_SOURCE = 65536  # characters of a schema, regex or grammar
+MAX_CLOSE_IDS = 64  # tokens of a reasoning block's end marker
+
+
+class ReasoningPrefix(msgspec.Struct, frozen=True, kw_only=True):
+    """Free reasoning before the constrained answer (a chat reply that thinks first):
+    any text up to and including the first `close`, then the spec's own constraint.
+    Once `budget` output tokens have gone by with the block still open, the executor
+    forces `close_ids` (the tokenizer's encoding of `close`), one per step, so a model
+    that never closes its reasoning still reaches its answer."""
+
+    close: str
+    close_ids: tuple[int, ...]
+    budget: int
+
+    def __post_init__(self) -> None:
+        if not self.close or not self.close_ids or len(self.close_ids) > MAX_CLOSE_IDS:
+            raise WireError(f"a reasoning end {self.close!r} of {len(self.close_ids)} tokens")
+        if self.budget < 0 or any(t < 0 for t in self.close_ids):
+            raise WireError(f"a reasoning budget {self.budget} or end ids {self.close_ids}")
 
 
 class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What the output must match: a JSON schema (as JSON text), a regular expression, an
     EBNF grammar (xgrammar's dialect, as SGLang and vLLM take it) or an xgrammar
-    structural tag (as JSON text). `any_whitespace` False: JSON is written compactly,
-    one space after `:` and `,` (xgrammar's fixed form), which bounds its length."""
+    structural tag (as JSON text); after `reasoning`, when the reply thinks first.
+    `any_whitespace` False: JSON is written compactly, one space after `:` and `,`
+    (xgrammar's fixed form), which bounds its length."""
 
     kind: GrammarKind
     source: str
     any_whitespace: bool = True
+    reasoning: ReasoningPrefix | None = None
 
     def __post_init__(self) -> None:
         if len(self.source) > MAX_GRAMMAR_SOURCE:
@@ -41,9 +62,21 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def key(self) -> str:
-        """The spec's identity: the executor compiles each distinct key once."""
-        text = f"{self.kind}\0{int(self.any_whitespace)}\0{self.source}"
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        """The spec's identity, which a matcher is checked against."""
+        prefix = self.reasoning
+        forcing = "" if prefix is None else f"{list(prefix.close_ids)}\0{prefix.budget}"
+        return _digest(f"{self.grammar_key}\0{forcing}")
+
+    @property
+    def grammar_key(self) -> str:
+        """The identity of its grammar: the executor compiles each distinct one once
+        (specs that differ only in their reasoning budget share it)."""
+        close = "" if self.reasoning is None else self.reasoning.close
+        return _digest(f"{self.kind}\0{int(self.any_whitespace)}\0{self.source}\0{close}")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class RowGrammar(Arrays, kw_only=True):

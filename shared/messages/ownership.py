@@ -152,6 +152,7 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     executor: str | None = None  # as persisted: the executor epoch the slots belong to
     disk: int | None = None  # or: the disk slot of its valid blob, of cached_len positions
     chat: list[ChatEntry] | None = None  # its conversation; None: raw tokens or empty
+    last_rid: str = ""  # its latest finished turn's request id (session_params.rid)
     # the placement epoch it was written under; None: a session no router placed. The
     # store refuses the record once the directory has moved on (a replica woken late)
     epoch: int | None = None
@@ -161,7 +162,7 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
         if self.closed:
             rest = (self.timeout, self.tenant, self.history, self.disk, self.chat, *slots)
             rest += (self.epoch,)
-            if self.cached_len or self.shared_pages or self.cache_namespace:
+            if self.cached_len or self.shared_pages or self.cache_namespace or self.last_rid:
                 raise WireError(f"the record of closed session {self.sid} carries more")
             if any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
 import numpy as np
 import pytest
 import xgrammar as xgr
@@ -20,7 +21,7 @@ from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
-from shared.messages.grammar import GrammarSpec, RowGrammar
+from shared.messages.grammar import GrammarSpec, ReasoningPrefix, RowGrammar
 
 REGEX = GrammarSpec(kind="regex", source=r"[a-z]{3}-\d{2}")
 
@@ -66,13 +67,42 @@ def test_a_matcher_that_took_another_count_refuses_the_step(runtime):
         runtime.runner.execute([row], DeferredOps())
 
 
-def test_a_retracted_constrained_request_ends_as_it_would_have(runtime):
+def thinking(budget: int) -> ReasoningPrefix:
+    return ReasoningPrefix(close="</think>", close_ids=tuple(b"</think>"), budget=budget)
+
+
+@pytest.mark.parametrize("budget", [0, 6])
+def test_reasoning_runs_free_to_its_budget_then_its_end_is_forced_and_the_grammar_holds(
+    runtime, budget
+):
+    """The random model never closes its reasoning itself: the executor forces the end
+    once the budget is spent, and the answer after it matches the grammar and stops."""
+    spec = msgspec.structs.replace(REGEX, reasoning=thinking(budget))
+    requests = [
+        Request(
+            f"think{budget}-{i}",
+            np.array([72, 105]),
+            SamplingParams(max_new_tokens=40, temperature=1.0, seed=i, grammar=spec),
+        )
+        for i in range(3)
+    ]
+    run(runtime, requests)
+    for r in requests:
+        reasoning, close, answer = bytes(t for t in r.output if t < 256).partition(b"</think>")
+        assert close and r.finish_reason.type == "stop", r.output
+        assert len(reasoning) <= budget
+        assert re.fullmatch(REGEX.source, answer.decode())
+
+
+@pytest.mark.parametrize("reasoning", [None, thinking(20)], ids=["plain", "thinking"])
+def test_a_retracted_constrained_request_ends_as_it_would_have(runtime, reasoning):
     """A pool too small for four long requests retracts some mid-decode; each re-prefills
-    its output, which its new matcher replays, and ends as it does with room to spare."""
-    spec = GrammarSpec(kind="regex", source=r"[a-z]{60}")
+    its output, which its new matcher replays (its reasoning budget too), and ends as it
+    does with room to spare."""
+    spec = GrammarSpec(kind="regex", source=r"[a-z]{60}", reasoning=reasoning)
 
     def requests(tag: str) -> list[Request]:
-        params = SamplingParams(max_new_tokens=80, grammar=spec)
+        params = SamplingParams(max_new_tokens=100, grammar=spec)
         return [Request(f"{tag}{i}", np.array([65 + i] * 8), params) for i in range(4)]
 
     roomy = requests("roomy")

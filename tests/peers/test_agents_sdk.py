@@ -1,16 +1,20 @@
 """The OpenAI Agents SDK (`openai-agents`, unmodified) running a tool loop on custody:
 `OpenAIChatCompletionsModel` over the chat completions API, tracing off (no network),
 two function tools, `tool_choice` required with `reset_tool_choice=False`, and a
-`tool_use_behavior` that ends the run after the fifth round of calls.
+`tool_use_behavior` that ends the run after the third round of calls.
 
 The model is random, so the calls are what the tool-call grammar (the tools' own
 schemas, in the NemotronH MoE's XML form) lets it write: each must reach its tool with
-arguments valid against the tool's schema, as the SDK sends it. The loop runs twice,
-greedy: stateless, and bound to a session by the `X-Session-ID` header (the SDK cannot
-send `session_id`); the two transcripts must be the same (a session turn equals the
-stateless request), and the session's rounds reuse its state (`cached_tokens`).
-What this cannot see: whether a real model would choose these tools (a random one
-cannot), and the SDK's handling of text replies (every round here is calls).
+arguments valid against the tool's schema, as the SDK sends it. The loop runs greedy:
+stateless, bound to a session by the `X-Session-ID` header (the SDK cannot send
+`session_id`), streamed (`Runner.run_streamed`, whose calls the SDK assembles from
+deltas), and with the template's thinking on, where each round reasons first (the
+server's default budget: half of `max_tokens`) and its call must still come back as a
+tool call. Every run of one thinking setting must make the same calls (a session turn
+equals the stateless request, a stream the plain reply), and the session's rounds
+reuse its state (`cached_tokens`). What this cannot see: whether a real model would
+choose these tools (a random one cannot), and the SDK's handling of text replies
+(every round here is calls).
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ from pydantic import Field
 
 from custody.up import Stack
 
-ROUNDS = 5
+ROUNDS = 3
 
 
 Usage = list[tuple[int, int]]  # per round: prompt tokens, cached tokens
 
 
-def run_agent(stack: Stack, headers: dict[str, str]) -> tuple[list[tuple[str, dict]], Usage]:
+def run_agent(
+    stack: Stack, headers: dict[str, str], thinking: bool = False, streamed: bool = False
+) -> tuple[list[tuple[str, dict]], Usage]:
     """One run of the loop: the calls the tools received, in order, and each round's
     prompt and `cached_tokens`."""
     calls: list[tuple[str, dict]] = []
@@ -77,13 +83,20 @@ def run_agent(stack: Stack, headers: dict[str, str]) -> tuple[list[tuple[str, di
                     tool_choice="required",
                     parallel_tool_calls=False,
                     temperature=0.0,
-                    max_tokens=200,
-                    extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                    # thinking: half of it reasons (the default budget), half calls
+                    max_tokens=400 if thinking else 200,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
                 ),
                 reset_tool_choice=False,
                 tool_use_behavior=after_tools,
             )
-            result = await Runner.run(agent, "Wie ist das Wetter in Köln?", max_turns=ROUNDS + 1)
+            question = "Wie ist das Wetter in Köln?"
+            if streamed:
+                result = Runner.run_streamed(agent, question, max_turns=ROUNDS + 1)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(agent, question, max_turns=ROUNDS + 1)
         assert result.final_output == "done"
         return [
             (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens)
@@ -98,7 +111,7 @@ def run_agent(stack: Stack, headers: dict[str, str]) -> tuple[list[tuple[str, di
     return calls, cached
 
 
-def test_the_agents_sdk_runs_five_tool_rounds_stateless_and_on_a_session(agent_stack: Stack):
+def test_the_agents_sdk_runs_three_tool_rounds_stateless_and_on_a_session(agent_stack: Stack):
     stateless, cached_stateless = run_agent(agent_stack, {})
     on_session, cached_session = run_agent(agent_stack, {"X-Session-ID": "agent-loop-1"})
     print(
@@ -114,3 +127,12 @@ def test_the_agents_sdk_runs_five_tool_rounds_stateless_and_on_a_session(agent_s
     # is reused (a reply the template renders otherwise is what is prefilled again)
     prompts = [p for p, _ in cached_session]
     assert all(c >= p for (_, c), p in zip(cached_session[1:], prompts, strict=False))
+
+
+def test_the_agents_sdk_loop_streams_and_thinks(agent_stack: Stack):
+    """Thinking on, each round's call comes back as a call after its reasoning, plain
+    and streamed; streamed, the calls are the plain run's (thinking off and on)."""
+    for thinking in (False, True):
+        plain, _ = run_agent(agent_stack, {}, thinking=thinking)
+        streamed, _ = run_agent(agent_stack, {}, thinking=thinking, streamed=True)
+        assert len(plain) == ROUNDS and streamed == plain, thinking

@@ -97,6 +97,7 @@ def plan_turn(
     for j in range(known, len(messages)):
         end = len(encoder.tokens(messages[: j + 1], False, variables))
         entries.append(ChatEntry(digests[j], end))
+    entries = ordered(entries)
 
     def reply(req: Request) -> tuple[ChatEntry, np.ndarray, bool] | None:
         """Run by the engine at the turn's end; it must not raise."""
@@ -117,6 +118,19 @@ def plan_turn(
     turn = ChatTurn(base, len(session.history), tuple(entries), reply)
     turn.reply_start = reply_start(encoder, messages, variables, full)
     return full[base:], turn
+
+
+def ordered(entries: list[ChatEntry]) -> list[ChatEntry]:
+    """Each message's end no later than the next one's. A template that renders a reply
+    otherwise once a message follows it (NemotronH's `truncate_history_thinking` empties
+    its reasoning) ends that reply, rendered last, past where the next message ends in
+    the conversation as it stands; the reply then ends where that message does (the
+    record's ends must be ordered, shared/messages/ownership.py)."""
+    out = list(entries)
+    for j in range(len(out) - 2, -1, -1):
+        if out[j].end > out[j + 1].end:
+            out[j] = ChatEntry(out[j].digest, out[j + 1].end)
+    return out
 
 
 # what follows a reply when the session asks whether the template renders it the same

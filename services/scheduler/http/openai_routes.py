@@ -24,7 +24,7 @@ from services.scheduler.http.bodies import (
     read_body,
 )
 from services.scheduler.http.chat_session import plan_turn
-from services.scheduler.http.chat_tools import chat_parsing
+from services.scheduler.http.chat_tools import Thinking, chat_parsing
 from services.scheduler.http.constraints import one, openai_constraint
 from services.scheduler.http.edge_sessions import named_session, own_session
 from services.scheduler.http.events import EventStream, StreamCursor, output_text
@@ -168,10 +168,11 @@ async def respond(
     turn: ChatTurn | None = None,
     parser: ReplyParser | None = None,
     tool_grammar: GrammarSpec | None = None,
+    thinking: Thinking | None = None,
 ) -> web.StreamResponse:
     """Answer a completion or chat completion: `n` choices per prompt, each its own
-    request, indexed in prompt order; `session`: the turn's, resolved once; `parser`
-    and `tool_grammar`: a chat's tool calls and reasoning (chat_tools.py)."""
+    request, indexed in prompt order; `session`: the turn's, resolved once; `parser`,
+    `tool_grammar` and `thinking`: a chat's tool calls and reasoning (chat_tools.py)."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
@@ -190,18 +191,12 @@ async def respond(
     history = 0 if session is None else session.history.size
     constraints = {"constraint": openai_constraint(body, any_whitespace(request))}
     grammar = one(constraints | {"tool_choice": tool_grammar})
-    planned = [
-        (prompt, params)
-        for prompt in prompts
-        for params in parallel_params(
-            body.engine_params(
-                openai_token_limit(request, session, len(prompt.tokens), field, requested, default),
-                history,
-                grammar,
-            ),
-            n,
-        )
-    ]
+    planned = []
+    for prompt in prompts:
+        limit = openai_token_limit(request, session, len(prompt.tokens), field, requested, default)
+        held = grammar if thinking is None else thinking.constrain(grammar, limit)
+        params = body.engine_params(limit, history, held)
+        planned += [(prompt, p) for p in parallel_params(params, n)]
     tenancy = request.app[TENANCY]
     claims = [tenancy.claim(request, None, ID_PREFIX[chat])]
     claims += [tenancy.claim(request, None) for _ in planned[1:]]
@@ -339,7 +334,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
     encoder, sid = request.app[CHAT], body.session_id
-    parser, grammar = chat_parsing(request.app[FRONT_DOOR].settings, body)
+    door = request.app[FRONT_DOOR]
+    parser, grammar, thinking = chat_parsing(door.settings, body, door.tokenizer)
     messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
     variables = body.template_variables()
 
@@ -356,14 +352,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
         if bound is not None:
             session, tokens, turn = bound
             return await respond(
-                request, body, [Prompt(tokens)], True, session, turn, parser, grammar
+                request, body, [Prompt(tokens)], True, session, turn, parser, grammar, thinking
             )
     if sid is None:
         tokens = encoder.tokens(messages, True, variables)
-        return await respond(request, body, [Prompt(tokens)], True, None, None, parser, grammar)
+        return await respond(
+            request, body, [Prompt(tokens)], True, None, None, parser, grammar, thinking
+        )
     session = own_session(request, sid)  # the one lookup of its session
     tokens, turn = plan_turn(encoder, session, messages, variables, reply_message)
-    return await respond(request, body, [Prompt(tokens)], True, session, turn, parser, grammar)
+    return await respond(
+        request, body, [Prompt(tokens)], True, session, turn, parser, grammar, thinking
+    )
 
 
 ROUTES = (

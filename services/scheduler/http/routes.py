@@ -37,7 +37,7 @@ from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.tenancy import CACHE_SALT, session_id
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
-from services.scheduler.records.session import Session
+from services.scheduler.records.session import TURN_NAME, Session
 from services.scheduler.runtime.front_door import FrontDoor, Progress
 from shared.placement import OPENED_HEADER, PLACED_HEADER
 from shared.tenancy import Refused
@@ -210,7 +210,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await generate_many(request, body, [tokens], [body.rid])
     rid = request.app[TENANCY].claim(request, body.rid)
     logprobs, params = logprob_texts(door, body), engine_params(request, body, session, len(tokens))
-    options = body.session_options()
+    options = body.session_options() | {TURN_NAME: rid.shown}  # what a later turn names
     if not body.stream:
         done = await run_generation(request, rid.server, tokens, params, session, options)
         return web.json_response(response_of(door, done, rid.shown, logprobs))

@@ -13,6 +13,19 @@ from shared.http_limits import MAX_CACHE_SALT
 from shared.messages.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 256
+# a stop id may lie past the vocabulary (SGLang's and vLLM's kits send such ids): it can
+# never be sampled, so it never matches
+StopTokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+StopTokenIds = Annotated[list[StopTokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+ThinkingBudget = Annotated[
+    int,
+    Meta(
+        ge=0,
+        le=2**31 - 1,
+        description="reasoning tokens before the answer when the prompt opens a reasoning "
+        "block; absent: the server's --thinking-budget, at most half the reply's tokens",
+    ),
+]
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 Text = Annotated[str, Meta(min_length=1)]  # an empty text has no token to start from

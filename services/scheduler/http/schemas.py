@@ -69,10 +69,12 @@ class RequestSchemas:
 
 
 class SessionParams(Struct):
-    """The session a turn continues. Its history is append-only: offset, replace and
-    drop_previous_output are refused with a 400 that says so."""
+    """The session a turn continues. Its history is append-only: a `rid` other than its
+    latest turn's, an `offset` that cuts it, `replace` and `drop_previous_output` are
+    refused with a 400 that names them (records/session.py `check_session_params`)."""
 
     id: str | None = None
+    rid: Annotated[str, Meta(max_length=256)] | None = None
     offset: int | None = None
     replace: bool | None = None
     drop_previous_output: bool | None = None
@@ -138,7 +140,6 @@ def sampling_schema(limits: st.Limits) -> type:
     """SGLang's sampling parameters, bounded by the vocabulary and context."""
     vocab = limits.vocab_size
     TopK = Annotated[int, Meta(ge=-1, le=vocab, extra_json_schema={"not": {"const": 0}})]
-    StopTokenIds = Annotated[list[limits.token], Meta(max_length=st.MAX_STOP_TOKEN_IDS)]
 
     class GenerateSamplingParams(Struct):
         """SGLang's sampling parameters. An absent or null max_new_tokens is the route's
@@ -151,7 +152,7 @@ def sampling_schema(limits: st.Limits) -> type:
         top_k: TopK = -1
         seed: st.Seed | None = None
         stop: st.Stop | None = None
-        stop_token_ids: StopTokenIds | None = None
+        stop_token_ids: st.StopTokenIds | None = None
         ignore_eos: bool = False
         no_stop_trim: bool = False
         min_p: st.MinP | None = None

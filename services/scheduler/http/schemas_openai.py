@@ -17,7 +17,6 @@ from msgspec import Meta, Struct
 
 from services.scheduler.http.constraints import GuidedChoice, ResponseFormat, Source
 from services.scheduler.http.schema_types import (
-    MAX_STOP_TOKEN_IDS,
     OPENAI_UNIMPLEMENTED,
     CacheSalt,
     Limits,
@@ -26,8 +25,10 @@ from services.scheduler.http.schema_types import (
     RepetitionPenalty,
     Seed,
     Stop,
+    StopTokenIds,
     Temperature,
     Text,
+    ThinkingBudget,
     TopLogprobs,
     TopP,
     check_seed,
@@ -219,7 +220,6 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
     """The structs of /v1/completions and /v1/chat/completions, bounded by `limits`."""
     MaxTokens = limits.max_tokens
     TopK = Annotated[int, Meta(ge=-1, le=limits.vocab_size, description="-1 or 0: off")]
-    StopTokenIds = Annotated[list[limits.token], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
     class Extended(OpenAIRequest, kw_only=True):
         """vLLM's sampling extensions, bounded by the vocabulary."""
@@ -289,6 +289,7 @@ def openai_schemas(limits: Limits) -> tuple[type[OpenAIRequest], type[OpenAIRequ
         parallel_tool_calls: bool | None = None  # false: at most one call per reply
         # the chat template's other variables (its thinking switch, say)
         chat_template_kwargs: dict[str, Any] | None = None
+        thinking_budget: ThinkingBudget | None = None  # http/chat_tools.py `Thinking`
         max_tokens: MaxTokens | None = None
         max_completion_tokens: MaxTokens | None = None
         logprobs: bool | None = None

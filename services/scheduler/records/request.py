@@ -65,6 +65,7 @@ class Request:
     prompt: np.ndarray
     params: SamplingParams
     session: Session | None = None
+    name: str = ""  # the id its client knows it by (http/tenancy.py `Claim.shown`); "": rid
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None

@@ -66,9 +66,12 @@ class SamplingParams:
             not isinstance(x, str) or not 0 < len(x) <= 256 for x in self.stop
         ):
             raise InvalidRequest("stop must be at most 16 non-empty strings of <= 256 characters")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        bad = [t for t in self.stop_token_ids if t < 0]
         if bad:
-            raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequest(
+                f"stop_token_ids {bad} are negative (an id past the "
+                "vocabulary is accepted and never matches)"
+            )
 
     def _validate_extensions(self) -> None:
         """vLLM's ranges for min_p and the penalties (NaN and infinities refused)."""

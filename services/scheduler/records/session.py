@@ -32,12 +32,27 @@ class SessionError(InvalidRequest):
         self.kind = kind
 
 
-def check_session_params(params: dict) -> None:
-    """History is append-only: splicing or replacing it is refused (scenario S9,
-    docs/scenarios.md)."""
-    rewrites = [k for k in ("offset", "replace", "drop_previous_output") if params.get(k)]
-    if params.get("offset") == 0 and "offset" not in rewrites:
-        rewrites.append("offset")
+TURN_NAME = "turn_rid"  # set by the route, never by a client: the turn's own shown id
+
+
+def check_session_params(params: dict, session: Session) -> None:
+    """History is append-only (scenario S9, docs/scenarios.md): a turn continues from the
+    session's latest turn (`rid` absent, null or that turn's id) with nothing cut
+    (`offset` absent, 0 or the history's length, as SGLang reads 0: no cut). Naming an
+    earlier turn, cutting, replacing or dropping output is refused, naming the field,
+    never silently appended to the latest history."""
+    rid = params.get("rid")
+    if rid is not None and rid != session.last_rid:
+        latest = repr(session.last_rid) if session.last_rid else "none yet"
+        raise SessionError(
+            f"session_params.rid {rid!r} is not the session's latest turn ({latest}): a "
+            "session continues only from its latest turn (it cannot branch); send rid "
+            "null or the latest turn's id",
+            "invalid",
+        )
+    rewrites = [k for k in ("replace", "drop_previous_output") if params.get(k)]
+    if params.get("offset") not in (None, 0, len(session.history)):
+        rewrites.insert(0, "offset")
     if rewrites:
         raise SessionError(
             f"{', '.join(rewrites)} not supported on a streaming session: its history is "
@@ -87,6 +102,7 @@ class Session:
     # the attempt (`Move.nonce`, or `ARRIVED` for one without) of the move that brought
     # it here, until the directory shows it placed here (directory_check.py `settle`)
     arrival: str = ""
+    last_rid: str = ""  # the id of its latest finished turn (session_params.rid names it)
 
     @property
     def in_doubt(self) -> bool:

@@ -33,6 +33,7 @@ def settle(req: Request) -> tuple[np.ndarray, bool] | None:
     history: whether the turn's state at its reply start (`Request.reply_start`) is a
     state of it (the canonical history agrees with the prompt up to there)."""
     session: Session = req.session
+    session.last_rid = req.name or req.rid  # the turn a later one may name (session_params.rid)
     if req.chat is None:
         session.chat = None  # raw tokens (/generate): the history is no conversation now
         return None

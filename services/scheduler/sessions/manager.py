@@ -31,6 +31,7 @@ from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import (
     ARRIVED,
+    TURN_NAME,
     Session,
     SessionError,
     TurnStart,
@@ -39,7 +40,7 @@ from services.scheduler.records.session import (
 from services.scheduler.sessions.chat_log import settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.lost import LostSessions
-from services.scheduler.sessions.records import DurableRecords, trusted_records
+from services.scheduler.sessions.records import DurableRecords, take_conversation, trusted_records
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
 from shared.deferred_ops import DeferredOps
@@ -178,7 +179,7 @@ class SessionManager:
         checked before anything moves."""
         self._still_open(session)
         sid = session.sid
-        check_session_params(session_params or {})
+        check_session_params(session_params or {}, session)
         if session.turn is not None:
             raise SessionError(f"session {session_name(sid)} already has a turn in flight", "busy")
         if session.moving:
@@ -198,8 +199,9 @@ class SessionManager:
                 f"session {session_name(sid)}: history ({len(session.history)}) plus input "
                 f"({len(new_tokens)}) tokens reach the context length {context_len}"
             )
+        name = (session_params or {}).get(TURN_NAME, "")
         req = Request(
-            rid, prompt, params, session=session, chat=chat, cache_namespace=cache_namespace
+            rid, prompt, params, session, name=name, chat=chat, cache_namespace=cache_namespace
         )
         if chat is not None and session.cached_len < chat.reply_start <= len(prompt):
             req.reply_start = chat.reply_start
@@ -492,8 +494,7 @@ class SessionManager:
         self.forget_closed(record.sid)  # the directory placed it here anew: it may come
         session = self.open(record.sid, record.timeout, record.tenant)
         session.epoch, session.routed, session.arrival = epoch, True, move or ARRIVED
-        session.history = record.tokens().astype(np.int64)
-        session.chat = None if record.chat is None else tuple(record.chat)
+        take_conversation(session, record)
         if record.disk is not None and self.pools.disk.free_count:
             self.moves.adopt(session, source, record.disk, record.cached_len)
         return session
@@ -566,7 +567,7 @@ class SessionManager:
             raise SessionError(f"session {session_name(sid)} is moving; retry", "moving")
         self._drop_state(session)
         session.history = np.zeros(0, dtype=np.int64)
-        session.chat, session.cached_len = None, 0
+        session.chat, session.cached_len, session.last_rid = None, 0, ""
         return session
 
     def _drop_state(self, session: Session, keep_disk: bool = False) -> None:

@@ -70,6 +70,7 @@ class DurableRecords:
             history=array(s.history, I4),
             cached_len=s.cached_len,
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
+            last_rid=s.last_rid,
             epoch=s.epoch if s.routed else None,
         )
         if s.disk is not None and s.disk.ready:
@@ -87,8 +88,7 @@ class DurableRecords:
         """`session`, opened anew from `rec`, takes back its history always, a valid blob
         on disk, and device slots when `state_valid` (the executor that holds their
         contents is the same one)."""
-        session.history = rec.tokens().astype(np.int64)
-        session.chat = None if rec.chat is None else tuple(rec.chat)
+        take_conversation(session, rec)
         if rec.disk is not None:  # a valid blob outlives every executor
             self.pools.disk.take(np.array([rec.disk]), session.owner, "rebuild")
             lease = new_lease(self.pools.disk, session.owner, rec.disk)
@@ -234,3 +234,12 @@ def trusted_records(
         )
         records = [without_device_state(r, disk=True) if r.sid in doubtful else r for r in records]
     return records, cut + len(doubtful)
+
+
+def take_conversation(session: Session, rec: SessionRecord) -> None:
+    """What every copy of a session carries from its record, whatever became of its
+    state (a restart, a move): its history, its conversation, and the latest turn a
+    client may name (`session_params.rid`)."""
+    session.history = rec.tokens().astype(np.int64)
+    session.chat = None if rec.chat is None else tuple(rec.chat)
+    session.last_rid = rec.last_rid
