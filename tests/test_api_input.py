@@ -180,7 +180,7 @@ def test_unknown_fields_are_ignored_and_unimplemented_ones_refused_unless_neutra
     )
     sglang = {
         **generate([1, 2, 3], json_schema=None, logit_bias={}, n=1, min_new_tokens=0),
-        "session_params": {"id": sid, "rid": "r"},
+        "session_params": {"id": sid, "rid": None, "offset": 0},
         "lora_path": "adapter",
         "logprob_start_len": 0,
         "custom_logit_processor": None,
