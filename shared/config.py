@@ -12,6 +12,7 @@ from pathlib import Path
 from shared.dtypes import check_dtype, sizing_dtype
 from shared.model_config import ModelConfig
 from shared.redis_server import free_port
+from shared.sglang_flags import ALIASES, VALUES
 from shared.streams import REPLICA_ID
 from shared.tiers import TierSizes
 from shared.tokenizer import TOKENIZER_KINDS
@@ -20,6 +21,7 @@ TOOL_PARSERS = ("qwen3_coder", "nemotron_json", "hermes")  # text/tool_calls.py
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3")  # text/reasoning.py
 
 ROUTER_POLICIES = ("prefix", "random")
+DEVICES = ("auto", "cpu", "cuda")
 # never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
 # a password)
 SECRET_SETTINGS = frozenset({"api_keys", "admin_api_keys", "cluster_secret", "redis_url"})
@@ -47,6 +49,9 @@ class Settings:
     # weights, KV and conv state: auto (the checkpoint's on a GPU, float32 on CPU),
     # float32, bfloat16 or float16 (shared/dtypes.py)
     dtype: str = "auto"
+    # where the executor runs the model: auto (CUDA when torch sees a GPU, else the
+    # CPU), cpu or cuda (SGLang's --device)
+    device: str = "auto"
     host: str = "127.0.0.1"
     # the host a replica registers its API under (a pod's IP, from the downward API);
     # empty: the bound host, or this machine's name when bound to every interface
@@ -166,6 +171,8 @@ class Settings:
             )
         if self.tool_call_parser not in ("", *TOOL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} (or empty)")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, not {self.device!r}")
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} (or empty)")
         if self.replica_forget_seconds < 0:
@@ -225,14 +232,20 @@ class Settings:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """One flag per setting, with SGLang's name beside it where SGLang has one
+        (shared/sglang_flags.py); a boolean stands bare for true, as SGLang's do."""
         for f in fields(Settings):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")]
+            flags += [ALIASES[f.name]] if f.name in ALIASES else []
             kind = _kind(f.type)
+            bare = {"nargs": "?", "const": True} if kind is _flag else {}
             parser.add_argument(
-                flag,
+                *flags,
+                dest=f.name,
                 type=kind,
                 default=None,
                 help=f"env CUSTODY_{f.name.upper()}; default {f.default!r}",
+                **bare,
             )
 
     @classmethod
@@ -258,6 +271,9 @@ class Settings:
                 values[f.name] = flag
             elif env is not None and env != "":
                 values[f.name] = _kind(f.type)(env)
+        for name, spelled in VALUES.items():  # SGLang's spelling of a value
+            if name in values:
+                values[name] = spelled.get(values[name], values[name])
         if values.get("replica") == "auto":
             values["replica"] = hostname_replica()
         settings = cls(**values)

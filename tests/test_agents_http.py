@@ -569,3 +569,20 @@ def test_a_session_keeps_exact_with_reasoning_the_template_truncates_later(stack
             },
             {"role": "user", "content": f"und weiter {turn}"},
         ]
+
+
+def test_a_thinking_budget_bounds_the_reasoning_of_an_unconstrained_reply(client):
+    """Without a budget the random model reasons to max_tokens (it never closes the
+    block); with one, the block ends there and the rest of the reply is answer."""
+    args = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}
+    args |= {"temperature": 1.0, "seed": 5}
+    free = client.chat.completions.create(**args).choices[0]
+    assert free.finish_reason == "length" and not free.message.content
+    bounded = client.chat.completions.create(**args, extra_body={"thinking_budget": 5})
+    message = bounded.choices[0].message
+    assert message.reasoning_content and message.content, message
+    assert len(
+        client.chat.completions.create(**args | {"max_tokens": 5})
+        .choices[0]
+        .message.reasoning_content
+    ) >= len(message.reasoning_content)

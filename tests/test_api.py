@@ -65,7 +65,9 @@ def test_every_endpoint(stack):
     server = call(port, "/get_server_info")
     assert server == call(port, "/server_info")
     assert server["context_len"] == POOLS["context_len"] and server["version"]
-    assert server["internal_states"] == [{"requests": 0, "queued_requests": 0}]
+    state = server["internal_states"][0]
+    assert (state["requests"], state["queued_requests"]) == (0, 0)
+    assert state["memory_usage"]["token_capacity"] == POOLS["kv_pages"] * POOLS["page_size"]
     assert not SECRET_SETTINGS & set(server)
     assert call(port, "/v1/models")["data"][0]["root"] == "custody"
     assert call(port, "/reset_prefix_cache", {}) is True

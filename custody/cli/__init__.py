@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared.config import Settings
+from shared.sglang_flags import add_sglang_flags, apply_sglang_flags
 
 if TYPE_CHECKING:
     from custody.bench.multiturn_workload import Workload
@@ -126,8 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--timeout", type=float, default=110.0, help="seconds to wait for the drain (110)"
     )
-    up = sub.add_parser("up", help="start Redis (unless given) and the three services")
+    up = sub.add_parser(
+        "up",
+        help="start Redis (unless given) and the three services",
+        description="Every setting takes its custody name, and SGLang's where it has one; "
+        "SGLang's other launch flags are accepted or refused by name.",
+    )
     Settings.add_arguments(up)
+    add_sglang_flags(up)
     return parser
 
 
@@ -163,6 +170,7 @@ def _up(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from custody import up
 
     try:
+        apply_sglang_flags(args)
         settings = Settings.resolve(args)
     except ValueError as err:
         parser.error(str(err))

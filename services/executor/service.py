@@ -101,7 +101,8 @@ class ExecutorService:
         """The model on its device, its pools and tiers, warmed up. (The orchestration
         bench's stand-in executor replaces this, and only this: custody/bench/.)"""
         settings = self.settings
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda" if gpu else "cpu")
         if device.type == "cpu":
             # On a CPU host the scheduler, Redis and the session store need a core while a
             # forward runs (the scheduler plans the next step meanwhile); torch's idle

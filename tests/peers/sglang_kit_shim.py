@@ -11,8 +11,9 @@ shipped, and `tests/peers/test_sglang_session_kit.py` checks both files against 
 wheel's RECORD.
 
 The replacements do what SGLang's do, for custody: `popen_launch_server` starts the real
-`custody up` (its process handle is the kit's `self.process`), translating SGLang's
-launch flags to custody's; `get_tokenizer` loads the built-in model's tokenizer as
+`custody up` (its process handle is the kit's `self.process`) with SGLang's launch flags
+as the kit gives them (custody up takes SGLang's names, shared/sglang_flags.py);
+`get_tokenizer` loads the built-in model's tokenizer as
 `custody tokenizer export` writes it, with transformers' AutoTokenizer, as any client
 with `--tokenizer DIR` would.
 """
@@ -37,19 +38,6 @@ from custody.bench.sglang_reference import package, sglang_root
 from shared.redis_server import free_port
 
 BUILTIN = "custody-builtin"  # the kit's `model`: custody's built-in model
-# SGLang's launch flags and custody's names for them; --enable-streaming-session has no
-# counterpart (every custody session streams) and is dropped; others pass as they are
-RENAMED = {"--context-length": "--context-len", "--chunked-prefill-size": "--chunk-size"}
-DROPPED = {"--enable-streaming-session"}
-
-
-def custody_flags(sglang_args: list[str]) -> list[str]:
-    out: list[str] = []
-    for arg in sglang_args:
-        if arg in DROPPED:
-            continue
-        out.append(RENAMED.get(arg, arg))
-    return out
 
 
 def popen_launch_server(
@@ -61,8 +49,8 @@ def popen_launch_server(
     command = [str(Path(sys.executable).parent / "custody"), "up", "--port", str(port)]
     command += ["--store-port", str(free_port()), "--executor-metrics-port", str(free_port())]
     if model != BUILTIN:
-        command += ["--model", model]
-    command += custody_flags(list(other_args or []))
+        command += ["--model-path", model]
+    command += [str(arg) for arg in other_args or []]
     process = subprocess.Popen(command, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -33,13 +33,42 @@ class Doc:
 
 
 BOOLEAN = {"type": "boolean"}
+INTERNAL_STATE = {
+    "type": "object",
+    "required": [
+        "effective_max_running_requests_per_dp",
+        "last_gen_throughput",
+        "memory_usage",
+        "avg_spec_accept_length",
+    ],
+    "properties": {
+        "effective_max_running_requests_per_dp": {"type": "integer"},
+        "last_gen_throughput": {"type": "number"},
+        "memory_usage": {
+            "type": "object",
+            "required": ["token_capacity"],
+            "properties": {"token_capacity": {"type": "integer"}},
+        },
+        "avg_spec_accept_length": {"type": "number"},
+    },
+}
 SERVER_INFO = {
     "type": "object",
-    "required": ["version", "internal_states", "context_len"],
+    "required": [
+        "version",
+        "internal_states",
+        "context_len",
+        "model_path",
+        "tokenizer_path",
+        "context_length",
+    ],
     "properties": {
         "version": {"type": "string"},
-        "internal_states": {"type": "array", "items": {"type": "object"}},
+        "internal_states": {"type": "array", "items": INTERNAL_STATE},
         "context_len": {"type": "integer"},
+        "model_path": {"type": "string"},
+        "tokenizer_path": {"type": ["string", "null"]},
+        "context_length": {"type": "integer"},
     },
 }
 ROUTES = {

@@ -109,14 +109,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def model_info(request: web.Request) -> web.Response:
+def model_paths(request: web.Request) -> dict[str, object]:
+    """What SGLang's clients read of the model, in /model_info and /server_info alike:
+    its path, the directory of its tokenizer files (null: ids-only), its context."""
     s = request.app[FRONT_DOOR].settings
     tokenizer_dir = request.app.get(TOKENIZER_DIR)
+    return {
+        "model_path": str(s.model) if s.model else "builtin",
+        "tokenizer_path": None if tokenizer_dir is None else str(tokenizer_dir),
+        "context_length": s.context_len,
+    }
+
+
+async def model_info(request: web.Request) -> web.Response:
+    s = request.app[FRONT_DOOR].settings
     return web.json_response(
-        {
-            "model_path": str(s.model) if s.model else "builtin",
-            "tokenizer_path": None if tokenizer_dir is None else str(tokenizer_dir),
-            "context_length": s.context_len,
+        model_paths(request)
+        | {
             "page_size": s.page_size,
             "kv_pages": s.kv_pages,
             "mamba_slots": s.mamba_slots,
@@ -126,12 +135,22 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """SGLang's /get_server_info: its settings (none secret), version and internal state
-    (benchmark clients read `internal_states`)."""
+    """SGLang's /get_server_info: its settings (none secret), version, the model's paths
+    and internal state, with the fields SGLang's benchmarks read (bench_one_batch_server:
+    the request rows, the KV pool's tokens, the last generation throughput; the accepted
+    draft length is 1.0, as no speculative decoding runs)."""
     door = request.app[FRONT_DOOR]
-    state = {"requests": len(door.running_ids()), "queued_requests": door.queued}
-    body = door.settings.public() | {"version": version("custody"), "internal_states": [state]}
-    return web.json_response(body)
+    s = door.settings
+    state = {
+        "requests": len(door.running_ids()),
+        "queued_requests": door.queued,
+        "effective_max_running_requests_per_dp": s.max_running_requests,
+        "last_gen_throughput": round(door.gen_throughput, 3),
+        "memory_usage": {"token_capacity": s.kv_pages * s.page_size},
+        "avg_spec_accept_length": 1.0,
+    }
+    body = s.public() | model_paths(request) | {"version": version("custody")}
+    return web.json_response(body | {"internal_states": [state]})
 
 
 IDLE_LISTED = 100  # the most sessions /admin/idle_sessions lists

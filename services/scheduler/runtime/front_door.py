@@ -85,6 +85,11 @@ class FrontDoor:
         """Requests waiting to be admitted."""
         return len(self._engine.waiting)
 
+    @property
+    def gen_throughput(self) -> float:
+        """Tokens per second over the last decode steps (throughput.py)."""
+        return self._intake.throughput.tokens_per_second
+
     def running_ids(self) -> list[str]:
         """Server ids of every request not yet ended (an operator's abort-all)."""
         return list(self._engine.requests)

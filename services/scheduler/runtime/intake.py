@@ -16,6 +16,7 @@ from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.session import Session, SessionError
 from services.scheduler.runtime.metrics import SchedulerMetrics
+from services.scheduler.runtime.throughput import RecentThroughput
 
 
 class Intake:
@@ -25,6 +26,7 @@ class Intake:
         self.wake = wake  # set whenever the step loop has something new to do
         self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
+        self.throughput = RecentThroughput()  # of the last steps (/server_info)
         self.unannounced: list[Request] = []  # ended, records not yet taken
         self.recorded_ends: list[Request] = []  # ended, records taken, not yet flushed
         # rid -> (session error kind, why): its end must not be acknowledged

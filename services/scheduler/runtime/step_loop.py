@@ -126,6 +126,7 @@ class StepLoop:
         received = time.perf_counter()
         arrived = [row.rid for row in plan.rows if row.sample and not row.dropped]
         ended = engine.complete(plan, result)
+        self.intake.throughput.add(len(arrived))
         self.intake.hold(ended)  # announced once their session records are on the stream
         done = {req.rid for req in ended}
         if await self.publish_next() is not None:
