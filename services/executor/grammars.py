@@ -267,12 +267,14 @@ class Grammars:
         return ended
 
     # ---- the check thread ----
-    def serve_checks(self, client: redis.Redis, keys: streams.Keys, retry: Retry) -> None:
-        """Answer the scheduler's compile checks, forever (a thread of its own: compiling
-        releases the GIL, so the step loop goes on). Any fault, Redis away or one of the
-        thread's own, is counted, logged (rate-limited) and waited out with backoff: a
-        thread that died would leave every constrained request a 503."""
-        while True:
+    def serve_checks(
+        self, client: redis.Redis, keys: streams.Keys, retry: Retry, stopped: threading.Event
+    ) -> None:
+        """Answer the scheduler's compile checks until `stopped` (a thread of its own:
+        compiling releases the GIL, so the step loop goes on). Any fault, Redis away or
+        one of the thread's own, is counted, logged (rate-limited) and waited out with
+        backoff: a thread that died would leave every constrained request a 503."""
+        while not stopped.is_set():
             try:
                 popped = client.blpop([keys.grammar_checks], timeout=1)
                 if popped is not None:

@@ -88,14 +88,22 @@ class ExecutorService:
             lambda thread: Retry(thread, log, FAULTS, ceiling=beat),
             block_ms=int(beat * 500),
         )
+        self.stopped = threading.Event()
         if self.runner.grammars is not None:
             checks = when_up(lambda: connect(settings.redis_url), starting)  # its own link
             retry = Retry("grammar_checks", log, FAULTS)
             threading.Thread(
                 target=self.runner.grammars.serve_checks,
-                args=(checks, self.keys, retry),
+                args=(checks, self.keys, retry, self.stopped),
                 daemon=True,
             ).start()
+
+    def stop(self) -> None:
+        """Its reader and its check thread end. A process ends them by ending; a service
+        made in process (as tests make one) would otherwise answer the steps and the
+        grammar checks of whatever executor comes after it on the same Redis names."""
+        self.io.stop()
+        self.stopped.set()
 
     def load_runner(self) -> ModelRunner:
         """The model on its device, its pools and tiers, warmed up. (The orchestration

@@ -34,7 +34,7 @@ def service(redis_url: str, redis_client: redis.Redis) -> Iterator[ExecutorServi
         Settings(redis_url=redis_url, page_size=4, kv_pages=16, mamba_slots=8, compile=False)
     )
     yield service
-    service.io.stop()  # its reader must not take the next test's entries
+    service.stop()  # its reader and checks must not take the next test's
     torch.set_num_threads(threads)  # the service leaves a core to the others
 
 

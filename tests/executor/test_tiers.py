@@ -298,7 +298,10 @@ def test_the_service_answers_a_step_of_moves_with_its_failed_ones_and_marks_them
     monkeypatch.setattr(service.runner.mover.blobs, "read", unreadable)
     moves = [hibernate(slot=1, to_slot=1, to=(1, 2, 3)), load(disk=1, to=(4, 5, 6), slot=2)]
     step = Step.of("s", 1, service.epoch, [], DeferredOps(), moves=moves, discards=[2])
-    result = decode_result(service.run_step(encode(step)))
+    try:
+        result = decode_result(service.run_step(encode(step)))
+    finally:
+        service.stop()  # its checks must not answer a later stack's
     assert (result.error, result.failed_moves) == (None, [1])
     moving = {b"adopt": b"0", b"hibernate": b"1", b"spill": b"0", b"load": b"1", b"restore": b"0"}
     assert seen == [moving]

@@ -38,6 +38,7 @@ def test_no_heartbeat_until_the_warm_up_forward_has_run(
     assert not any(seen), "a heartbeat came before the warm-up forward"
     assert not redis_client.exists(streams.SINGLE.executor_alive)
     service.heartbeat()
+    service.stop()  # its checks must not answer a later stack's
     assert redis_client.get(streams.SINGLE.executor_alive) == service.epoch.encode()
 
 
