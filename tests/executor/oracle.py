@@ -62,22 +62,28 @@ def reference_logits(ref, tokens: list[int]) -> torch.Tensor:
         return ref(torch.tensor([tokens])).logits[0].float()
 
 
-def ours(directory: Path) -> NemotronH:
-    return load_model(directory, torch.device("cpu"))
+CPU = torch.device("cpu")
+
+
+def ours(directory: Path, device: torch.device = CPU) -> NemotronH:
+    return load_model(directory, device)
 
 
 TOKENS = 512  # KV capacity of the test pools, whatever the page size
 
 
-def pools_for(model: NemotronH, page_size: int, slots: int = 8) -> DevicePools:
-    return DevicePools(
-        model.cfg, PoolSizes(TOKENS // page_size, page_size, slots), torch.device("cpu")
-    )
+def pools_for(
+    model: NemotronH, page_size: int, slots: int = 8, device: torch.device = CPU
+) -> DevicePools:
+    return DevicePools(model.cfg, PoolSizes(TOKENS // page_size, page_size, slots), device)
 
 
-def all_logits(model: NemotronH, pools: DevicePools, rows: list[StepRow]) -> list[torch.Tensor]:
-    """Logits at every position of every row (the runner returns only the last)."""
-    batch = ForwardBatch(rows, torch.device("cpu"))
+def all_logits(
+    model: NemotronH, pools: DevicePools, rows: list[StepRow], device: torch.device = CPU
+) -> list[torch.Tensor]:
+    """Logits at every position of every row (the runner returns only the last), on
+    `device` (the model's and the pools')."""
+    batch = ForwardBatch(rows, device)
     hidden = model(batch, pools)
     with torch.no_grad():
         logits = model.lm_head(hidden).float()
