@@ -37,4 +37,6 @@ install_prometheus
 .venv/bin/pip install -q --no-deps sglang==0.5.23
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# the GPU check's wheel folder, built from the registry, and its dry run (docs/gpu.md)
+bash scripts/gpu-wheels.sh
 exec .venv/bin/python -m pytest --durations=30 "$@"  # and where the time goes

@@ -22,6 +22,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3")  # text/reasoning.py
 
 ROUTER_POLICIES = ("prefix", "random")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 # never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
 # a password)
 SECRET_SETTINGS = frozenset({"api_keys", "admin_api_keys", "cluster_secret", "redis_url"})
@@ -52,6 +53,10 @@ class Settings:
     # where the executor runs the model: auto (CUDA when torch sees a GPU, else the
     # CPU), cpu or cuda (SGLang's --device)
     device: str = "auto"
+    # auto: the checkpoint's weights; dummy (SGLang's --load-format dummy): seeded random
+    # weights of the checkpoint's config, built on the device (benchmarks of a published
+    # shape whose weights are not at hand)
+    load_format: str = "auto"
     host: str = "127.0.0.1"
     # the host a replica registers its API under (a pod's IP, from the downward API);
     # empty: the bound host, or this machine's name when bound to every interface
@@ -173,6 +178,8 @@ class Settings:
             raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} (or empty)")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, not {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} (or empty)")
         if self.replica_forget_seconds < 0:

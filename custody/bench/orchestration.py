@@ -24,27 +24,44 @@ over a window of steady decode it reads:
 
 What it cannot see: a real forward's host work (the stand-in builds no tensors), tier
 moves and grammars (none here), and anything beyond one replica.
+
+`--device cuda` (`measure_on_device`) runs the real executor instead, on the GPU, serving
+the published 8B shape with `--load-format dummy` weights (custody/bench/published.py)
+at a 1K context, 64 and 256 clients, on one stack sized for the larger. Each process is
+given cores of its own (`CORES`), so the figures are the processes' and not the
+machine's contention. The executor decodes eagerly (`--compile false`: compiling and
+capturing an 8B model's buckets would not fit the check's minute), so the step is
+longer than a compiled one and the idle share is a lower bound of what a compiled
+executor would lose. The state pools must fit beside 16 GB of weights: the SSM state is
+kept in bfloat16 (the config's `mamba_ssm_cache_dtype`, as vLLM serves recent releases)
+and the pipeline depth is 1 (4 working Mamba slots a request, docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import re
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 
 from custody.bench.harness import RESULTS_DIR, plot, progress
+from custody.bench.published import NEMOTRON_H_8B
 from custody.bench.scheduler_core import per_row_step_us
 from custody.bench.standin_executor import STEP_MS
 from custody.up import SERVICES, Stack
 from shared.config import Settings
-from shared.model_config import builtin_config
+from shared.model_config import ModelConfig, builtin_config
 
 BATCHES, CONTEXTS, STEPS_MS = (8, 64, 256), (1024, 8192, 32768), (2, 5, 10)
 OUTPUT = 4096  # tokens a client may get: more than any window needs (clients stop first)
@@ -53,15 +70,28 @@ SATURATED = 0.9  # share of the machine's CPU used by the stack and the clients
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+# the processes' own cores on the GPU machine (16 cores): the executor's torch threads
+# get several, the load generator the rest
+CORES = {
+    "scheduler": {0},
+    "session-store": {1},
+    "redis": {2},
+    "executor": {3, 4, 5, 6},
+    "clients": set(range(7, 16)),
+}
+DEVICE_BATCHES, DEVICE_CONTEXT, DEVICE_OUTPUT = (64, 256), 1024, 512
+
+
 @dataclass(frozen=True)
 class Cell:
     batch: int
     context: int
-    step_ms: int
+    step_ms: int  # the stand-in's step time; 0: the real executor
 
     @property
     def key(self) -> str:
-        return f"b{self.batch}_ctx{self.context // 1024}k_{self.step_ms}ms"
+        step = f"{self.step_ms}ms" if self.step_ms else "device"
+        return f"b{self.batch}_ctx{self.context // 1024}k_{step}"
 
 
 def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
@@ -112,9 +142,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 async def _client(
-    http: aiohttp.ClientSession, url: str, prompt: list[int], times: list[float]
+    http: aiohttp.ClientSession, url: str, prompt: list[int], times: list[float], output: int
 ) -> None:
-    body = {"prompt": prompt, "max_tokens": OUTPUT, "stream": True, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": output, "stream": True, "ignore_eos": True}
     async with http.post(url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:
@@ -133,17 +163,18 @@ def _snapshot(stack: Stack) -> dict[str, float]:
     return snap
 
 
-async def _measure(stack: Stack, cell: Cell, window: float) -> dict:
+async def _measure(
+    stack: Stack, cell: Cell, window: float, vocab: int, output: int = OUTPUT
+) -> dict:
     url = f"http://127.0.0.1:{stack.settings.port}/v1/completions"
     rng = np.random.default_rng(cell.batch * 7919 + cell.context)
-    vocab = builtin_config().vocab_size
     times: list[list[float]] = [[] for _ in range(cell.batch)]
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         prompts = [rng.integers(0, vocab, cell.context).tolist() for _ in times]
         tasks = [
-            asyncio.create_task(_client(http, url, prompt, t))
+            asyncio.create_task(_client(http, url, prompt, t, output))
             for prompt, t in zip(prompts, times, strict=True)
         ]
         try:  # the clients end here, before the session closes their connections
@@ -202,9 +233,108 @@ def measure_cell(cell: Cell, stream_interval: int = 1, window: float = WINDOW_SE
     stack = Stack(settings_for(cell, stream_interval), plan=_standin)
     try:
         stack.start_all().wait_healthy()
-        return asyncio.run(_measure(stack, cell, window))
+        return asyncio.run(_measure(stack, cell, window, builtin_config().vocab_size))
     finally:
         stack.stop()
+
+
+def device_settings(model_dir: Path, device: str, batch: int, context: int) -> Settings:
+    """One replica of the real executor serving `model_dir`'s config with drawn weights,
+    sized for `batch` clients of `context` tokens (see the module's doc)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    tokens = context + DEVICE_OUTPUT + 64
+    return Settings.ephemeral(
+        model=model_dir,
+        load_format="dummy",
+        device=device,
+        compile=False,
+        pipeline_depth=1,
+        kv_pages=batch * (-(-tokens // 16) + 1) + 64,
+        mamba_slots=5 * batch + 16,
+        max_running_requests=batch,
+        context_len=min(tokens, cfg.max_position_embeddings),
+        chunk_size=8192,
+        max_step_tokens=16384,
+        host_state_bytes=0,
+    )
+
+
+def pin(stack: Stack, cores: dict[str, set[int]]) -> None:
+    """Every thread of each process onto its cores (threads made later inherit them);
+    cores the machine lacks are dropped, so a smaller machine runs unpinned."""
+    have = os.sched_getaffinity(0)
+    pids = {name: child.pid for name, child in stack.children.items()}
+    if stack.redis is not None and stack.redis.proc is not None:
+        pids["redis"] = stack.redis.proc.pid
+    pids["clients"] = os.getpid()
+    for name, pid in pids.items():
+        wanted = cores.get(name, set()) & have
+        if not wanted:
+            continue
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task.name), wanted)
+
+
+def measure_on_device(
+    model_dir: Path,
+    device: str = "cuda",
+    batches: tuple[int, ...] = DEVICE_BATCHES,
+    context: int = DEVICE_CONTEXT,
+    window: float = WINDOW_SECONDS,
+    done: Callable[[dict[str, dict]], None] = lambda results: None,
+) -> dict[str, dict]:
+    """The device cells, one after the other on one stack sized for the largest; `done`
+    gets the results so far after each."""
+    settings = device_settings(model_dir, device, max(batches), context)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    stack = Stack(settings)
+    results: dict[str, dict] = {}
+    try:
+        stack.start_all().wait_healthy(timeout=600)
+        pin(stack, CORES)
+        for batch in batches:
+            cell = Cell(batch, context, 0)
+            results[cell.key] = asyncio.run(_measure(stack, cell, window, vocab, DEVICE_OUTPUT))
+            done(results)
+            _wait_idle(stack)
+    finally:
+        stack.stop()
+    return results
+
+
+def run_on_device(repeats: int = 1, device: str = "cuda") -> dict:
+    """`custody bench orchestration --device cuda`: the device cells on the published 8B
+    shape, written to bench-results/orchestration-<device>.{json,md} after each cell."""
+    config = dataclasses.replace(
+        NEMOTRON_H_8B,
+        mamba_ssm_cache_dtype="bfloat16",
+        max_position_embeddings=2 * DEVICE_CONTEXT,
+    )
+    path = RESULTS_DIR / f"orchestration-{device}"
+
+    def write(results: dict[str, dict]) -> None:
+        path.parent.mkdir(exist_ok=True)
+        path.with_suffix(".json").write_text(json.dumps({"cells": results}, indent=2) + "\n")
+        path.with_suffix(".md").write_text(_table(results) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="custody-8b-") as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(config.to_dict()))
+        results = measure_on_device(Path(model_dir), device, done=write)
+    return {"cells": results, "table": _table(results)}
+
+
+def _wait_idle(stack: Stack, timeout: float = 120) -> None:
+    """Until the clients' cancelled requests have left the replica."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.settings.port}/server_info", timeout=10
+        ) as resp:
+            states = json.loads(resp.read())["internal_states"][0]
+        if not states["requests"] and not states["queued_requests"]:
+            return
+        time.sleep(0.2)
 
 
 def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:

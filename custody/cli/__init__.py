@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="scaleout: the front its workload goes through (default router; epp: the "
         "endpoint picker, asked over ext_proc as a gateway asks it)",
     )
+    bench.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="executor and orchestration: cuda runs the real executor on the GPU at the "
+        "published 8B shape (docs/gpu.md)",
+    )
     _add_multiturn_arguments(bench)
     demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
     demo.add_argument(
@@ -248,6 +255,14 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
     }
 
 
+def device_benchmarks() -> dict[str, Callable[[int], dict]]:
+    """`--device cuda`'s two: the executor and the orchestration bench on the GPU at the
+    published 8B shape (docs/gpu.md); the others' modules are not imported."""
+    from custody.bench import executor_device, orchestration
+
+    return {"executor": executor_device.run, "orchestration": orchestration.run_on_device}
+
+
 def _multiturn_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Workload:
     """The workload the multiturn flags given describe (the defaults for the rest)."""
     from custody.bench.multiturn_workload import Workload
@@ -266,10 +281,13 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     workload = _multiturn_workload(parser, args)
-    runs = benchmarks()
-    runs["multiturn"] = functools.partial(runs["multiturn"], workload=workload)
     if args.gateway is not None and args.name != "scaleout":
         parser.error("--gateway applies to `custody bench scaleout` only")
+    if args.device == "cuda" and args.name not in ("executor", "orchestration"):
+        parser.error("--device cuda applies to `custody bench executor` or `orchestration`")
+    runs = device_benchmarks() if args.device == "cuda" else benchmarks()
+    if "multiturn" in runs:
+        runs["multiturn"] = functools.partial(runs["multiturn"], workload=workload)
     if args.gateway == "epp":
         from custody.bench import scaleout_gateway
 

@@ -116,7 +116,7 @@ class ExecutorService:
             # forward runs (the scheduler plans the next step meanwhile); torch's idle
             # threads spin-waiting on every core would take it from them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-        model = load_model(settings.model, device, settings.dtype)
+        model = load_model(settings.model, device, settings.dtype, settings.load_format)
         pools = DevicePools(
             model.cfg,
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),

@@ -1,7 +1,10 @@
 """Building the model: the built-in tiny model with seeded random weights, or a
 NemotronH checkpoint directory (`config.json` + `*.safetensors`, transformers' names),
 in the dtype `--dtype` resolves to on its device (shared/dtypes.py). The pools take the
-model's dtype from its weights, so one setting decides both."""
+model's dtype from its weights, so one setting decides both. `--load-format dummy` gives
+a checkpoint's config the built-in model's seeded random weights, drawn on the device: a
+published shape (8B and up) is benchmarked without its weights, and without drawing
+billions of numbers on the host."""
 
 from __future__ import annotations
 
@@ -19,17 +22,19 @@ from shared.dtypes import resolve_dtype
 from shared.model_config import ModelConfig, builtin_config
 
 BUILTIN_SEED = 20261122
+CPU = torch.device("cpu")
 log = logging.getLogger("custody.executor")
 
 
-def load_model(path: Path | None, device: torch.device, dtype: str = "auto") -> NemotronH:
-    """`dtype`: a `--dtype` value; `auto` reads the checkpoint's and the device."""
-    if path is None:
-        model = builtin_model()
-        resolved = resolve_dtype(dtype, model.cfg, gpu=device.type == "cuda")
-        return model.to(device=device, dtype=getattr(torch, resolved)).eval()
-    cfg = ModelConfig.from_dir(Path(path))
+def load_model(
+    path: Path | None, device: torch.device, dtype: str = "auto", load_format: str = "auto"
+) -> NemotronH:
+    """`dtype`: a `--dtype` value; `auto` reads the checkpoint's and the device.
+    `load_format`: `auto` reads the checkpoint's weights, `dummy` draws them."""
+    cfg = builtin_config() if path is None else ModelConfig.from_dir(Path(path))
     resolved = getattr(torch, resolve_dtype(dtype, cfg, gpu=device.type == "cuda"))
+    if path is None or load_format == "dummy":
+        return builtin_model(cfg, device).to(dtype=resolved).eval()
     return load_checkpoint(Path(path), cfg, device, resolved).eval()
 
 
@@ -103,12 +108,15 @@ def _checkpoint_name(name: str) -> str:
     return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
-def builtin_model(cfg: ModelConfig | None = None) -> NemotronH:
+def builtin_model(cfg: ModelConfig | None = None, device: torch.device = CPU) -> NemotronH:
     """Seeded random weights, initialised the way transformers initialises NemotronH: of
-    the built-in config, or of `cfg` (a benchmark's variant of it)."""
+    the built-in config, or of `cfg` (a benchmark's variant of it, or a checkpoint's
+    config under `--load-format dummy`), in float32 on `device`, drawn there by a
+    generator of that device (so a CUDA model's numbers differ from a CPU one's)."""
     cfg = cfg or builtin_config()
-    generator = torch.Generator().manual_seed(BUILTIN_SEED)
-    model = NemotronH(cfg)
+    generator = torch.Generator(device=device).manual_seed(BUILTIN_SEED)
+    with torch.device(device):
+        model = NemotronH(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
@@ -123,7 +131,8 @@ def builtin_model(cfg: ModelConfig | None = None) -> NemotronH:
                 mixer.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
                 mixer.D.fill_(1.0)
                 lo, hi = math.log(cfg.time_step_min), math.log(cfg.time_step_max)
-                dt = torch.exp(torch.rand(heads, generator=generator) * (hi - lo) + lo)
+                drawn = torch.rand(heads, generator=generator, device=device)
+                dt = torch.exp(drawn * (hi - lo) + lo)
                 dt = dt.clamp(min=cfg.time_step_floor)
                 mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
     return model

@@ -1,10 +1,15 @@
 """The built-in model, pool sizes, and tokenizers."""
 
+import dataclasses
+import json
+
+import pytest
 import torch
 
 from services.executor.model.pools import DevicePools, PoolSizes
 from services.executor.runner import ModelRunner
 from services.executor.weights import builtin_model, load_model
+from shared.config import Settings
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
 from shared.model_config import ModelConfig, UnsupportedModel, builtin_config
@@ -111,3 +116,19 @@ def test_multi_token_prediction_weights_are_skipped_as_transformers_skips_them(t
     model = load_model(tmp_path, torch.device("cpu"), "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_load_format_dummy_draws_a_checkpoints_config_and_auto_needs_its_weights(tmp_path):
+    """`--load-format dummy`: a directory holding only `config.json` (a published shape
+    whose weights are not at hand) gets the built-in model's seeded weights for that
+    config; `auto` still refuses a directory without weights."""
+    cfg = dataclasses.replace(builtin_config(), hidden_size=64, intermediate_size=96)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    drawn = load_model(tmp_path, torch.device("cpu"), "bfloat16", "dummy")
+    assert drawn.cfg.hidden_size == 64 and drawn.lm_head.weight.dtype == torch.bfloat16
+    expected = builtin_model(cfg).to(torch.bfloat16).state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in drawn.state_dict().items())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(tmp_path, torch.device("cpu"), "float32", "auto")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        Settings(load_format="safetensors").check()
