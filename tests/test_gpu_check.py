@@ -93,6 +93,14 @@ def test_a_stage_past_its_time_box_is_killed_with_its_children(tmp_path):
     assert "started" in outcome.tail
     time.sleep(3.5)
     assert not marker.exists(), "the stage's grandchild outlived its time box"
+    skipping = Stage(
+        "tests",
+        5,
+        "skips",
+        lambda work: [[sys.executable, "-c", "pass"]],
+        lambda work: {"counts": {"passed": 3, "skipped": 1}},
+    )
+    assert run_stage(skipping, tmp_path, 5, tmp_path / "gpu.log").status == "skipped tests"
     failing = Stage("bad", 5, "fails", lambda work: [[sys.executable, "-c", "raise SystemExit(3)"]])
     assert run_stage(failing, tmp_path, 5, tmp_path / "gpu.log").returncodes == [3]
 
