@@ -42,7 +42,7 @@ class Settings:
     # the replica set and the store stops its consumer (0: never; ids would pile up)
     replica_forget_seconds: float = 3600.0
     # how the router places a request no session binds: prefix (the longest cached prefix
-    # within a bounded load, shared/routing/choice.py) or random (uniform; a baseline)
+    # within a bounded load, fronts/choice.py) or random (uniform; a baseline)
     router_policy: str = "prefix"
     model: Path | None = None  # a NemotronH checkpoint directory; None: the built-in model
     # auto: the checkpoint's tokenizer.json, else ids-only (text refused); byte: UTF-8 bytes

@@ -24,7 +24,7 @@ REPLICAS = "custody:replicas"  # set of replica ids ever registered (the store r
 MOVES = "custody:moves"  # sessions in transit between replicas (shared/placement.py)
 # a pub/sub channel: every write of a placement key publishes "<key> <new value>" on it
 # ("<key>" alone for a removal), so a front may answer from the placements it keeps
-# while it is subscribed (shared/routing/directory.py)
+# while it is subscribed (fronts/directory.py)
 PLACEMENT_CHANGES = "custody:placement_changes"
 # held by the one front (router or endpoint picker) taking over moves and re-homing now
 FRONT_DUTIES = "custody:front_duties"

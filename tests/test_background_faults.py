@@ -29,10 +29,10 @@ from redis.exceptions import (
 )
 
 from custody.up import Stack
+from fronts.replicas import ReplicaTable
 from shared import streams
 from shared.redis_server import PrivateRedis, free_port
 from shared.retry import Retry, background_faults
-from shared.routing.replicas import ReplicaTable
 from tests.services_harness import call, health, stack_settings, start_stack
 
 LOG = logging.getLogger("custody.test-retry")
@@ -240,7 +240,14 @@ def test_every_service_serves_its_loops_faults_with_its_labels(two: Stack) -> No
     assert found["session-store"] == {discover, ("store_consume", "0"), ("store_consume", "1")}
 
 
-ROUTER_LOOPS = {"router_replicas", "prefix_feed", "move_takeover", "router_bookkeeping"}
+# (placement_changes: every front hears the placement notices, fronts/front.py)
+ROUTER_LOOPS = {
+    "router_replicas",
+    "prefix_feed",
+    "placement_changes",
+    "move_takeover",
+    "router_bookkeeping",
+}
 
 
 def test_an_oom_window_ends_no_loop_and_no_process(two: Stack, redis_url: str) -> None:

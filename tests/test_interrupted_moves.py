@@ -34,11 +34,11 @@ import pytest
 import redis
 
 from custody.up import Stack
+from fronts.directory import Directory
 from shared import streams
 from shared.placement import Move, Placement
 from shared.redis_client import connect_async
 from shared.registration_auth import signature
-from shared.routing.directory import Directory
 from tests.services_harness import call, health, stack_settings, start_stack
 from tests.test_migration import check_one_shot, ledgers_clean, play, restart
 from tests.test_replicas import OUTPUT, home, turn

@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
+from fronts.directory import Directory
 from services.scheduler.runtime import session_rebuild
 from services.scheduler.runtime.placed_sweep import PlacedSweep
 from shared import streams
 from shared.placement import UNPLACE, Move, Placement
 from shared.redis_client import connect_async
-from shared.routing.directory import Directory
 from tests.engine.driver import Driver
 
 

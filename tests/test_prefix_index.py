@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fronts.choice import Choice, Chooser, choose, eligible
+from fronts.prefix_index import PrefixIndex, ReplicaIndex
+from fronts.replicas import Replica, ReplicaTable
 from services.router.metrics import RouterMetrics
 from services.scheduler.runtime.cache_shipper import CacheShipper
 from shared.messages.cache import CacheEvents, Removed, Stored, chain
 from shared.messages.envelope import encode
-from shared.routing.choice import Choice, Chooser, choose, eligible
-from shared.routing.prefix_index import PrefixIndex, ReplicaIndex
-from shared.routing.replicas import Replica, ReplicaTable
 from shared.tokenizer import ByteTokenizer, load_tokenizer
 from tests.cache.harness import CacheHarness
 

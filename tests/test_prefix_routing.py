@@ -14,12 +14,12 @@ import redis
 import redis.asyncio as aioredis
 
 from custody.up import Stack
+from fronts.prefix_feed import PrefixFeed
+from fronts.prefix_index import PrefixIndex
+from fronts.replicas import Replica, ReplicaTable
 from shared import streams
 from shared.messages.cache import CACHE_KIND, CacheEvents, CacheSnapshot, Stored, chain
 from shared.messages.envelope import encode
-from shared.routing.prefix_feed import PrefixFeed
-from shared.routing.prefix_index import PrefixIndex
-from shared.routing.replicas import Replica, ReplicaTable
 from tests.services_harness import call, metrics, stack_settings, start_stack
 
 PROMPT = list(range(40))

@@ -10,10 +10,10 @@ import asyncio
 import redis
 import redis.asyncio as aioredis
 
+from fronts.background import Background
+from fronts.directory import Directory
 from shared import streams
 from shared.placement import Placement
-from shared.routing.background import Background
-from shared.routing.directory import Directory
 
 
 def test_a_refused_placement_removal_is_retried_until_redis_takes_it(

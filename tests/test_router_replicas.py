@@ -21,12 +21,12 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.up import Stack
+from fronts.replicas import Opening, ReplicaTable
 from shared import streams
 from shared.config import Settings
 from shared.placement import Placement
 from shared.redis_client import connect_async
 from shared.redis_server import PrivateRedis, free_port
-from shared.routing.replicas import Opening, ReplicaTable
 from tests.services_harness import stack_settings, start_stack
 
 

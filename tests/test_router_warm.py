@@ -9,10 +9,10 @@ import time
 
 from aiohttp import web
 
+from fronts.replicas import Replica, ReplicaTable
 from services.router.metrics import RouterMetrics
 from services.router.proxy import WARM_SECONDS, Proxy
 from shared.redis_server import free_port
-from shared.routing.replicas import Replica, ReplicaTable
 
 
 def test_warming_a_replica_that_never_answers_ends_within_its_bound():

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("services", "shared", "custody", "kernels")
+OURS = ("services", "shared", "fronts", "custody", "kernels")
 MAX_FILE_LINES = 600  # a ceiling, not a target: files split by collaborator (issue 27)
 MAX_FUNCTION_LINES = 100
 DRIVERS = ("custody/bench/", "custody/soak/")  # benchmark and soak drivers: long by nature
@@ -180,7 +180,13 @@ def test_the_module_graph_sees_known_edges_and_type_only_cycles():
     assert f"{faults} -> {core}: {faults}:4" in describe(cycles(edges)[0], edges)
 
 
-SERVICES = ("services.scheduler", "services.executor", "services.session_store", "services.router")
+SERVICES = (
+    "services.scheduler",
+    "services.executor",
+    "services.session_store",
+    "services.router",
+    "services.epp",
+)
 
 
 def service_of(module: str) -> str | None:
@@ -210,6 +216,80 @@ def test_the_service_rule_flags_a_planted_import():
     }
     found = cross_service_imports(module_edges(planted))
     assert len(found) == 1 and found[0].startswith("services.router.app imports")
+
+
+# The fronts' own layer (fronts/): above the wire contract, below the two fronts. Only
+# they (and the command line's drivers, custody/) may import it; it imports no service.
+FRONTS = "fronts"
+MAY_IMPORT_FRONTS = ("services.router", "services.epp", "custody")
+
+
+def layer_violations(edges: Edges) -> list[str]:
+    """Imports across the fronts' layer in the wrong direction."""
+    found = []
+    for (a, b), where in sorted(edges.items()):
+        into_fronts = b.split(".")[0] == FRONTS and a.split(".")[0] != FRONTS
+        if into_fronts and not a.startswith(MAY_IMPORT_FRONTS):
+            found.append(f"{a} imports {b} ({'; '.join(where)})")
+        if a.split(".")[0] == FRONTS and b.startswith("services"):
+            found.append(f"{a} imports a service: {b} ({'; '.join(where)})")
+    return found
+
+
+def test_only_the_fronts_import_the_fronts_layer_and_it_imports_no_service():
+    edges = module_edges(product_sources())
+    assert ("services.router.main", "fronts.decision") in edges
+    assert not layer_violations(edges)
+    planted = {
+        "shared.config": "from fronts.front import Routing\n",
+        "fronts.front": "from services.router.proxy import Proxy\n",
+        "services.router.proxy": "",
+    }
+    assert len(layer_violations(module_edges(planted))) == 2
+
+
+# What the fronts may not touch outside the decision (fronts/decision.py): the router is
+# that decision plus an HTTP proxy, the endpoint picker that decision plus ext_proc.
+DECIDING = {"Directory", "Chooser", "Mover", "SessionLimits"}  # the classes
+DECIDING_ATTRIBUTES = {"directory", "chooser", "mover", "limits"}  # Routing's fields
+
+
+def decisions_outside(source: str, where: str) -> list[str]:
+    """`where:line uses X` for each name of a deciding class, import of one, or access
+    to one of Routing's deciding fields."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in DECIDING:
+            found.append(f"{where}:{node.lineno} uses {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in DECIDING_ATTRIBUTES:
+            found.append(f"{where}:{node.lineno} uses .{node.attr}")
+        elif isinstance(node, ast.ImportFrom):
+            found += [
+                f"{where}:{node.lineno} imports {alias.name}"
+                for alias in node.names
+                if alias.name in DECIDING
+            ]
+    return sorted(found, key=lambda f: int(f.split(":")[1].split()[0]))
+
+
+def test_the_fronts_decide_only_through_the_decision():
+    files = sorted((ROOT / "services/router").glob("*.py")) + sorted(
+        (ROOT / "services/epp").glob("*.py")
+    )
+    assert len(files) > 8
+    found = [f for p in files for f in decisions_outside(p.read_text(), p.name)]
+    assert not found, "routing decided outside fronts/decision.py:\n" + "\n".join(found)
+    planted = (
+        "from fronts.directory import Directory\n"
+        "async def route(routing):\n"
+        "    await routing.directory.place('s', 'a')\n"
+        "    return routing.limits.refuse_open(None)\n"
+    )
+    assert decisions_outside(planted, "app.py") == [
+        "app.py:1 imports Directory",
+        "app.py:3 uses .directory",
+        "app.py:4 uses .limits",
+    ]
 
 
 def undocumented_modules(sources: dict[str, str]) -> list[str]:

@@ -33,9 +33,9 @@ from custody.soak.redis_proxy import RedisProxy
 from custody.soak.session_load import SessionLoad, post
 from custody.soak.verdict import disowned
 from custody.up import Backoff, Stack, layout
+from fronts.migration import MOVE_SECONDS
 from shared import streams
 from shared.config import Settings
-from shared.routing.migration import MOVE_SECONDS
 
 SUMMARY_KEYS = (
     "faults",

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from fronts.decision import Decision, Refusal
+from fronts.replicas import ReplicaTable
 from services.epp.metrics import PickerMetrics
-from shared.routing.migration import Mover
-from shared.routing.replicas import ReplicaTable
-from shared.tenancy import ApiKeys, Refused
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
-def admin_app(
-    table: ReplicaTable, mover: Mover, tenancy: ApiKeys, metrics: PickerMetrics
-) -> web.Application:
+def admin_app(table: ReplicaTable, decision: Decision, metrics: PickerMetrics) -> web.Application:
     async def render_metrics(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), content_type="text/plain")
 
@@ -32,19 +25,14 @@ def admin_app(
 
     async def drain(request: web.Request) -> web.Response:
         try:
-            operator = tenancy.identify(request).operator
-        except Refused as refused:
-            return refused.response()
-        if not operator:
-            return _error(403, "/admin/drain needs an operator key", "permission_error")
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        replica = body.get("replica") if isinstance(body, dict) else None
-        if not isinstance(replica, str) or replica not in table.known:
-            return _error(404, f"no replica {replica!r}", "not_found")
-        return web.json_response(await mover.drain(replica))
+            return web.json_response(await decision.drain(request.headers, await request.read()))
+        except Refusal as refusal:
+            return web.Response(
+                status=refusal.status,
+                body=refusal.body(),
+                headers=refusal.headers,
+                content_type="application/json",
+            )
 
     app = web.Application(client_max_size=1 << 16)
     app.router.add_get("/metrics", render_metrics)

@@ -13,7 +13,7 @@ request the picker answers itself (no ready replica: 503; shedding or a session 
 429; a body past the bound: 413) gets an ImmediateResponse and never reaches a replica.
 The response's headers bring back the endpoint that served it (the gateway's
 `x-gateway-destination-endpoint-served` metadata) and its status, which settles an
-open's or a close's bookkeeping (picker.py, `Pick.done`); its body chunks are echoed.
+open's or a close's bookkeeping (fronts/decision.py, `Pick.done`); its body chunks are echoed.
 
 Whatever a stream sends, the picker answers or ends that stream only: a malformed
 message is refused (gRPC INVALID_ARGUMENT), never a fault of the process."""
@@ -33,8 +33,8 @@ from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 from yarl import URL
 
+from fronts.decision import Decision, Pick, Refusal, endpoint
 from services.epp.metrics import PickerMetrics
-from services.epp.picker import Pick, Picker, Refusal, endpoint
 from shared.http_limits import MAX_BODY
 from shared.placement import PLACED_HEADER
 
@@ -128,8 +128,7 @@ def picked(pick: Pick, body: bytes) -> list[ext.ProcessingResponse]:
 
 def refused(refusal: Refusal) -> ext.ProcessingResponse:
     headers = [_header("content-type", "application/json")]
-    if refusal.retry:
-        headers.append(_header("retry-after", "1"))
+    headers += [_header(name.lower(), value) for name, value in refusal.headers.items()]
     return ext.ProcessingResponse(
         immediate_response=ext.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=refusal.status),
@@ -141,7 +140,7 @@ def refused(refusal: Refusal) -> ext.ProcessingResponse:
 
 
 class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
+    def __init__(self, picker: Decision, metrics: PickerMetrics) -> None:
         self.picker, self.metrics = picker, metrics
 
     async def Process(
@@ -163,7 +162,7 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
 class _Stream:
     """One HTTP request's exchange, message by message."""
 
-    def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
+    def __init__(self, picker: Decision, metrics: PickerMetrics) -> None:
         self.picker, self.metrics = picker, metrics
         self.headers: CIMultiDict[str] | None = None
         self.subset: list[str] | None = None

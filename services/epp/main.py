@@ -1,10 +1,10 @@
 """The endpoint picker service: what a Kubernetes gateway (Gateway API Inference
 Extension) asks, per request, which replica should serve it (services/epp/ext_proc.py),
-deciding as the custody router decides (shared/routing/). Its only state is in Redis (the
+deciding as the custody router decides (fronts/). Its only state is in Redis (the
 registrations, the placement directory, the replicas' prefix feeds), so several pickers
 run at once and any of them may restart: each answers picks; the duties one front does
 at a time (taking over moves, re-homing a dead replica's sessions, forgetting long-dead
-ones) go to whichever front holds their lease (shared/routing/migration.py).
+ones) go to whichever front holds their lease (fronts/migration.py).
 
 Three ports: ext_proc gRPC (`--epp-port`), gRPC health (`--epp-health-port`: the
 services `liveness`, `readiness` and the ext_proc service's own name, also answered on
@@ -22,15 +22,15 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fronts.background import Background
+from fronts.decision import Decision
+from fronts.front import Routing, refuse_keys_without_secret, replica_table
+from fronts.replicas import ReplicaTable
 from services.epp.admin_http import admin_app
 from services.epp.ext_proc import ExternalProcessor
 from services.epp.metrics import PickerMetrics
-from services.epp.picker import Picker
 from shared.config import Settings
 from shared.redis_client import connect_async, warm_async
-from shared.routing.background import Background
-from shared.routing.front import Routing, refuse_keys_without_secret, replica_table
-from shared.routing.replicas import ReplicaTable
 from shared.service_main import start
 
 log = logging.getLogger("custody.epp")
@@ -75,12 +75,14 @@ async def serve(settings: Settings) -> None:
     metrics.watch(routing.index)
     await table.refresh()
     background = Background(metrics.faults)
-    picker = Picker(routing, background.run, settings.session_header, settings.max_queued_requests)
+    picker = Decision(
+        routing, background.run, settings.session_header, settings.max_queued_requests
+    )
     health_servicer = health.aio.HealthServicer()
     ext_proc = await _grpc_server(settings.epp_port, settings.host, health_servicer)
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, metrics), ext_proc)
     probes = await _grpc_server(settings.epp_health_port, settings.host, health_servicer)
-    admin = admin_app(table, routing.mover, routing.tenancy, metrics)
+    admin = admin_app(table, picker, metrics)
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.epp_http_port).start()
@@ -95,7 +97,6 @@ async def serve(settings: Settings) -> None:
     )
     tasks = [
         *routing.loops(metrics.faults),
-        asyncio.create_task(routing.directory.follow_changes(metrics.faults)),
         asyncio.create_task(_report_health(table, health_servicer)),
     ]
     try:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from fronts.choice import PrefixCounters
+from fronts.prefix_index import IndexCollector, PrefixIndex
 from shared.retry import background_faults
-from shared.routing.choice import PrefixCounters
-from shared.routing.prefix_index import IndexCollector, PrefixIndex
 
 DECISION_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 0.1)
 

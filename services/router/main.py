@@ -9,13 +9,15 @@ import logging
 
 from aiohttp import web
 
+from fronts.background import Background
+from fronts.decision import Decision
+from fronts.front import Routing, refuse_keys_without_secret, replica_table
 from services.router.app import Router
 from services.router.metrics import RouterMetrics
 from services.router.proxy import Proxy
 from shared.config import Settings
 from shared.http_limits import MAX_BODY
 from shared.redis_client import connect_async, warm_async
-from shared.routing.front import Routing, refuse_keys_without_secret, replica_table
 from shared.service_main import start
 from shared.slow_clients import GuardedRunner
 
@@ -32,10 +34,11 @@ async def serve(settings: Settings) -> None:
     proxy = Proxy(metrics, settings.session_header)
     await proxy.start()
     routing = Routing.of(settings, table, metrics.prefix, proxy.session)
-    metrics.watch(routing.index, routing.mover)
+    decision = Decision(routing, Background(metrics.faults).run, settings.session_header)
+    metrics.watch(routing.index, decision.declared_dead)
     table.warm = proxy.warm  # a replica is ready once this router's connections are open
     await table.refresh()
-    router = Router(routing, proxy, settings.session_header)
+    router = Router(decision, table, routing.tenancy, proxy)
     app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", router.handle)
     runner = GuardedRunner(

@@ -5,16 +5,15 @@ faults its background loops survived (shared/retry.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fronts.choice import PrefixCounters
+from fronts.prefix_index import IndexCollector, PrefixIndex
+from fronts.replicas import ReplicaTable
 from shared.retry import background_faults
-from shared.routing.choice import PrefixCounters
-from shared.routing.migration import Mover
-from shared.routing.prefix_index import IndexCollector, PrefixIndex
-from shared.routing.replicas import ReplicaTable
 
 OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
@@ -40,7 +39,7 @@ class RouterMetrics:
             "custody_router_overhead_seconds",
             "time spent inside the router per request: receive to upstream send, plus "
             "first upstream byte to first byte to the client; by kind: open (a session's "
-            "open, its placement written meanwhile), turn (a session's request), other",
+            "open, its placement written first), turn (a session's request), other",
             ["kind"],
             buckets=OVERHEAD_BUCKETS,
             registry=self.registry,
@@ -49,9 +48,10 @@ class RouterMetrics:
         self.faults = background_faults(self.registry)  # its background loops'
         self.registry.register(_Replicas(table))
 
-    def watch(self, index: PrefixIndex, mover: Mover) -> None:
+    def watch(self, index: PrefixIndex, deaths: Mapping[str, int]) -> None:
+        """`deaths`: the replicas this router found dead, by id (kept current by it)."""
         self.registry.register(IndexCollector(index, "router"))
-        self.registry.register(_Deaths(mover))
+        self.registry.register(_Deaths(deaths))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -85,10 +85,10 @@ class _Replicas:
 
 
 class _Deaths:
-    """The replicas this router found dead (shared/routing/migration.py `Mover._dead`)."""
+    """The replicas this router found dead (fronts/migration.py `Mover._dead`)."""
 
-    def __init__(self, mover: Mover) -> None:
-        self.mover = mover
+    def __init__(self, deaths: Mapping[str, int]) -> None:
+        self.deaths = deaths
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         dead = CounterMetricFamily(
@@ -97,6 +97,6 @@ class _Deaths:
             "replica_dead_seconds), by replica",
             labels=["replica"],
         )
-        for replica, times in sorted(self.mover.declared_dead.items()):
+        for replica, times in sorted(self.deaths.items()):
             dead.add_metric([replica], times)
         yield dead

@@ -10,9 +10,9 @@ import time
 import aiohttp
 from aiohttp import web
 
+from fronts.replicas import Replica
 from services.router.metrics import RouterMetrics
-from shared.placement import OPENED_HEADER, PLACED_HEADER, read_opened_mark
-from shared.routing.replicas import Replica
+from shared.placement import PLACED_HEADER
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)
@@ -23,8 +23,8 @@ PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 UPSTREAM_TIMES = web.RequestKey("upstream_times", tuple)
 KIND = web.RequestKey("kind", str)  # the request's kind for the overhead histogram
 PLACING = web.RequestKey("placing", bool)  # an open this router places: the replica is told
-# the replica that answered an open, and the open's number there (`OPENED_HEADER`)
-OPENED = web.RequestKey("opened", tuple)
+# the replica's answer's headers, lowercased (a pick's bookkeeping reads an open's number)
+UPSTREAM_HEADERS = web.RequestKey("upstream_headers", dict)
 
 
 class ReplicaDown(Exception):
@@ -93,9 +93,7 @@ class Proxy:
                     request.method, replica.url + request.path_qs, data=body, headers=headers
                 )
                 async with upstream:
-                    mark = read_opened_mark(upstream.headers.get(OPENED_HEADER))
-                    if mark is not None:
-                        request[OPENED] = (replica, mark)
+                    request[UPSTREAM_HEADERS] = {k.lower(): v for k, v in upstream.headers.items()}
                     if upstream.status in unless:
                         await upstream.read()
                         return None

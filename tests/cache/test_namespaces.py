@@ -4,9 +4,9 @@ one eviction order, and the routers' hashes of equal blocks differ between names
 
 from __future__ import annotations
 
+from fronts.prefix_index import PrefixIndex
 from shared.messages.cache import CacheSnapshot, cache_namespace, namespace_root
 from shared.messages.envelope import encode
-from shared.routing.prefix_index import PrefixIndex
 from tests.cache.harness import CacheHarness
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]

@@ -28,7 +28,7 @@ from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import Session, SessionError
 from services.scheduler.text.chat_tokens import ChatEncoder
 from shared.placement import PLACED_HEADER
-from shared.routing.addressing import RepeatedHeader, read_session_header
+from shared.session_header import RepeatedHeader, read_session_header
 
 Bound = tuple[Session, list[int], ChatTurn]
 

@@ -30,12 +30,12 @@ import time
 import aiohttp
 from prometheus_client import Counter
 
+from fronts.directory import Directory
+from fronts.replicas import Replica, ReplicaTable
 from shared import streams
 from shared.key_lease import KeyLease
 from shared.placement import Move, Placement
 from shared.retry import Retry
-from shared.routing.directory import Directory
-from shared.routing.replicas import Replica, ReplicaTable
 
 log = logging.getLogger("custody.router")
 RELEASE_ATTEMPTS = 6  # over about 12 s

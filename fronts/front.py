@@ -12,14 +12,14 @@ import aiohttp
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
+from fronts.choice import Chooser, PrefixCounters
+from fronts.directory import Directory
+from fronts.limits import SessionLimits
+from fronts.migration import Mover
+from fronts.prefix_feed import PrefixFeed
+from fronts.prefix_index import PrefixIndex
+from fronts.replicas import ReplicaTable
 from shared.config import Settings
-from shared.routing.choice import Chooser, PrefixCounters
-from shared.routing.directory import Directory
-from shared.routing.limits import SessionLimits
-from shared.routing.migration import Mover
-from shared.routing.prefix_feed import PrefixFeed
-from shared.routing.prefix_index import PrefixIndex
-from shared.routing.replicas import ReplicaTable
 from shared.tenancy import ApiKeys
 from shared.tokenizer import load_tokenizer
 
@@ -66,10 +66,11 @@ class Routing:
         return cls(client, table, index, chooser, directory, mover, limits, tenancy)
 
     def loops(self, faults: Counter) -> list[asyncio.Task]:
-        """The loops besides the registration reads (`table.run`): the prefix feeds and
-        the duties (shared/routing/migration.py)."""
+        """The loops besides the registration reads (`table.run`): the prefix feeds, the
+        placement notices (fronts/directory.py) and the duties (fronts/migration.py)."""
         return [
             asyncio.create_task(PrefixFeed(self.client, self.table, self.index).run(faults)),
+            asyncio.create_task(self.directory.follow_changes(faults)),
             asyncio.create_task(self.mover.watch(faults)),
         ]
 

@@ -15,7 +15,7 @@ full."""
 
 from __future__ import annotations
 
-from shared.routing.replicas import ReplicaTable
+from fronts.replicas import ReplicaTable
 
 
 class SessionLimits:

@@ -19,11 +19,11 @@ import time
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
+from fronts.prefix_index import PrefixIndex, ReplicaIndex
+from fronts.replicas import ReplicaTable
 from shared import streams
 from shared.messages.cache import CACHE_KIND
 from shared.retry import Retry
-from shared.routing.prefix_index import PrefixIndex, ReplicaIndex
-from shared.routing.replicas import ReplicaTable
 
 log = logging.getLogger("custody.router")
 READ_COUNT = 256

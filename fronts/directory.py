@@ -17,18 +17,15 @@ move is listed in `streams.MOVES` first, under a lease its router renews while i
 A request's replica is kept for an hour, for `/abort_request` by rid; it is keyed by the
 caller's tenant too, as the replicas key rids.
 
-Each router also remembers the placements it read or wrote (`seen`), so a turn costs it
-no Redis round trip. What it remembers may be stale (another router moved or closed the
-session): the replica named then answers that it does not have the session (404) or
-not now (503), and the router reads the directory before it answers (app.py).
-
-A front that cannot try a replica and fall back (the endpoint picker answers before the
-request is sent) keeps its memory current instead: every placement write publishes the
-key and its new value (`streams.PLACEMENT_CHANGES`, from the same Lua script or
-pipeline as the write), and `follow_changes` applies them in order. `current` answers
-from memory only while that subscription is live and answered within `HEARD_SECONDS`;
-otherwise it reads. A read or write whose answer crosses a notice is not remembered
-(the notice, newer, is)."""
+Each front also remembers the placements it read or wrote, so a turn costs it no Redis
+round trip, and keeps that memory current: every placement write publishes the key and
+its new value (`streams.PLACEMENT_CHANGES`, from the same Lua script or pipeline as the
+write), and `follow_changes` applies them in order. Memory answers (`remembered`) only
+while that subscription is live and answered within `HEARD_SECONDS`; otherwise the
+directory is read. A read or write whose answer crosses a notice is not remembered (the
+notice, newer, is). A notice still on its way when a turn is sent leaves that turn at a
+replica that no longer holds the session: it answers 404 or 503, and the router, which
+can try again, reads the directory and does (fronts/decision.py, `Pick.remembered`)."""
 
 from __future__ import annotations
 
@@ -79,10 +76,6 @@ class Directory:
         self._last_heard = -math.inf  # when the subscription last answered (monotonic)
         self._notices = 0  # change notices heard, and subscriptions made
 
-    def seen(self, sid: str) -> Placement | None:
-        """Where this router last read or wrote `sid`'s placement (maybe stale)."""
-        return self._seen.get(sid)
-
     def _saw(self, sid: str, placement: Placement | None, since: int) -> Placement | None:
         """Remember `placement`, read or written when `since` notices had been heard,
         unless a notice came meanwhile: then the notices, newer, say what it is."""
@@ -108,13 +101,16 @@ class Directory:
         without a word (a partition) stops the trust within `HEARD_SECONDS`."""
         return self._hearing and time.monotonic() - self._last_heard < HEARD_SECONDS
 
+    def remembered(self, sid: str) -> Placement | None:
+        """`sid`'s placement from memory, only while this directory hears every change
+        (`follow_changes`): exact but for a notice still on its way."""
+        return self._seen.get(sid) if self.hearing() else None
+
     async def current(self, sid: str) -> Placement | None:
         """`sid`'s placement: the one remembered while this directory hears every change
         (`follow_changes`), else read. Exact but for a notice still on its way: a turn
         sent then meets the replica's own check (a session it no longer holds)."""
-        if sid in self._seen and self.hearing():
-            return self._seen[sid]
-        return await self.session(sid)
+        return self.remembered(sid) or await self.session(sid)
 
     async def follow_changes(self, faults: Counter | None = None) -> None:
         """Hear every placement write (each publishes its key and new value on

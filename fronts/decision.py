@@ -1,68 +1,92 @@
-"""Which replica serves a request the gateway asks about: the router's decisions (the
-same modules, shared/routing/), made from what the gateway hands over (the path, the
-headers, the whole body) instead of from an HTTP request the picker would forward.
+"""Where a request goes: the one routing decision of every front. The router is this
+decision plus an HTTP proxy (services/router/), the endpoint picker this decision plus
+Envoy's ext_proc (services/epp/); neither touches the directory, the chooser, the mover
+or the session limits itself (tests/test_structure.py holds them to it).
+
+`Decision.pick` reads a request as its replica will (the path its routes match, the
+body, the session header) and answers a `Pick` (the replica, why, the body to send if
+it names the session, and `done`: the bookkeeping once the answer's status is known),
+or raises a `Refusal` the front answers itself:
 
 - A session's request (`session_params.id`, `session_id`, or the session header) goes
-  where the directory places it: remembered while the picker hears every placement
-  change, else read from Redis (shared/routing/directory.py). The directory is the only
-  state, so any picker, a restarted one or a second one, picks the same replica. A
-  session in transit, or placed on a replica that is not ready, is refused 503 with
-  Retry-After (its state is there; the turn waits, as through the router).
+  where the directory places it: remembered while the front hears every placement
+  change, else read from Redis (fronts/directory.py). A session in transit, or placed
+  on a replica that is not ready, is refused 503 with Retry-After: its state is there,
+  and the turn waits. A move this front is making of it is waited for first.
 - `/open_session` is placed (a `SET NX` on the directory) on the least loaded replica
-  before it is sent there, named by the picker when the client named none (the body is
-  rewritten); a refused open leaves no placement (`Pick.done`).
-- Anything else goes by the prefix index within a load bound (shared/routing/choice.py).
-- The gateway's subset hint (the endpoints it allows) narrows every choice; a session
-  placed outside it is refused 503, never served elsewhere.
-- A request is read as its replica will read it: the path its routes match (decoded:
-  `/%6Fpen_session` is an open), the first copy of a header; the session header sent
-  twice is refused 400, as the replica and the router refuse it (addressing.py).
+  before it is sent there, named here when the client named none (the body is
+  rewritten). An open that loses a race for the same id is sent where the winner
+  placed it (that replica answers the conflict); an open refused leaves no placement,
+  and one whose answer never came leaves no copy either.
+- The first turn of a session only the header names is placed the same way (its
+  replica opens the session as it runs the turn).
+- Anything else goes by the prefix index within a load bound (fronts/choice.py), shed
+  (429) while every allowed replica's queue is full when `max_queued` is set.
+- `/flush_cache`, `/reset_prefix_cache`, an `abort_all` and an abort by a rid no front
+  kept need every replica: `FanOut`, which the router sends to each and the picker,
+  one endpoint, cannot.
 
-What the picker cannot do, it refuses with a status and says why: fan-out routes
-(`/flush_cache`, `/reset_prefix_cache`, an `abort_all`, an abort by a rid it does not
-know) need every replica, which one endpoint cannot be (the custody router does them);
-operator routes of the fronts (`/admin/drain`) are the picker's own HTTP port's."""
+A front given a subset of replicas (a gateway's hint) chooses within it, and refuses a
+session placed outside it (503) rather than serve it elsewhere.
+"""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from multidict import MultiMapping
 
+from fronts.addressing import FANOUT_ROUTES, aborts_all, header_session, read_json, session_of
+from fronts.front import Routing
+from fronts.replicas import Opening, Replica
 from shared.http_limits import MAX_BATCH, MAX_RID
 from shared.placement import OPENED_HEADER, Placement, read_opened_mark
 from shared.retry import DEPENDENCY_FAULTS
-from shared.routing.addressing import (
-    FANOUT_ROUTES,
-    RepeatedHeader,
-    aborts_all,
-    header_session,
-    read_json,
-    session_of,
-)
-from shared.routing.front import Routing
-from shared.routing.replicas import Opening, Replica
+from shared.session_header import RepeatedHeader
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
-from shared.tenancy import Refused
+from shared.tenancy import Caller, Refused
 
-log = logging.getLogger("custody.epp")
+log = logging.getLogger("custody.router")
+PROBES = frozenset({"/health_generate"})  # any ready replica, no key: a liveness probe
 
 
 class Refusal(Exception):
-    """The picker's own answer to a request (an ImmediateResponse), shaped as the
-    replicas shape their errors."""
+    """A front's own answer to a request, shaped as the replicas shape their errors, with
+    its headers (Retry-After 1 when `retry`; a key refused may bring its own)."""
 
-    def __init__(self, status: int, message: str, kind: str, retry: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        retry: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.retry = status, kind, retry
+        self.headers = {**(headers or {}), **({"Retry-After": "1"} if retry else {})}
 
     def body(self) -> bytes:
         return json.dumps({"error": {"message": str(self), "type": self.kind}}).encode()
+
+
+class FanOut(Refusal):
+    """A request for every ready replica: the router sends it to each; a front of one
+    endpoint answers this refusal."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            501,
+            f"{path} here goes to every replica, which one endpoint cannot be: send it to "
+            "each replica, or through the custody router",
+            "fan_out_unsupported",
+        )
 
 
 def _nothing(status: int | None, headers: Mapping[str, str]) -> None:
@@ -76,6 +100,10 @@ class Pick:
     kind: str  # open, turn or other (the decision-time metric's label)
     body: bytes | None = None  # the body to send instead of the client's (an open named)
     placing: bool = False  # a placement written for it: the replica is told
+    # the session's placement came from memory: its replica answering that it does not
+    # hold the session (404) or not now (503) may mean a change still on its way, and a
+    # front that can try again picks once more with `fresh`
+    remembered: bool = False
     # called once with the answer's status and headers (None: no answer came), for the
     # bookkeeping an open or a close leaves (placements kept or taken back)
     done: Callable[[int | None, Mapping[str, str]], None] = field(default=_nothing)
@@ -86,11 +114,11 @@ def endpoint(replica: Replica) -> str:
     return replica.url.partition("://")[2].rstrip("/")
 
 
-class Picker:
+class Decision:
     def __init__(
         self,
         routing: Routing,
-        background: Callable[[Callable], None],
+        background: Callable[[Callable[[], Awaitable[object]]], None],
         session_header: str = "",
         max_queued: int = 0,
     ) -> None:
@@ -103,26 +131,34 @@ class Picker:
         self.background, self.session_header = background, session_header
         self.max_queued = max_queued
 
+    @property
+    def declared_dead(self) -> collections.Counter[str]:
+        """Replicas this front found dead, by id (a death no fault explains is a false
+        alarm to look into)."""
+        return self.mover.declared_dead
+
     async def pick(
-        self, path: str, headers: MultiMapping[str], body: bytes, subset: Collection[str] | None
+        self,
+        path: str,
+        headers: MultiMapping[str],
+        body: bytes,
+        subset: Collection[str] | None = None,
+        fresh: bool = False,
     ) -> Pick:
         """The replica for a request (`path` as the replica's routes match it, `headers`
         every copy of each, as it reads them); raises `Refusal`. `subset`: the endpoints
-        the gateway allows (None: any)."""
-        try:
-            caller = self.tenancy.caller(headers.get("authorization", ""), path)
-        except Refused as refused:
-            raise Refusal(refused.status, str(refused), refused.kind) from None
+        allowed (None: any); `fresh`: read a session's placement from the directory."""
         only = self._allowed(subset)
+        if path in PROBES:
+            return Pick(self._least_loaded(only), "load", "other")
+        caller = self._caller(headers, path)
         parsed, tenant = read_json(body), caller.tenant
         if path in FANOUT_ROUTES or aborts_all(path, parsed):
-            raise _fan_out(path)
+            raise FanOut(path)
         if path == "/abort_request":
             return await self._abort(parsed, tenant, only)
-        if path == "/admin/drain":
-            raise Refusal(404, "drain through the picker's HTTP port", "not_found")
         if path == "/open_session":
-            return await self._open(parsed, body, tenant, only)
+            return await self._open(parsed, tenant, only)
         try:
             implied = header_session(path, parsed, headers, self.session_header, tenant)
         except RepeatedHeader as err:
@@ -130,15 +166,38 @@ class Picker:
         implicit = implied is not None  # never with a session in the body
         sid = implied if implicit else session_of(path, parsed, tenant)
         if sid is not None:
-            home = await self.directory.current(sid)
+            await self.mover.settled(sid)
+            remembered = None if fresh else self.directory.remembered(sid)
+            home = remembered or await self.directory.session(sid)
             if home is not None:
-                return self._placed(path, sid, home, only)
+                return self._placed(path, sid, home, only, remembered is not None)
             if implicit:
                 return await self._place_implicit(sid, tenant, only)
         return self._choose(path, parsed, tenant, only)
 
+    async def drain(self, headers: MultiMapping[str], body: bytes) -> dict:
+        """`POST /admin/drain` (an operator's): move every session off the replica the
+        body names, which takes nothing new from then on."""
+        if not self._caller(headers, "/admin/drain").operator:
+            raise Refusal(403, "/admin/drain needs an operator key", "permission_error")
+        parsed = read_json(body)
+        replica = parsed.get("replica") if parsed else None
+        if not isinstance(replica, str) or replica not in self.table.known:
+            raise Refusal(404, f"no replica {replica!r}", "not_found")
+        return await self.mover.drain(replica)
+
+    def _caller(self, headers: MultiMapping[str], path: str) -> Caller:
+        """Who asks, as each replica checks it (shared/tenancy.py): a refused key is a
+        `Refusal` with the refusal's status and headers."""
+        try:
+            return self.tenancy.caller(headers.get("authorization", ""), path)
+        except Refused as refused:
+            raise Refusal(
+                refused.status, str(refused), refused.kind, headers=refused.headers
+            ) from None
+
     def _allowed(self, subset: Collection[str] | None) -> set[str] | None:
-        """The replica ids the gateway's subset hint allows; None: every one."""
+        """The replica ids the subset allows; None: every one."""
         if subset is None:
             return None
         allowed = {r.id for r in self.table.ready() if endpoint(r) in subset}
@@ -146,7 +205,9 @@ class Picker:
             raise Refusal(503, "no ready replica in the gateway's subset", "no_replica", True)
         return allowed
 
-    def _placed(self, path: str, sid: str, home: Placement, only: set[str] | None) -> Pick:
+    def _placed(
+        self, path: str, sid: str, home: Placement, only: set[str] | None, remembered: bool
+    ) -> Pick:
         """A placed session's request: to its replica, or refused while it cannot run."""
         if home.moving_to is not None:
             message = f"session {session_name(sid)} is moving to replica {home.moving_to}; retry"
@@ -162,7 +223,8 @@ class Picker:
                 if status == 200:
                     self.background(lambda: self.directory.forget(sid, home.replica))
 
-        return Pick(replica, "affinity", "turn", done=done)
+        kind = "open" if path == "/open_session" else "turn"
+        return Pick(replica, "affinity", kind, remembered=remembered, done=done)
 
     def _least_loaded(self, only: set[str] | None) -> Replica:
         replica = self.table.least_loaded(only=only)
@@ -172,25 +234,19 @@ class Picker:
 
     async def _place_implicit(self, sid: str, tenant: str | None, only: set[str] | None) -> Pick:
         """The first turn of a session the header names, placed before it is sent (its
-        replica opens the session as it runs the turn)."""
+        replica opens the session as it runs the turn): the directory, not this front,
+        decides where later turns go, so no two replicas ever hold it."""
         replica = self._least_loaded(only)
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             raise Refusal(429, refused, "session_limit")
         home, _ = await self.directory.place(sid, replica.id)
-        return (
-            self._placed("", sid, home, only)
-            if home.replica != replica.id
-            else Pick(replica, "affinity", "turn", placing=True)
-        )
+        if home.replica != replica.id:
+            return self._placed("", sid, home, only, remembered=False)
+        return Pick(replica, "affinity", "turn", placing=True)
 
-    async def _open(
-        self, parsed: dict | None, body: bytes, tenant: str | None, only: set[str] | None
-    ) -> Pick:
-        """Placed, then sent where placed (named here when the client named none). The
-        open that loses a race for the same id is sent where the winner placed it (that
-        replica answers the conflict); an open refused leaves no placement, and one whose
-        answer never came leaves no copy either."""
+    async def _open(self, parsed: dict | None, tenant: str | None, only: set[str] | None) -> Pick:
+        """Placed, then sent where placed (see the module's doc)."""
         replica = self._least_loaded(only)
         name = parsed.get("session_id") if parsed is not None else None
         if parsed is None or (name is not None and not isinstance(name, str)):
@@ -207,9 +263,9 @@ class Picker:
             raise Refusal(429, refused, "session_limit")
         home, placed = await self.directory.place(sid, replica.id)
         if home.replica != replica.id:
-            return self._placed("/open_session", sid, home, only)
+            return self._placed("/open_session", sid, home, only, remembered=False)
         opening = Opening(tenant)
-        replica.placed.append(opening)  # counted while it runs (shared/routing/replicas.py)
+        replica.placed.append(opening)  # counted while it runs (fronts/replicas.py)
 
         def done(status: int | None, headers: Mapping[str, str]) -> None:
             replica.placed.remove(opening)
@@ -224,6 +280,8 @@ class Picker:
         return Pick(replica, "affinity", "open", rewritten, placing=True, done=done)
 
     async def _abandon(self, sid: str, replica: Replica) -> None:
+        """An open whose answer never came: its placement goes (compare-and-delete if
+        the removal itself fails part-way), then the copy its replica may have opened."""
         try:
             await self.directory.forget(sid, replica.id)
         except DEPENDENCY_FAULTS:
@@ -235,7 +293,7 @@ class Picker:
         home = await self.directory.request(tenant or "-", rid) if isinstance(rid, str) else None
         replica = None if home is None else self.table.live.get(home)
         if replica is None or (only is not None and replica.id not in only):
-            raise _fan_out("/abort_request")
+            raise FanOut("/abort_request")
         return Pick(replica, "request", "other")
 
     def _choose(
@@ -254,19 +312,13 @@ class Picker:
         return Pick(choice.replica, choice.decision, "other")
 
     def _remember_rids(self, tenant: str, rid: object, replica: str) -> None:
-        """Kept for an abort by rid (as the router keeps them)."""
+        """Kept while the request runs, for an abort by rid (an abort by a rid not yet
+        kept goes to every replica, so it still finds it). A rid the replica will refuse
+        (a list longer than a batch, an id empty or too long) is not kept: the work a
+        request costs a front is bounded before it is looked at."""
         rids = rid if isinstance(rid, list) else [rid]
         if len(rids) > MAX_BATCH or not all(
             isinstance(one, str) and 0 < len(one) <= MAX_RID for one in rids
         ):
             return
         self.background(lambda: self.directory.remember_requests(tenant, rids, replica))
-
-
-def _fan_out(path: str) -> Refusal:
-    return Refusal(
-        501,
-        f"{path} here goes to every replica, which one endpoint cannot be: send it to "
-        "each replica, or through the custody router",
-        "fan_out_unsupported",
-    )

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
+from fronts.prefix_index import PrefixIndex
+from fronts.replicas import Replica, ReplicaTable
 from shared.messages.cache import cache_namespace
-from shared.routing.prefix_index import PrefixIndex
-from shared.routing.replicas import Replica, ReplicaTable
 from shared.tokenizer import Tokenizer, TokenizerMissing
 
 EPSILON = 0.25

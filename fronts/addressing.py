@@ -1,7 +1,7 @@
 """What a request addresses (a session, every replica), read from its path, body and
 session header before anything is sent: by the router as by the endpoint picker, so both
-send a session's turns to the same replica. The replica reads the session header here
-too, so all three refuse a repeated one alike."""
+send a session's turns to the same replica. The header is read as the replica reads it
+(shared/session_header.py), so all three refuse a repeated one alike."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 
 from multidict import MultiMapping
 
+from shared.session_header import read_session_header
 from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
 
 SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
@@ -45,21 +46,6 @@ def session_of(path: str, body: dict | None, tenant: str | None) -> str | None:
 
 def aborts_all(path: str, body: dict | None) -> bool:
     return path == "/abort_request" and body is not None and body.get("abort_all") is True
-
-
-class RepeatedHeader(ValueError):
-    """The session header sent more than once: refused (400) by the router, the picker
-    and the replica alike, since no rule for which copy counts is shared by every hop
-    (Envoy passes each copy on, aiohttp reads the first, a dict keeps the last)."""
-
-
-def read_session_header(headers: MultiMapping[str], header: str) -> str | None:
-    """The value of the session header `header` (None: no header configured, or none
-    sent); raises `RepeatedHeader`."""
-    values = headers.getall(header, []) if header else []
-    if len(values) > 1:
-        raise RepeatedHeader(f"the {header} header is sent {len(values)} times; send it once")
-    return values[0] if values else None
 
 
 def header_session(
