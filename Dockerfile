@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY custody custody
 COPY services services
 COPY shared shared
+COPY protocol protocol
 COPY fronts fronts
 COPY kernels kernels
 RUN pip install --no-cache-dir '.[executor]'

@@ -32,9 +32,24 @@ from prometheus_client import Counter
 
 from fronts.directory import Directory
 from fronts.replicas import Replica, ReplicaTable
+from protocol.moves import (
+    ABSENT,
+    Abort,
+    Begin,
+    CallIn,
+    CallOut,
+    Commit,
+    DropLost,
+    Effect,
+    MoveRun,
+    Read,
+    Release,
+    Unlist,
+    Unlisted,
+)
 from shared import streams
 from shared.key_lease import KeyLease
-from shared.placement import Move, Placement
+from shared.placement import Move
 from shared.retry import Retry
 
 log = logging.getLogger("custody.router")
@@ -43,6 +58,7 @@ RELEASE_ATTEMPTS = 6  # over about 12 s
 # arrival waits up to 10 s for the store's proof and 30 s for its copy)
 CALL_SECONDS = 60.0
 MOVE_SECONDS = 2 * CALL_SECONDS  # a move's bound: its state out, then in (each one call)
+MIGRATE_DONE, MIGRATE_CANCEL = "/admin/migrate_done", "/admin/migrate_cancel"
 
 
 class Mover:
@@ -100,7 +116,7 @@ class Mover:
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as err:
             return 503, str(err) or type(err).__name__
 
-    async def release(self, replica: Replica, sid: str, path: str = "/admin/migrate_done") -> bool:
+    async def release(self, replica: Replica, sid: str, path: str = MIGRATE_DONE) -> bool:
         """Close `replica`'s copy of `sid`, which the directory places elsewhere (or, by
         `path` /admin/migrate_cancel, let it take turns again); whether it answered. A
         replica that cannot answer now (Redis away, restarting) is asked again, a few
@@ -117,112 +133,98 @@ class Mover:
 
     async def move(self, sid: str, source: str, target: Replica) -> str:
         """Move `sid` from replica `source` (live or dead) to `target`; how it went:
-        `state` (its state came along), `history` (it will re-prefill) or `failed`."""
-        placement = await self.directory.session(sid)
-        if placement is None or not placement.names(source):
-            # closed, or moved elsewhere, while `source` still lists it: a member whose
-            # removal was lost, which a drain or re-homing would retry for good
-            await self.directory.client.srem(streams.Keys(source).placed, sid)
-            return "gone"
-        if placement.replica != source or placement.moving_to:
-            return "failed"  # moving meanwhile
-        move = Move(sid, source, target.id, placement.epoch, secrets.token_hex(8))
-        if not await self.directory.begin(move):
-            return "failed"
+        `state` (its state came along), `history` (it will re-prefill), `failed` or
+        `gone` (protocol/moves.py decides each step)."""
+        run = MoveRun.fresh_move(sid, source, target.id, secrets.token_hex(8))
         self.moving[sid] = asyncio.Event()
         try:
-            outcome = await self._carry(move, target)
+            outcome = await self._drive(run, target, listed=False)
         finally:
             self.moving.pop(sid).set()
-        self.moved[outcome] += 1
-        log.info("session %s: %s -> %s: %s", sid, source, target.id, outcome)
-        return outcome
+        if outcome is not None:
+            self.moved[outcome] += 1
+            log.info("session %s: %s -> %s: %s", sid, source, target.id, outcome)
+        return outcome or "failed"
 
-    async def _carry(self, move: Move, target: Replica) -> str:
-        """The steps of a move in transit, each safe to repeat (a router taking over an
-        abandoned move runs them again from the first), its lease renewed meanwhile: a
-        slow step (a large blob's copy) does not let another router take it over."""
-        holding = asyncio.ensure_future(self._hold(move))
+    async def _drive(self, run: MoveRun, target: Replica | None, listed: bool) -> str | None:
+        """Perform `run`'s effects one at a time until it is over; its lease is renewed
+        while it is listed (a slow step, a large blob's copy, does not let another front
+        take it over)."""
+        holding = asyncio.ensure_future(self._hold(run.move)) if listed else None
         try:
-            return await self._steps(move, target)
+            effect: Effect | None = run.first()
+            while effect is not None:
+                result = await self._perform(run.move, effect, target)
+                if isinstance(effect, Begin) and result:
+                    holding = asyncio.ensure_future(self._hold(run.move))
+                run, effect = run.advance(result)
+            return run.outcome
         finally:
-            holding.cancel()
+            if holding is not None:
+                holding.cancel()
+
+    async def _perform(self, move: Move, effect: Effect, target: Replica | None) -> object:
+        """One effect of a move's run, against the directory or a replica."""
+        directory, sid = self.directory, move.sid
+        match effect:
+            case Read():
+                return await directory.session(sid)
+            case Unlisted():
+                # closed, or moved elsewhere, while `source` still lists it: a member whose
+                # removal was lost, which a drain or re-homing would retry for good
+                await directory.client.srem(streams.Keys(move.source).placed, sid)
+            case Begin():
+                return await directory.begin(move)
+            case CallOut():
+                leaving = self.table.live.get(move.source)
+                if leaving is None:
+                    return ABSENT
+                status, answer = await self._post(leaving, "/admin/migrate_out", sid)
+                if status != 200:
+                    log.warning("session %s stays on %s: %s", sid, move.source, answer)
+                return status
+            case CallIn():
+                body = {"source": move.source, "epoch": move.epoch + 1, "move": move.nonce}
+                status, placed = await self._post(target, "/admin/migrate_in", sid, body)
+                if status != 200:
+                    log.warning("session %s not moved to %s: %s", sid, move.target, placed)
+                has_state = isinstance(placed, dict) and placed.get("cached_tokens", 0) > 0
+                return status, has_state
+            case Commit():
+                return await directory.commit(move)
+            case Abort():
+                return await directory.abort(move)
+            case DropLost():
+                # the dead source's records, proven current, hold no record of the session
+                # (closed there, its placement's removal lost): nothing can carry it
+                log.error("session %s of dead replica %s has no record: dropped", sid, move.source)
+                if await directory.swap_out(sid, move.in_transit):
+                    await directory.client.srem(streams.Keys(move.source).placed, sid)
+            case Release(replica=rid, cancel=cancel):
+                replica = self.table.live.get(rid)
+                if replica is None:
+                    return True  # it settles from the directory once back (directory_check.py)
+                return await self.release(replica, sid, MIGRATE_CANCEL if cancel else MIGRATE_DONE)
+            case Unlist():
+                await directory.done(move)
+        return None
 
     async def _hold(self, move: Move) -> None:
         while True:
             await self.directory.renew(move)
             await asyncio.sleep(self.directory.lease_seconds / 3)
 
-    async def _steps(self, move: Move, target: Replica) -> str:
-        leaving = self.table.live.get(move.source)
-        if leaving is not None:
-            status, answer = await self._post(leaving, "/admin/migrate_out", move.sid)
-            if status != 200:
-                log.warning("session %s stays on %s: %s", move.sid, move.source, answer)
-                return await self._undo(move)
-        body = {"source": move.source, "epoch": move.epoch + 1, "move": move.nonce}
-        status, placed = await self._post(target, "/admin/migrate_in", move.sid, body)
-        if status == 404 and leaving is None:
-            return await self._lost(move, placed)
-        if status != 200:
-            log.warning("session %s not moved to %s: %s", move.sid, target.id, placed)
-            return await self._undo(move)
-        if not await self.directory.commit(move):
-            return "failed"  # taken over by another router, which finishes it
-        await self._settle(move, move.after)
-        has_state = isinstance(placed, dict) and placed.get("cached_tokens", 0) > 0
-        return "state" if has_state else "history"
-
-    async def _lost(self, move: Move, why: object) -> str:
-        """The dead source's records, proven current, hold no record of the session
-        (closed there, its placement's removal lost): nothing can carry it, so its
-        placement and listing go, instead of a move retried every read for good."""
-        log.error(
-            "session %s of dead replica %s has no record: dropped (%s)", move.sid, move.source, why
-        )
-        if await self.directory.swap_out(move.sid, move.in_transit):
-            await self.directory.client.srem(streams.Keys(move.source).placed, move.sid)
-        await self.directory.done(move)
-        return "gone"
-
-    async def _undo(self, move: Move) -> str:
-        if await self.directory.abort(move):
-            await self._settle(move, move.before)
-        return "failed"
-
-    async def _settle(self, move: Move, placement: Placement | None) -> None:
-        """Leave each replica of `move` as `placement` says, then unlist the move: the
-        replica it names takes turns again (if the move was undone), every other closes
-        its copy (each refuses while the directory names it). A replica that does not
-        answer keeps the move listed: once its lease runs out, a front takes it over and
-        settles it again (`recover`). A replica not registered now settles its copies
-        from the directory itself when it is back (directory_check.py)."""
-        answered = True
-        for rid in (move.source, move.target):
-            replica = self.table.live.get(rid)
-            if replica is None:
-                continue
-            if placement == move.before and rid == move.source:
-                answered &= await self.release(replica, move.sid, "/admin/migrate_cancel")
-            elif placement is None or not placement.names(rid):
-                answered &= await self.release(replica, move.sid)
-        if answered:
-            await self.directory.done(move)
-
     async def recover(self) -> None:
-        """Finish, or undo, every move whose router's lease ran out (it died, or lost
+        """Finish, or undo, every move whose front's lease ran out (it died, or lost
         Redis): a move still in transit is carried on if its target is ready, else
-        undone; any other is settled as its placement now stands."""
+        undone; any other is settled as its placement now stands (protocol/moves.py)."""
         for move in await self.directory.abandoned():
-            placement = await self.directory.session(move.sid)
             target = next((r for r in self.table.ready() if r.id == move.target), None)
             log.warning("taking over the move of %s (%s -> %s)", move.sid, move.source, move.target)
-            if placement != move.in_transit:
-                await self._settle(move, placement)
-            elif target is None:
-                await self._undo(move)
-            else:
-                self.moved[await self._carry(move, target)] += 1
+            run = MoveRun(move, fresh=False, target_ready=target is not None)
+            outcome = await self._drive(run, target, listed=True)
+            if outcome is not None:
+                self.moved[outcome] += 1
 
     async def drain(self, replica: str) -> dict:
         """Place nothing new on `replica` and move every session off it."""

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("services", "shared", "fronts", "custody", "kernels")
+OURS = ("services", "shared", "protocol", "fronts", "custody", "kernels")
 MAX_FILE_LINES = 600  # a ceiling, not a target: files split by collaborator (issue 27)
 MAX_FUNCTION_LINES = 100
 DRIVERS = ("custody/bench/", "custody/soak/")  # benchmark and soak drivers: long by nature
@@ -289,6 +289,42 @@ def test_the_fronts_decide_only_through_the_decision():
         "app.py:1 imports Directory",
         "app.py:3 uses .directory",
         "app.py:4 uses .limits",
+    ]
+
+
+# The protocol's core (protocol/) is sans I/O: its transitions are run by production and
+# by the model checker alike, so they may import nothing that waits, reads a clock or
+# talks to anything, and of ours only the wire contract.
+PURE_STDLIB = {"__future__", "collections", "dataclasses", "enum", "functools", "itertools"}
+PURE_STDLIB |= {"typing"}
+
+
+def impure_imports(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            allowed = top in PURE_STDLIB or top == "protocol" or name == "shared.placement"
+            if not allowed:
+                found.append(f"{where}:{node.lineno} imports {name}")
+    return found
+
+
+def test_the_protocol_core_imports_nothing_that_does_io():
+    files = sorted((ROOT / "protocol").glob("*.py"))
+    assert len(files) >= 3
+    found = [f for p in files for f in impure_imports(p.read_text(), p.name)]
+    assert not found, "the protocol's core must stay sans I/O:\n" + "\n".join(found)
+    planted = "import asyncio\nfrom shared.streams import Keys\nfrom dataclasses import field\n"
+    assert impure_imports(planted, "m.py") == [
+        "m.py:1 imports asyncio",
+        "m.py:2 imports shared.streams",
     ]
 
 

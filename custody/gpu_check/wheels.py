@@ -38,7 +38,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS_LIST = ROOT / "scripts" / "gpu-wheels.txt"
 WHEELS_DIR = ROOT / ".gpu-wheels"
-OURS = ("custody", "services", "shared", "fronts", "kernels", "tests")
+OURS = ("custody", "services", "shared", "protocol", "fronts", "kernels", "tests")
 
 # The modules the check loads (with every module of tests/gpu/): pytest's, the services a
 # stack runs, and the two benchmarks (their modules are imported late by the command line).

@@ -24,22 +24,13 @@ import logging
 
 import redis.asyncio as aioredis
 
+from protocol import copies
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.records.session import Session
 from services.scheduler.runtime.intake import Intake
 from shared import streams
 from shared.placement import Placement
 
 log = logging.getLogger("custody.scheduler")
-
-
-def gone(session: Session, placed: Placement | None, replica: str) -> bool:
-    """Whether the directory no longer gives `session` to `replica` at its epoch."""
-    if placed is None:
-        return session.routed
-    if not placed.names(replica):
-        return True
-    return placed.replica == replica and placed.epoch > session.epoch
 
 
 async def release_moved(
@@ -86,13 +77,13 @@ async def _check(
             continue  # closed, replaced or leaving again while the directory was read
         if placed is not None:
             session.routed = True
-        if gone(session, placed, replica):
+        if copies.released(session, placed, replica):
             intake.refuse_turns(session)
             if session.turn is not None:
                 intake.ended(engine.abort(session.turn.rid, "the session moved to another replica"))
             engine.sessions.depart(sid)
             released.append(sid)
-        elif placed == Placement(replica, session.epoch):  # here, no move under way
+        elif copies.settled_here(session, placed, replica):  # here, no move under way
             session.arrival = ""
             if session.moving:
                 log.warning("session %s: its move was undone; it takes turns here again", sid)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import redis.asyncio as aioredis
 
+from protocol.copies import may_close, settled_here, takes_arrival
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
@@ -177,7 +178,7 @@ class FrontDoor:
         if not session.moving:
             return
         placed = Placement.decode(await self._redis.get(streams.placement_key(session.sid)))
-        if placed == Placement(self._outbox.keys.replica, session.epoch):
+        if settled_here(session, placed, self._outbox.keys.replica):
             self._engine.sessions.stay(session.sid)
 
     async def durable(self) -> None:
@@ -238,9 +239,8 @@ class FrontDoor:
         is read only once proven current: a source that died (or paused) with records
         still unapplied would otherwise hand over an older history than the one it
         acknowledged."""
-        transit = Placement(source, epoch - 1, self._outbox.keys.replica)
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
-        if placed != transit:
+        if not takes_arrival(placed, source, epoch, self._outbox.keys.replica):
             raise SessionError(
                 f"session {sid} is not moving from {source} to this replica "
                 f"(placed: {None if placed is None else placed.encode()})",
@@ -280,7 +280,7 @@ class FrontDoor:
         """`sid` lives on another replica now: close it here. Refused while the placement
         directory puts it on this replica, or is moving it here."""
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
-        if placed is not None and placed.names(self._outbox.keys.replica):
+        if not may_close(placed, self._outbox.keys.replica):
             raise SessionError(f"session {sid} is placed on this replica", "busy")
         if self._engine.sessions.lost.pop(sid) is not None:
             return  # it was lost here, and moved on as lost

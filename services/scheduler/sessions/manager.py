@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from protocol.copies import same_attempt
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots
@@ -481,13 +482,12 @@ class SessionManager:
     def arrive(self, record: SessionRecord, source: str, epoch: int, move: str = "") -> Session:
         """Open the session of `record` (persisted by replica `source`) here at placement
         `epoch` by attempt `move` of its move, and plan the copy of its blob if it names
-        one and a disk slot is free. A copy this very attempt brought (a retry's) stays;
-        any other was left by a move that never closed it (the directory has the session
-        in transit to here: front_door.py): it is stale, and goes."""
+        one and a disk slot is free. A copy this very attempt brought stays; any other is
+        stale, and goes (protocol/copies.py, `same_attempt`)."""
         if record.closed:
             raise SessionError(f"session {session_name(record.sid)} is closed", "not_found")
         here = self.sessions.get(record.sid)
-        if here is not None and move and here.arrival == move:
+        if same_attempt(here, move):
             return here
         if here is not None:
             self.depart(record.sid)

@@ -1,0 +1,61 @@
+"""A replica's decisions about its copy of a session, from the directory's placement: the
+rules its scheduler applies (runtime/directory_check.py, runtime/front_door.py,
+sessions/manager.py) and the model checker applies to its model replicas.
+
+A copy is what a replica holds of a session: the placement epoch it holds it at, whether
+a front placed it (`routed`), whether it is leaving (`moving`: no turn starts) and, for
+a copy a move brought, that attempt's nonce (`arrival`, "" once the directory confirmed
+it here)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from shared.placement import Placement
+
+
+class Copy(Protocol):
+    epoch: int
+    routed: bool
+    moving: bool
+    arrival: str
+
+
+def released(copy: Copy, placed: Placement | None, replica: str) -> bool:
+    """Whether the directory no longer gives the session to `replica` at the copy's
+    epoch, so the copy goes: placed nowhere though a front placed it (closed, or moved and
+    closed, elsewhere), placed on another replica and not moving here, or placed here at
+    a newer epoch (it moved away and back: this copy is stale)."""
+    if placed is None:
+        return copy.routed
+    if not placed.names(replica):
+        return True
+    return placed.replica == replica and placed.epoch > copy.epoch
+
+
+def settled_here(copy: Copy, placed: Placement | None, replica: str) -> bool:
+    """Whether the directory places the session here at the copy's epoch with no move
+    under way: a copy a move left in doubt is settled (an arrival confirmed; a leaving
+    copy whose move was undone takes turns again)."""
+    return placed == Placement(replica, copy.epoch)
+
+
+def takes_arrival(placed: Placement | None, source: str, epoch: int, replica: str) -> bool:
+    """Whether `replica` may open a session arriving from `source` at `epoch`: only while
+    the directory has it in transit from `source` at `epoch` - 1 to `replica` right now,
+    so a request of a move undone since (delayed, or retried late) opens nothing."""
+    return placed == Placement(source, epoch - 1, replica)
+
+
+def same_attempt(copy: Copy | None, nonce: str) -> bool:
+    """Whether the copy held is the one this very attempt of the move brought (a retry's,
+    or a front's that took the move over): it stays. Any other copy is stale (left by an
+    attempt never settled: an undone move leaves the same epoch, so only the nonce tells
+    two attempts apart) and is replaced from the current record."""
+    return copy is not None and bool(nonce) and copy.arrival == nonce
+
+
+def may_close(placed: Placement | None, replica: str) -> bool:
+    """Whether `replica` may close its copy on a front's word (`migrate_done`): not while
+    the directory places the session there or is moving it there."""
+    return placed is None or not placed.names(replica)
