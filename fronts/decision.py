@@ -240,7 +240,7 @@ class Decision:
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             raise Refusal(429, refused, "session_limit")
-        home, _ = await self.directory.place(sid, replica.id)
+        home, _ = await self._place(sid, replica)
         if home.replica != replica.id:
             return self._placed("", sid, home, only, remembered=False)
         return Pick(replica, "affinity", "turn", placing=True)
@@ -261,7 +261,7 @@ class Decision:
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
             raise Refusal(429, refused, "session_limit")
-        home, placed = await self.directory.place(sid, replica.id)
+        home, placed = await self._place(sid, replica)
         if home.replica != replica.id:
             return self._placed("/open_session", sid, home, only, remembered=False)
         opening = Opening(tenant)
@@ -278,6 +278,17 @@ class Decision:
                 self.background(lambda: self._abandon(sid, replica))
 
         return Pick(replica, "affinity", "open", rewritten, placing=True, done=done)
+
+    async def _place(self, sid: str, replica: Replica) -> tuple[Placement, bool]:
+        """The session placed on `replica` unless placed already (the directory's `SET
+        NX`). A write whose answer never came (Redis cut off, refusing) may still have
+        landed, with no open ever sent: it is taken back (a compare-and-delete, retried in
+        the background), and the front answers 503."""
+        try:
+            return await self.directory.place(sid, replica.id)
+        except DEPENDENCY_FAULTS:
+            self.background(lambda: self.directory.take_back(sid, Placement(replica.id)))
+            raise
 
     async def _abandon(self, sid: str, replica: Replica) -> None:
         """An open whose answer never came: its placement goes (compare-and-delete if

@@ -40,11 +40,15 @@ def settled_here(copy: Copy, placed: Placement | None, replica: str) -> bool:
     return placed == Placement(replica, copy.epoch)
 
 
-def takes_arrival(placed: Placement | None, source: str, epoch: int, replica: str) -> bool:
-    """Whether `replica` may open a session arriving from `source` at `epoch`: only while
-    the directory has it in transit from `source` at `epoch` - 1 to `replica` right now,
-    so a request of a move undone since (delayed, or retried late) opens nothing."""
-    return placed == Placement(source, epoch - 1, replica)
+def takes_arrival(
+    placed: Placement | None, source: str, epoch: int, replica: str, attempt: str
+) -> bool:
+    """Whether `replica` may open a session arriving from `source` at `epoch` by move
+    attempt `attempt`: only while the directory has that very attempt in transit from
+    `source` at `epoch` - 1 to `replica` right now, so a request of an attempt undone
+    since (delayed, retried late, or carried by a front that took an undone attempt
+    over) opens nothing."""
+    return placed == Placement(source, epoch - 1, replica, attempt)
 
 
 def same_attempt(copy: Copy | None, nonce: str) -> bool:

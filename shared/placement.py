@@ -2,12 +2,20 @@
 which replica it is moving to (docs/scaleout.md, "Moving a session").
 
 The value of `streams.placement_key(sid)` is `"<replica> <epoch>"`, or
-`"<replica> <epoch> <target>"` while the session is in transit. In transit is an owner of
-its own, written to Redis before any replica is asked to do anything, so it survives the
-router that began the move: every router answers the session's turns 503 while it lasts,
-and a router that finds the move abandoned finishes or undoes it. The epoch grows by one
-at every move: a replica holding a copy of an older epoch (left behind by a move whose
-last step never ran) knows that copy is stale.
+`"<replica> <epoch> <target> <attempt>"` while the session is in transit (`<attempt>`: the
+move's nonce; a move begun by a build before attempts has none). In transit is an owner
+of its own, written to Redis before any replica is asked to do anything, so it survives
+the router that began the move: every router answers the session's turns 503 while it
+lasts, and a router that finds the move abandoned finishes or undoes it. The epoch grows
+by one at every move: a replica holding a copy of an older epoch (left behind by a move
+whose last step never ran) knows that copy is stale.
+
+The attempt is in the value because an undone move leaves the same epoch: two attempts
+of the same move (same source, target and epoch) would otherwise write the same value in
+transit, and a front taking over the first, undone, attempt while the second is under
+way would find "its" move in transit and carry it, onto a stale copy it had left on the
+target (the model checker found it: tests/protocol/, a lost turn after two faults). With
+the attempt in the value, every compare-and-set of a move is its own attempt's.
 
 A move is also listed in `streams.MOVES` (a sorted set scored by the moment its router's
 lease on it ends) as a `Move`, so an abandoned one is found without scanning every
@@ -60,10 +68,13 @@ class Placement:
     replica: str
     epoch: int = FIRST_EPOCH
     moving_to: str | None = None
+    attempt: str = ""  # while in transit: the move's nonce
 
     def encode(self) -> str:
         parts = [self.replica, str(self.epoch)]
-        return " ".join(parts if self.moving_to is None else [*parts, self.moving_to])
+        if self.moving_to is not None:
+            parts += [self.moving_to, *([self.attempt] if self.attempt else [])]
+        return " ".join(parts)
 
     @classmethod
     def decode(cls, raw: bytes | str | None) -> Placement | None:
@@ -73,12 +84,14 @@ class Placement:
             return None
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         parts = text.split(" ")
-        if not all(REPLICA_ID.fullmatch(p) for p in parts[:1] + parts[2:]):
+        if not all(REPLICA_ID.fullmatch(p) for p in parts[:1] + parts[2:3]):
             raise ValueError(f"not a placement: {text!r}")
         if len(parts) == 1:
             return cls(parts[0])
         if len(parts) in (2, 3) and parts[1].isdigit():
             return cls(parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None)
+        if len(parts) == 4 and parts[1].isdigit() and MOVE_NONCE.fullmatch(parts[3]):
+            return cls(parts[0], int(parts[1]), parts[2], parts[3])
         raise ValueError(f"not a placement: {text!r}")
 
     def names(self, replica: str) -> bool:
@@ -108,7 +121,7 @@ class Move:
 
     @property
     def in_transit(self) -> Placement:
-        return Placement(self.source, self.epoch, self.target)
+        return Placement(self.source, self.epoch, self.target, self.nonce)
 
     @property
     def after(self) -> Placement:

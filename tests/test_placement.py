@@ -18,21 +18,30 @@ from tests.engine.driver import Driver
 
 
 def test_a_placement_reads_back_as_written_and_refuses_what_it_is_not():
-    for placement in (Placement("0"), Placement("r-1", 7), Placement("a", 3, "b")):
+    written = (
+        Placement("0"),
+        Placement("r-1", 7),
+        Placement("a", 3, "b"),
+        Placement("a", 3, "b", "9f"),
+    )
+    for placement in written:
         assert Placement.decode(placement.encode().encode()) == placement
     assert Placement.decode(None) is None
     assert Placement.decode(b"0") == Placement("0", 1)  # written before epochs
     assert Placement("a", 3, "b").names("b") and not Placement("a", 3).names("b")
-    for bad in ("a x", "a 1 b c", "", "a 1 ", "a\n 1"):
+    for bad in ("a x", "a 1 b zz", "a 1 b c d", "", "a 1 ", "a\n 1"):
         with pytest.raises(ValueError):
             Placement.decode(bad)
     move = Move("s", "a", "b", 4)
     assert Move.decode(move.encode().encode()) == move
     assert (move.before, move.in_transit, move.after) == (
         Placement("a", 4),
-        Placement("a", 4, "b"),
+        Placement("a", 4, "b"),  # a move listed before attempts: none in transit either
         Placement("b", 5),
     )
+    # two attempts of one move from one epoch are in transit as two values
+    assert Move("s", "a", "b", 4, "1f").in_transit.encode() == "a 4 b 1f"
+    assert Move("s", "a", "b", 4, "1f").in_transit != Move("s", "a", "b", 4, "2e").in_transit
 
 
 def run(redis_url: str, steps) -> object:
@@ -105,7 +114,7 @@ def test_an_unreadable_move_or_placement_is_dropped_or_taken_as_none_not_raised(
 
     run(redis_url, steps)
     assert redis_client.zcard(streams.MOVES) == 0
-    redis_client.set(streams.placement_key("v"), "a 1 b c")
+    redis_client.set(streams.placement_key("v"), "a 1 b c d")
 
     async def rebuilt() -> object:
         client = await connect_async(redis_url)

@@ -240,7 +240,7 @@ class FrontDoor:
         still unapplied would otherwise hand over an older history than the one it
         acknowledged."""
         placed = Placement.decode(await self._redis.get(streams.placement_key(sid)))
-        if not takes_arrival(placed, source, epoch, self._outbox.keys.replica):
+        if not takes_arrival(placed, source, epoch, self._outbox.keys.replica, move):
             raise SessionError(
                 f"session {sid} is not moving from {source} to this replica "
                 f"(placed: {None if placed is None else placed.encode()})",
