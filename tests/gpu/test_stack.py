@@ -21,21 +21,12 @@ import time
 import pytest
 
 from tests.services_harness import assert_clean, call, health, stack_settings, start_stack
+from tests.test_dtype_stack import OUT, generate
 
 pytestmark = pytest.mark.stack
 
-SESSIONS, TURNS, OUT = 3, 3, 6
+SESSIONS, TURNS = 3, 3
 SALTS = itertools.count()
-
-
-def generate(port: int, tokens: list[int], sid: str | None = None) -> dict:
-    body: dict = {
-        "input_ids": tokens,
-        "sampling_params": {"max_new_tokens": OUT, "ignore_eos": True},
-    }
-    if sid is not None:
-        body["session_params"] = {"id": sid}
-    return call(port, "/generate", body)
 
 
 def one_shot(port: int, tokens: list[int]) -> list[int]:
