@@ -2,8 +2,8 @@
 on two replicas, fronts running moves of it, clients' turns, the replicas' directory
 checks, and faults. Its fronts run the production machine (protocol/moves.py) and its
 replicas apply the production decisions (protocol/copies.py); what is modelled is what
-those call: the directory's compare-and-sets, a replica's handlers of the admin calls,
-the store's records.
+those call: the directory's compare-and-sets (redis_model.py, held to the real scripts
+by test_redis_model.py), a replica's handlers of the admin calls, the store's records.
 
 A state is a value (`World`); `moves(world)` lists every transition enabled in it, each
 named, with the state it leads to. Faults (at most `World.faults_left` per trace): a
@@ -38,6 +38,7 @@ from protocol.moves import (
     Unlisted,
 )
 from shared.placement import Move, Placement
+from tests.protocol import redis_model
 
 REPLICAS = ("a", "b")
 SID = "s"
@@ -289,6 +290,13 @@ def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[Worl
                 world = world.with_copy(replica, None)
             return world, True
     raise AssertionError(f"no model of {effect!r}")
+
+
+def _swap(world: World, old: Placement, new: Placement) -> tuple[World, bool]:
+    """The directory's compare-and-set, as its model has it (redis_model.py)."""
+    current = None if world.placed is None else world.placed.encode()
+    value, answer, _ = redis_model.swap("s", current, old.encode(), new.encode())
+    return replace(world, placed=Placement.decode(value)), bool(answer)
 
 
 def _arrive(world: World, move: Move, rules: Rules) -> tuple[World, object]:
