@@ -221,9 +221,14 @@ class Directory:
         return False
 
     async def commit(self, move: Move) -> bool:
+        """The flip to the target. The target lists the session first: a close that
+        lands the moment after the flip removes the placement and the target's listing
+        (`forget`), and a listing added after it would name a session nobody holds. A
+        listing whose flip failed is the target replica's own sweep's to remove
+        (runtime/placed_sweep.py), as an open's that lost its race is."""
+        await self.client.sadd(streams.Keys(move.target).placed, move.sid)
         if not await self.swap(move.sid, move.in_transit, move.after):
             return False
-        await self.client.sadd(streams.Keys(move.target).placed, move.sid)
         await self.client.srem(streams.Keys(move.source).placed, move.sid)
         return True
 
