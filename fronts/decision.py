@@ -46,7 +46,13 @@ from fronts.addressing import FANOUT_ROUTES, aborts_all, header_session, read_js
 from fronts.front import Routing
 from fronts.replicas import Opening, Replica
 from shared.http_limits import MAX_BATCH, MAX_RID
-from shared.placement import OPENED_HEADER, Placement, read_opened_mark
+from shared.placement import (
+    OPENED_HEADER,
+    PLACED_HEADER,
+    ROUTED_EPOCH_HEADER,
+    Placement,
+    read_opened_mark,
+)
 from shared.retry import DEPENDENCY_FAULTS
 from shared.session_header import RepeatedHeader
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
@@ -107,6 +113,18 @@ class Pick:
     # called once with the answer's status and headers (None: no answer came), for the
     # bookkeeping an open or a close leaves (placements kept or taken back)
     done: Callable[[int | None, Mapping[str, str]], None] = field(default=_nothing)
+    epoch: int | None = None  # the placement epoch a placed session's request is routed by
+
+    def upstream_headers(self) -> dict[str, str]:
+        """The fronts' own headers on the request sent (`OWN_HEADERS`; a client's own
+        are never passed on): an open placed for it, the placement epoch routed by."""
+        headers = {PLACED_HEADER: "1"} if self.placing else {}
+        if self.epoch is not None:
+            headers[ROUTED_EPOCH_HEADER] = str(self.epoch)
+        return headers
+
+
+OWN_HEADERS = (PLACED_HEADER, ROUTED_EPOCH_HEADER)
 
 
 def endpoint(replica: Replica) -> str:
@@ -224,7 +242,7 @@ class Decision:
                     self.background(lambda: self.directory.forget(sid, home.replica))
 
         kind = "open" if path == "/open_session" else "turn"
-        return Pick(replica, "affinity", kind, remembered=remembered, done=done)
+        return Pick(replica, "affinity", kind, remembered=remembered, done=done, epoch=home.epoch)
 
     def _least_loaded(self, only: set[str] | None) -> Replica:
         replica = self.table.least_loaded(only=only)

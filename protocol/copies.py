@@ -24,13 +24,31 @@ class Copy(Protocol):
 def released(copy: Copy, placed: Placement | None, replica: str) -> bool:
     """Whether the directory no longer gives the session to `replica` at the copy's
     epoch, so the copy goes: placed nowhere though a front placed it (closed, or moved and
-    closed, elsewhere), placed on another replica and not moving here, or placed here at
-    a newer epoch (it moved away and back: this copy is stale)."""
+    closed, elsewhere), placed on another replica and not moving here, moving here by
+    another attempt than the one that brought this copy (a copy left from before, or by
+    an undone attempt), or placed here at a newer epoch (it moved away and back: this
+    copy is stale)."""
     if placed is None:
         return copy.routed
     if not placed.names(replica):
         return True
-    return placed.replica == replica and placed.epoch > copy.epoch
+    if placed.replica != replica:  # moving here: only this very attempt's arrival belongs
+        other_attempt = bool(placed.attempt) and copy.arrival != placed.attempt
+        return copy.epoch != placed.epoch + 1 or other_attempt  # (no attempt: an older front)
+    return placed.epoch > copy.epoch
+
+
+def unaware_of_move(copy: Copy, placed: Placement | None, replica: str) -> bool:
+    """Whether the directory moves the session off `replica` while its copy was never
+    told (not `moving`: the move found the replica unregistered, its lease lapsed, and
+    carries its records instead). Such a copy must not take turns: a replica whose lease
+    lapsed stays fenced until the move has ended and the copy can be settled."""
+    return (
+        placed is not None
+        and placed.replica == replica
+        and placed.moving_to is not None
+        and not copy.moving
+    )
 
 
 def settled_here(copy: Copy, placed: Placement | None, replica: str) -> bool:
@@ -63,3 +81,13 @@ def may_close(placed: Placement | None, replica: str) -> bool:
     """Whether `replica` may close its copy on a front's word (`migrate_done`): not while
     the directory places the session there or is moving it there."""
     return placed is None or not placed.names(replica)
+
+
+def routed_to(copy: Copy, routed_epoch: int | None) -> bool:
+    """Whether a request a front routed by the placement at `routed_epoch` (None: sent
+    straight to this replica, by no front) is for this copy: only at its epoch. A request
+    routed before a move and delayed past it (a paused front, a slow link) may reach a
+    copy the session has since left, or one an attempt in transit brought: a turn run
+    there would be missing from the copy the session ends on. (A copy answers a turn
+    only if, besides, it is not leaving: the session manager refuses that.)"""
+    return routed_epoch in (None, copy.epoch)

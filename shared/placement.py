@@ -39,6 +39,9 @@ PLACED_HEADER = "X-Custody-Placed"
 # that scheduler's n-th. Its registration counts its opens the same way ("opened"), so a
 # router knows exactly when a registration it reads has taken in an open it sent.
 OPENED_HEADER = "X-Custody-Opened"
+# on a request for a placed session: the placement epoch the front routed it by (a replica
+# refuses it at another epoch: protocol/copies.py, `routed_to`)
+ROUTED_EPOCH_HEADER = "X-Custody-Epoch"
 
 
 def opened_mark(epoch: str, opened: int) -> str:

@@ -68,15 +68,27 @@ def _serving(port: int) -> bool:
         return False
 
 
+def _sees_every_replica(stack: Stack, name: str) -> bool:
+    """The picker's own view (its /health counts the replicas it would pick): serving
+    alone means one registration read succeeded, which may predate a replica's executor,
+    and a picker that sees one replica places every open there."""
+    url = f"http://127.0.0.1:{stack.layout[name][1].epp_http_port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return json.loads(answer.read())["ready"] >= stack.settings.replicas
+    except (OSError, ValueError):
+        return False
+
+
 def wait_serving(stack: Stack, name: str, timeout: float = 60) -> None:
     port = stack.layout[name][1].epp_health_port
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stack.supervise_once()
-        if _serving(port):
+        if _serving(port) and _sees_every_replica(stack, name):
             return
         time.sleep(0.2)
-    raise AssertionError(f"{name} never became ready")
+    raise AssertionError(f"{name} never became ready with every replica")
 
 
 @pytest.fixture(scope="module")

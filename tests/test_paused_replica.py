@@ -2,7 +2,7 @@
 pause, a stall, a partition from Redis) for longer than `replica_dead_seconds`, so a
 router re-homes its sessions (docs/scaleout.md, "The lease").
 
-Woken, the replica's lease has lapsed (services/scheduler/runtime/replica_lease.py): it
+Woken, the replica's lease has lapsed (protocol/lives.py): it
 refuses its sessions until it has checked each against the placement directory, and then
 releases what moved (answered elsewhere now) and what was closed elsewhere meanwhile. A
 turn it was running when paused is neither acknowledged nor recorded: the session's next

@@ -33,10 +33,9 @@ from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 from yarl import URL
 
-from fronts.decision import Decision, Pick, Refusal, endpoint
+from fronts.decision import OWN_HEADERS, Decision, Pick, Refusal, endpoint
 from services.epp.metrics import PickerMetrics
 from shared.http_limits import MAX_BODY
-from shared.placement import PLACED_HEADER
 
 log = logging.getLogger("custody.epp")
 DESTINATION = "x-gateway-destination-endpoint"
@@ -101,13 +100,13 @@ def picked(pick: Pick, body: bytes) -> list[ext.ProcessingResponse]:
     set, the picker's own header set or removed, the length if the body changed), then
     its body in one streamed chunk."""
     chosen = endpoint(pick.replica)
+    own = pick.upstream_headers()
     set_headers = [_header(DESTINATION, chosen)]
-    if pick.placing:
-        set_headers.append(_header(PLACED_HEADER.lower(), "1"))
+    set_headers += [_header(name.lower(), value) for name, value in own.items()]
     sent = body if pick.body is None else pick.body
     if pick.body is not None:
         set_headers.append(_header("content-length", str(len(sent))))
-    remove = [] if pick.placing else [PLACED_HEADER.lower()]  # never the client's own
+    remove = [h.lower() for h in OWN_HEADERS if h not in own]  # never the client's own
     mutation = ext.HeaderMutation(set_headers=set_headers, remove_headers=remove)
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: chosen}})

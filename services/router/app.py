@@ -25,7 +25,7 @@ from fronts.replicas import ReplicaTable
 from services.router.errors import error
 from services.router.proxy import (
     KIND,
-    PLACING,
+    PICK_HEADERS,
     UPSTREAM_HEADERS,
     UPSTREAM_TIMES,
     OutcomeUnknown,
@@ -106,7 +106,7 @@ class Router:
         pick was remembered and the replica answered that it does not hold the session
         (or could not be reached), for the caller to pick again."""
         unless = STALE if pick.remembered else frozenset()
-        request[PLACING] = pick.placing
+        request[PICK_HEADERS] = pick.upstream_headers()
         self.metrics.routed.labels(pick.decision, pick.replica.id).inc()
         sent = body if pick.body is None else pick.body
         try:

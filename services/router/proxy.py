@@ -12,7 +12,6 @@ from aiohttp import web
 
 from fronts.replicas import Replica
 from services.router.metrics import RouterMetrics
-from shared.placement import PLACED_HEADER
 
 PASSED_UP = ("Authorization", "Content-Type", "Accept")
 WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)
@@ -22,7 +21,8 @@ PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")
 # request answered in one piece: its overhead ends when the router starts its answer
 UPSTREAM_TIMES = web.RequestKey("upstream_times", tuple)
 KIND = web.RequestKey("kind", str)  # the request's kind for the overhead histogram
-PLACING = web.RequestKey("placing", bool)  # an open this router places: the replica is told
+# the pick's own headers for the replica (fronts/decision.py, `Pick.upstream_headers`)
+PICK_HEADERS = web.RequestKey("pick_headers", dict)
 # the replica's answer's headers, lowercased (a pick's bookkeeping reads an open's number)
 UPSTREAM_HEADERS = web.RequestKey("upstream_headers", dict)
 
@@ -83,8 +83,7 @@ class Proxy:
         answer dropped, if its status is in `unless`. Raises `ReplicaDown` if the replica
         cannot be connected to."""
         headers = {h: request.headers[h] for h in self.passed_up if h in request.headers}
-        if request.get(PLACING):
-            headers[PLACED_HEADER] = "1"
+        headers.update(request.get(PICK_HEADERS, {}))
         replica.in_flight += 1
         try:
             sent = time.perf_counter()

@@ -23,7 +23,7 @@ from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.metrics import LiveState, SchedulerMetrics
 from services.scheduler.runtime.outbox import OwnershipOutbox
 from services.scheduler.runtime.registration import Registration
-from services.scheduler.runtime.session_rebuild import finish_rebuild, rebuild_sessions
+from services.scheduler.runtime.session_rebuild import finish_rebuild, start_life
 from services.scheduler.runtime.step_loop import StepLoop
 from shared import streams
 from shared.config import Settings
@@ -118,11 +118,17 @@ class Scheduler:
                 await retry.wait(err)
 
     async def start(self) -> None:
-        """Fence earlier scheduler lives, register this one (its lease runs from here,
-        registration.py), take the sessions back, announce the ledger."""
-        await self.fence()
-        await self.registration.register(self.redis)
-        epoch, self.unproven = await rebuild_sessions(self.redis, self.engine.sessions, self.keys)
+        """This life's first steps (protocol/lives.py: fence earlier lives and register
+        this one, its lease running from there; take the sessions back), then announce
+        the ledger."""
+
+        async def register() -> None:
+            await self.fence()
+            await self.registration.register(self.redis)
+
+        epoch, self.unproven = await start_life(
+            self.redis, self.engine.sessions, self.keys, register
+        )
         await self.redis.delete(self.keys.draining)  # a restarted replica takes work again
         if epoch is not None:
             self.link.epoch = epoch

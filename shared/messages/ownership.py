@@ -156,6 +156,9 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     # the placement epoch it was written under; None: a session no router placed. The
     # store refuses the record once the directory has moved on (a replica woken late)
     epoch: int | None = None
+    # the move attempt that brought it, until the directory confirmed it here: a life
+    # started meanwhile takes it back only for that attempt (protocol/lives.py)
+    arrival: str = ""
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)

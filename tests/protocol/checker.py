@@ -34,9 +34,14 @@ class Report:
         return f"{what}, in {len(trace)} steps:\n{steps}"
 
 
+def harm(world: World) -> str | None:
+    """A safety violation in `world`, named, or None."""
+    return lost_turn(world) or twins(world)
+
+
 def lost_turn(world: World) -> str | None:
     placed = world.placed
-    if placed is None or placed.moving_to:
+    if world.lost or placed is None or placed.moving_to:
         return None
     copy = world.copy(placed.replica)
     if copy is None or copy.moving:
@@ -47,9 +52,37 @@ def lost_turn(world: World) -> str | None:
     return None
 
 
+def twins(world: World) -> str | None:
+    """Two copies that could each answer a turn: confirmed (no move in doubt), not
+    leaving, on replicas that serve."""
+    live = [
+        r
+        for r in REPLICAS
+        if (c := world.copy(r)) is not None and not c.moving and not c.arrival and world.serving(r)
+    ]
+    if len(live) > 1:
+        return f"two live copies, on {' and '.join(live)}"
+    return None
+
+
 def settled(world: World) -> bool:
+    """Nothing in flight or held, every life started or dead for good, and the session
+    either ended (placed nowhere, or lost) with no copy anywhere, or servable: placed
+    on a ready replica whose copy is at its epoch, with no copy elsewhere."""
+    if world.runs or world.listed or world.late or world.delayed or world.rehoming:
+        return False
+    for r in REPLICAS:
+        life = world.life(r)
+        if world.stream[world.at(r)] is not None or world.gap_life[world.at(r)]:
+            return False
+        if life.up and not (world.serving(r) and life.registered):
+            return False
+        if not life.up and (life.number < 2 or life.registered):
+            return False
     placed = world.placed
-    if placed is None or placed.moving_to or world.listed or world.runs or world.late:
+    if placed is None or world.lost:
+        return all(world.copy(r) is None for r in REPLICAS)
+    if placed.moving_to or not world.life(placed.replica).up:
         return False
     copy = world.copy(placed.replica)
     others = [world.copy(r) for r in REPLICAS if r != placed.replica]
@@ -62,54 +95,69 @@ def settled(world: World) -> bool:
     )
 
 
-def explore(rules: Rules, start: World | None = None) -> Report:
+def explore(rules: Rules, start: World | None = None, first_harm: bool = False) -> Report:
+    """Every state reachable from `start`; `first_harm`: stop at the first safety
+    violation (breadth first, its trace is a shortest one) and skip liveness. States are
+    numbered; each keeps its parent's number, and a trace is rebuilt by asking the
+    parent's transitions again which one led there (names are not kept: memory)."""
     start = start or World()
-    parent: dict[World, tuple[World, str] | None] = {start: None}
-    calm: dict[World, list[World]] = {}  # fault-free successors
-    queue, report = deque([start]), Report()
-    while queue:
-        world = queue.popleft()
-        broken = lost_turn(world)
+    index: dict[World, int] = {start: 0}
+    worlds, parent = [start], [-1]
+    back: list[list[int]] = [[]]  # per state: the states with a fault-free edge to it
+    report, i = Report(), 0
+    while i < len(worlds):
+        world = worlds[i]
+        broken = harm(world)
         if broken:
-            report.violations.append((broken, _trace(parent, world)))
+            report.violations.append((broken, _trace(worlds, parent, i, rules)))
+            if first_harm:
+                break
+            i += 1
             continue
-        calm[world] = []
-        for what, after, fault in moves(world, rules):
+        for _, after, fault in moves(world, rules):
             report.edges += 1
+            j = index.get(after)
+            if j is None:
+                j = index[after] = len(worlds)
+                worlds.append(after)
+                parent.append(i)
+                back.append([])
             if not fault:
-                calm[world].append(after)
-            if after not in parent:
-                parent[after] = (world, what)
-                queue.append(after)
-    report.states = len(parent)
-    report.depth, wedged = _liveness(calm)
-    for world in sorted(wedged, key=lambda w: len(_trace(parent, w)))[:1]:
-        report.violations.append(("wedged: no fault-free schedule settles", _trace(parent, world)))
+                back[j].append(i)
+        i += 1
+    report.states = len(worlds)
+    if first_harm:
+        return report
+    report.depth, wedged = _liveness(worlds, back, i)
+    if wedged:
+        report.violations.append(
+            ("wedged: no fault-free schedule settles", _trace(worlds, parent, wedged[0], rules))
+        )
     return report
 
 
-def _liveness(calm: dict[World, list[World]]) -> tuple[int, list[World]]:
+def _liveness(worlds: list[World], back: list[list[int]], explored: int) -> tuple[int, list[int]]:
     """(the longest shortest fault-free distance to a settled state, the states from
-    which none is reachable), by a backward search from the settled states."""
-    back: dict[World, list[World]] = {}
-    for world, nexts in calm.items():
-        for after in nexts:
-            back.setdefault(after, []).append(world)
-    distance = {w: 0 for w in calm if settled(w)}
-    queue = deque(distance)
+    which none is reachable, shortest trace first), by a backward search from the
+    settled states."""
+    distance = [-1] * len(worlds)
+    queue = deque(k for k in range(explored) if settled(worlds[k]))
+    for k in queue:
+        distance[k] = 0
     while queue:
-        world = queue.popleft()
-        for before in back.get(world, []):
-            if before not in distance:
-                distance[before] = distance[world] + 1
+        k = queue.popleft()
+        for before in back[k]:
+            if distance[before] < 0:
+                distance[before] = distance[k] + 1
                 queue.append(before)
-    wedged = [w for w in calm if w not in distance]
-    return max(distance.values(), default=0), wedged
+    wedged = [k for k in range(explored) if distance[k] < 0 and not harm(worlds[k])]
+    return max(distance), wedged
 
 
-def _trace(parent: dict[World, tuple[World, str] | None], world: World) -> list[str]:
+def _trace(worlds: list[World], parent: list[int], i: int, rules: Rules) -> list[str]:
     steps = []
-    while parent[world] is not None:
-        world, what = parent[world]
-        steps.append(what)
+    while parent[i] >= 0:
+        before = worlds[parent[i]]
+        steps.append(next(what for what, after, _ in moves(before, rules) if after == worlds[i]))
+        i = parent[i]
     return steps[::-1]

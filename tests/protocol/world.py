@@ -1,20 +1,27 @@
 """The model checker's small world of the session protocol (docs/protocol.md): one session
-on two replicas, fronts running moves of it, clients' turns, the replicas' directory
-checks, and faults. Its fronts run the production machine (protocol/moves.py) and its
-replicas apply the production decisions (protocol/copies.py); what is modelled is what
+on two replicas that live, die, pause and start again; fronts moving it (a drain's move,
+a take-over of a move whose lease ran out, the re-homing of a dead replica); clients'
+turns; the session store applying each replica's records, with gaps. Its fronts run the
+production machine of a move (protocol/moves.py), its replicas apply the production
+decisions about their copies (protocol/copies.py) and lives (protocol/lives.py: the
+order a new life starts in, what it takes back, its lease); what is modelled is what
 those call: the directory's compare-and-sets (redis_model.py, held to the real scripts
-by test_redis_model.py), a replica's handlers of the admin calls, the store's records.
+by test_redis_model.py), a replica's handlers of the admin calls, the store.
 
-A state is a value (`World`); `moves(world)` lists every transition enabled in it, each
-named, with the state it leads to. Faults (at most `World.faults_left` per trace): a
-call's request lost (not applied, the front sees a 503), its reply lost (applied, the
-front sees a 503), or delayed (the front sees a 503; the request is delivered at any
-later moment); a front's work on a move stalled past its lease (another front takes the
-move over while the first goes on); a front that dies mid-move.
+A state is a value (`World`); `moves(world, rules)` lists every transition enabled in
+it, each named, with the state it leads to and whether it is a fault. Faults (at most
+`World.faults_left` per trace): a call's request lost (not applied, the front sees a
+503), its reply lost (applied, the front sees a 503), or delayed (the front sees a 503;
+the request is delivered at any later moment); a front's work on a move stalled past its
+lease, or the front dying before a directory write; a client's turn delayed (routed by
+the placement now, delivered at any later moment); a replica's life crashing (its copies
+gone; a new life may start) or pausing past its lease (its registration expires
+meanwhile); a record lost from a replica's stream before the store applied it (a gap).
+Time passing is an event too: a registration expiring, the store applying a record.
 
-What it does not model yet: replica deaths and restarts (lives), the replica's lease
-and fencing, the store's gaps and records proof, placement notices and the fronts'
-memory, opens and closes. See docs/protocol.md for what the bound covers."""
+What it does not model: opens and closes, a second session, the fronts' memory of
+placements (a turn is routed by the directory as it is when routed), Redis refusing a
+write (a directory write that fails is a front dying before it). See docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -22,8 +29,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from protocol import copies
+from protocol import copies, lives
+from protocol.lives import ReplicaLease, Step, Taken
 from protocol.moves import (
+    ABSENT,
     Abort,
     Begin,
     CallIn,
@@ -43,6 +52,7 @@ from tests.protocol import redis_model
 REPLICAS = ("a", "b")
 SID = "s"
 CALLS = (CallOut, CallIn, Release)  # effects that are HTTP calls to a replica
+History = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -51,15 +61,30 @@ class Copy:
     turns its history holds."""
 
     epoch: int
-    history: tuple[int, ...] = ()
+    history: History = ()
     routed: bool = True
     moving: bool = False
     arrival: str = ""
 
 
 @dataclass(frozen=True)
+class Life:
+    """A replica's current life: its number, whether its process runs, the next step of
+    its start (`len(START)`: started), whether its own lease lets it serve, whether its
+    registration is in Redis (the fronts see it alive), and whether its recorded
+    sessions wait for the records proof."""
+
+    number: int = 1
+    up: bool = True
+    step: int = len(lives.START)
+    lease: bool = True
+    registered: bool = True
+    pending: bool = False
+
+
+@dataclass(frozen=True)
 class Run:
-    """A front's run of a move and the effect it waits on (None: not asked yet)."""
+    """A front's run of a move and the effect it waits on."""
 
     front: str
     run: MoveRun
@@ -79,25 +104,68 @@ class World:
     placed: Placement | None = Placement("a", 1)  # noqa: RUF009 (a frozen value)
     listed: tuple[tuple[Move, bool], ...] = ()  # (move, its front's lease still holds)
     copies: tuple[Copy | None, ...] = (Copy(1), None)
-    records: tuple[tuple[int, ...] | None, ...] = ((), None)  # what the store holds of each
-    acked: tuple[int, ...] = ()  # turns answered to their client
+    lives: tuple[Life, ...] = (Life(), Life())
+    records: tuple[History | None, ...] = ((), None)  # what the store has applied
+    arrivals: tuple[str, ...] = ("", "")  # the attempt each applied record was brought by
+    # per replica: its latest record written and not yet applied (the life that wrote it,
+    # the history, the attempt that brought the copy)
+    stream: tuple[tuple[int, History, str] | None, ...] = (None, None)
+    gap_life: tuple[int, ...] = (0, 0)  # the life whose records a gap left incomplete
+    fenced_by: tuple[int, ...] = (1, 1)  # the life that last fenced the replica's others
+    lost: bool = False  # the store decided the session's records lost: session_lost
+    acked: History = ()  # turns answered to their client
+    delayed: tuple[str, int] | None = None  # a turn routed to (replica, epoch), not delivered
     runs: tuple[Run, ...] = ()
     late: tuple[Late, ...] = ()
-    moves_left: int = 2  # moves a front may still begin
+    rehoming: tuple[str, ...] = ()  # replicas whose re-homing key a front holds
+    moves_left: int = 2  # moves a drain may still begin
+    rehomes_left: int = 1  # re-homing moves a front may still begin
     turns_left: int = 2
     faults_left: int = 3
+    crashes_left: int = 0  # lives that may still end (each replica has at most two)
     nonces: int = 0  # nonces handed out
 
+    def at(self, replica: str) -> int:
+        return REPLICAS.index(replica)
+
     def copy(self, replica: str) -> Copy | None:
-        return self.copies[REPLICAS.index(replica)]
+        return self.copies[self.at(replica)]
+
+    def life(self, replica: str) -> Life:
+        return self.lives[self.at(replica)]
 
     def with_copy(self, replica: str, copy: Copy | None) -> World:
-        i = REPLICAS.index(replica)
-        return replace(self, copies=(*self.copies[:i], copy, *self.copies[i + 1 :]))
+        return replace(self, copies=_set(self.copies, self.at(replica), copy))
 
-    def with_record(self, replica: str, history: tuple[int, ...]) -> World:
-        i = REPLICAS.index(replica)
-        return replace(self, records=(*self.records[:i], history, *self.records[i + 1 :]))
+    def with_life(self, replica: str, **changes: Any) -> World:
+        life = replace(self.life(replica), **changes)
+        return replace(self, lives=_set(self.lives, self.at(replica), life))
+
+    def written(self, replica: str, history: History) -> World:
+        """`replica` puts its record of the session on its stream (one pending record
+        stands for every unapplied one: the latest is what the store ends with)."""
+        copy = self.copy(replica)
+        written = (self.life(replica).number, history, "" if copy is None else copy.arrival)
+        return replace(self, stream=_set(self.stream, self.at(replica), written))
+
+    def proven(self, replica: str) -> bool:
+        """The records proof: the store has applied every record on `replica`'s stream
+        (a gap stops it until mended or decided)."""
+        i = self.at(replica)
+        return self.stream[i] is None and not self.gap_life[i]
+
+    def serving(self, replica: str) -> bool:
+        """`replica`'s life may serve: up, started, its lease current, nothing pending."""
+        life = self.life(replica)
+        return life.up and life.step == len(lives.START) and life.lease and not life.pending
+
+
+def _set(values: tuple, i: int, value: object) -> tuple:
+    return (*values[:i], value, *values[i + 1 :])
+
+
+def _renew_from_sent(lease: ReplicaLease, sent: float) -> None:
+    lease.renew(sent)
 
 
 @dataclass(frozen=True)
@@ -109,6 +177,14 @@ class Rules:
     # whose cancel was lost)
     restores_undone: bool = True
     unlist_unanswered: bool = False  # a release not answered is taken as answered
+    start: tuple[Step, ...] = lives.START
+    proof_blocks: bool = False  # a new life waits for the records proof without bound
+    # how a registration that reached Redis renews the lease (production: from when it
+    # was sent)
+    renew: Callable[[ReplicaLease, float], None] = _renew_from_sent
+    routed_to: Callable[[Any, int], bool] = copies.routed_to
+    # whether a `migrate_cancel` gives a leaving copy its turns back
+    cancel_restores: Callable[[Any, Placement | None, str], bool] = copies.settled_here
 
 
 Transition = tuple[str, World, bool]  # (what happened, the state after, whether a fault)
@@ -121,45 +197,53 @@ def moves(world: World, rules: Rules) -> Iterator[Transition]:
         yield from _performs(world, i, held, rules)
     yield from _take_overs(world)
     for j, late in enumerate(world.late):
-        after = _apply(
-            replace(world, late=world.late[:j] + world.late[j + 1 :]), late.move, late.effect, rules
-        )[0]
+        after = _apply(replace(world, late=_drop(world.late, j)), late.move, late.effect, rules)[0]
         yield f"late {type(late.effect).__name__} of {_name(late.move)} delivered", after, False
-    yield from _turns(world)
+    yield from _turns(world, rules)
     for replica in REPLICAS:
-        after = _directory_check(world, replica, rules)
-        if after != world:
-            yield f"{replica} checks the directory", after, False
+        yield from _life(world, replica, rules)
+        yield from _store(world, replica)
+        yield from _rehoming(world, replica)
+
+
+def _drop(values: tuple, i: int) -> tuple:
+    return values[:i] + values[i + 1 :]
 
 
 def _name(move: Move) -> str:
     return f"{move.source}->{move.target}@{move.epoch}#{move.nonce}"
 
 
+def _other(replica: str) -> str:
+    return next(r for r in REPLICAS if r != replica)
+
+
 def _begins(world: World) -> Iterator[Transition]:
-    """A front begins a move once it runs no other (the bound: a drain or a re-homing
-    moves a session at a time); a move left listed, waiting for a taker-over, does not
-    stop it."""
-    if world.moves_left == 0 or world.runs:
+    """A drain's front begins a move once it runs no other (a drain moves a session at
+    a time); a move left listed, waiting for a taker-over, does not stop it."""
+    if world.moves_left == 0 or any(r.front == "f1" for r in world.runs):
         return
-    if world.placed is None or world.placed.moving_to:
+    if world.placed is None or world.placed.moving_to or world.lost:
         return
     source = world.placed.replica
-    target = next(r for r in REPLICAS if r != source)
-    nonce = f"n{world.nonces + 1}"
-    run = MoveRun.fresh_move(SID, source, target, nonce)
-    started = replace(
-        world,
-        runs=(*world.runs, Run("f1", run, run.first())),
-        moves_left=world.moves_left - 1,
-        nonces=world.nonces + 1,
+    started, nonce = _fresh(world, "f1", source, _other(source))
+    yield (
+        f"f1 begins a move {source}->{_other(source)} ({nonce})",
+        replace(started, moves_left=world.moves_left - 1),
+        False,
     )
-    yield f"f1 begins a move {source}->{target} ({nonce})", started, False
+
+
+def _fresh(world: World, front: str, source: str, target: str) -> tuple[World, str]:
+    nonce = f"{world.nonces + 1:x}"
+    run = MoveRun.fresh_move(SID, source, target, nonce)
+    runs = (*world.runs, Run(front, run, run.first()))
+    return replace(world, runs=runs, nonces=world.nonces + 1), nonce
 
 
 def _performs(world: World, i: int, held: Run, rules: Rules) -> Iterator[Transition]:
     """The run's pending effect performed (and its faults)."""
-    rest = world.runs[:i] + world.runs[i + 1 :]
+    rest = _drop(world.runs, i)
     move, effect = held.run.move, held.effect
     what = f"{held.front} {type(effect).__name__} {_name(move)}"
     applied, result = _apply(replace(world, runs=rest), move, effect, rules)
@@ -211,31 +295,164 @@ def _lapse(world: World, move: Move) -> World:
     return replace(world, listed=listed, faults_left=world.faults_left - 1)
 
 
+def _ready(world: World, replica: str) -> bool:
+    """Whether the fronts take `replica` as ready: registered, and serving."""
+    return world.life(replica).registered and world.serving(replica)
+
+
 def _take_overs(world: World) -> Iterator[Transition]:
     """A front takes over a listed move whose lease ran out (one at a time)."""
     for k, (move, live) in enumerate(world.listed):
         if live:
             continue
-        listed = (*world.listed[:k], (move, True), *world.listed[k + 1 :])
-        run = MoveRun(move, fresh=False, target_ready=True)
+        listed = _set(world.listed, k, (move, True))
+        run = MoveRun(move, fresh=False, target_ready=_ready(world, move.target))
         taken = replace(world, listed=listed, runs=(*world.runs, Run("f2", run, run.first())))
         yield f"f2 takes over {_name(move)}", taken, False
 
 
-def _turns(world: World) -> Iterator[Transition]:
-    """A client's turn, served by the copy the directory names, if it serves."""
+def _turns(world: World, rules: Rules) -> Iterator[Transition]:
+    """A client's turn, routed to the replica the directory names at its epoch, and
+    delivered there now, or (a fault) at any later moment."""
     placed = world.placed
-    if world.turns_left == 0 or placed is None or placed.moving_to:
+    if world.delayed is not None:
+        replica, epoch = world.delayed
+        after = _deliver(replace(world, delayed=None), replica, epoch, rules)
+        yield f"the delayed turn reaches {replica}", after, False
+    if world.turns_left == 0 or world.lost or placed is None or placed.moving_to:
         return
-    copy = world.copy(placed.replica)
-    if copy is None or copy.moving:
-        return
+    served = _deliver(world, placed.replica, placed.epoch, rules)
+    if served != world:
+        yield f"turn {len(world.acked) + 1} on {placed.replica}", served, False
+    if world.faults_left and world.delayed is None:
+        delayed = (placed.replica, placed.epoch)
+        after = replace(world, delayed=delayed, faults_left=world.faults_left - 1)
+        yield f"a turn routed to {placed.replica} is delayed", after, True
+
+
+def _deliver(world: World, replica: str, epoch: int, rules: Rules) -> World:
+    """A turn reaches `replica`, routed at `epoch`: served (its record written, its
+    client answered) if the replica serves and its copy answers it, else refused (503:
+    the client sends it again)."""
+    copy = world.copy(replica)
+    if world.turns_left == 0 or copy is None or not world.serving(replica):
+        return world
+    if copy.moving or not rules.routed_to(copy, epoch):
+        return world
     turn = len(world.acked) + 1
     history = (*copy.history, turn)
-    served = world.with_copy(placed.replica, replace(copy, history=history))
-    served = served.with_record(placed.replica, history)
-    served = replace(served, acked=(*world.acked, turn), turns_left=world.turns_left - 1)
-    yield f"turn {turn} on {placed.replica} (history {list(copy.history)})", served, False
+    served = world.with_copy(replica, replace(copy, history=history)).written(replica, history)
+    return replace(served, acked=(*world.acked, turn), turns_left=world.turns_left - 1)
+
+
+def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
+    """A replica's life: its start's steps, its heartbeat, a crash, a pause, a restart,
+    and its registration expiring."""
+    life = world.life(replica)
+    if not life.up:
+        if life.registered:
+            after = world.with_life(replica, registered=False)
+            yield f"{replica}'s registration expires", after, False
+        if life.number < 2:
+            after = world.with_life(replica, number=life.number + 1, up=True, step=0, lease=False)
+            yield f"{replica} starts life {life.number + 1}", after, False
+        return
+    if life.step < len(rules.start):
+        after = _start_step(world, replica, rules.start[life.step], rules)
+        if after is not None:
+            what = f"{replica} life {life.number}: {rules.start[life.step].value}"
+            yield what, after.with_life(replica, step=life.step + 1), False
+        return
+    after = _heartbeat(world, replica, rules)
+    if after != world:
+        yield f"{replica} writes its registration", after, False
+    if life.pending and world.proven(replica):
+        yield (
+            f"{replica} takes back what waited for the proof",
+            _take_back(world.with_life(replica, pending=False), replica),
+            False,
+        )
+    if world.faults_left == 0:
+        return
+    spent = replace(world, faults_left=world.faults_left - 1)
+    if world.crashes_left:
+        crashed = replace(spent, crashes_left=world.crashes_left - 1).with_copy(replica, None)
+        yield (
+            f"{replica} life {life.number} crashes",
+            crashed.with_life(replica, up=False, lease=False, pending=False),
+            True,
+        )
+    if life.registered and life.lease:
+        paused = spent.with_life(replica, lease=_lease_after_pause(rules), registered=False)
+        yield f"{replica} pauses past its lease", paused, True
+
+
+def _lease_after_pause(rules: Rules) -> bool:
+    """Whether the lease is current once the replica wakes from a pause past it, a
+    registration sent just before the pause having reached Redis after it (the lease
+    itself decides, on a clock the world sets)."""
+    now = [0.0]
+    lease = ReplicaLease(dead_seconds=3.0, heartbeat_seconds=1.0, clock=lambda: now[0])
+    lease.renew(0.0)
+    sent = now[0] = 1.0  # sent, and the pause begins
+    now[0] = 10.0  # awake: the write has reached Redis meanwhile
+    rules.renew(lease, sent)
+    return lease.current()
+
+
+def _start_step(world: World, replica: str, step: Step, rules: Rules) -> World | None:
+    """One step of a new life's start, or None while it waits."""
+    life = world.life(replica).number
+    match step:
+        case Step.REGISTER:  # fences earlier lives: the store may decide their gaps
+            fenced = replace(world, fenced_by=_set(world.fenced_by, world.at(replica), life))
+            return fenced.with_life(replica, registered=True, lease=True)
+        case Step.AWAIT_REHOMING:
+            return None if replica in world.rehoming else world
+        case Step.READ_STREAM_END:  # the proof is taken against the stream as it is then
+            return world
+        case Step.AWAIT_PROOF:
+            if world.proven(replica):
+                return world
+            return None if rules.proof_blocks else world.with_life(replica, pending=True)
+        case Step.TAKE_BACK:
+            if world.life(replica).pending:
+                return world  # taken back once the proof comes
+            return _take_back(world, replica)
+    raise AssertionError(step)
+
+
+def _take_back(world: World, replica: str) -> World:
+    """A new life's copy of the session, from its records, as protocol/lives.py decides
+    (the session store lost them: it answers session_lost, and holds no copy)."""
+    record = world.records[world.at(replica)]
+    if record is None or world.lost:
+        return world
+    placed, arrival = world.placed, world.arrivals[world.at(replica)]
+    taken = lives.take_back(placed, replica, True, arrival)
+    if taken is Taken.CLOSED or placed is None:
+        return world
+    if taken is Taken.ARRIVING:
+        return world.with_copy(replica, Copy(placed.epoch + 1, record, arrival=arrival))
+    return world.with_copy(replica, Copy(placed.epoch, record, moving=taken is Taken.MOVING))
+
+
+def _heartbeat(world: World, replica: str, rules: Rules) -> World:
+    """A started life writes its registration: a lapsed lease is renewed only once every
+    copy was checked against the directory (not while a front re-homes it, nor while a
+    move carries a copy it never told: protocol/copies.py); then each
+    copy a move left in doubt is settled as the directory says."""
+    world = world.with_life(replica, registered=True)
+    if not world.life(replica).lease:
+        if replica in world.rehoming:
+            return world
+        copy = world.copy(replica)
+        if copy is not None and copies.unaware_of_move(copy, world.placed, replica):
+            return world
+        if copy is not None and copies.released(copy, world.placed, replica):
+            world = world.with_copy(replica, None)
+        world = world.with_life(replica, lease=True)
+    return _directory_check(world, replica, rules)
 
 
 def _directory_check(world: World, replica: str, rules: Rules) -> World:
@@ -251,6 +468,79 @@ def _directory_check(world: World, replica: str, rules: Rules) -> World:
     return world
 
 
+def _store(world: World, replica: str) -> Iterator[Transition]:
+    """The session store: applies a replica's record; a record lost before it did (a
+    gap); a gap mended by the full set its life's snapshot ships, or, once a later life
+    fenced that one in (nothing can mend it now), decided: a session it held a record of
+    and the directory places there is lost."""
+    i = world.at(replica)
+    pending, gap = world.stream[i], world.gap_life[i]
+    if pending is not None and not gap:
+        applied = replace(
+            world,
+            records=_set(world.records, i, pending[1]),
+            arrivals=_set(world.arrivals, i, pending[2]),
+        )
+        yield f"the store applies {replica}'s record", _unstreamed(applied, i), False
+        if world.faults_left:
+            lost = replace(world, gap_life=_set(world.gap_life, i, pending[0]))
+            lost = replace(_unstreamed(lost, i), faults_left=world.faults_left - 1)
+            yield f"{replica}'s record is lost before the store applied it", lost, True
+    if not gap:
+        return
+    life = world.life(replica)
+    if life.number == gap and life.up and life.step == len(lives.START):
+        copy = world.copy(replica)
+        full = None if copy is None else copy.history
+        arrival = "" if copy is None else copy.arrival
+        mended = replace(
+            world, records=_set(world.records, i, full), arrivals=_set(world.arrivals, i, arrival)
+        )
+        superseded = _unstreamed(_ungapped(mended, i), i)  # older than the snapshot
+        yield f"{replica}'s snapshot mends the gap", superseded, False
+    elif world.fenced_by[i] != gap:
+        placed = world.placed
+        here = placed is not None and placed.replica == replica
+        decided = replace(
+            world,
+            records=_set(world.records, i, None),
+            lost=world.lost or (here and world.records[i] is not None),
+        )
+        yield f"the store decides {replica}'s gap lost", _ungapped(decided, i), False
+
+
+def _unstreamed(world: World, i: int) -> World:
+    return replace(world, stream=_set(world.stream, i, None))
+
+
+def _ungapped(world: World, i: int) -> World:
+    return replace(world, gap_life=_set(world.gap_life, i, 0))
+
+
+def _rehoming(world: World, replica: str) -> Iterator[Transition]:
+    """The front holding the duties re-homes a replica it finds dead (unregistered):
+    takes its re-homing key (and, the replica still unregistered, keeps it), moves the
+    session off it to a ready replica, and lets the key go once nothing is left to do."""
+    life = world.life(replica)
+    if replica not in world.rehoming:
+        placed = world.placed
+        if not life.registered and placed is not None and placed.replica == replica:
+            after = replace(world, rehoming=(*world.rehoming, replica))
+            yield f"f3 takes {replica}'s re-homing key", after, False
+        return
+    if any(r.front == "f3" for r in world.runs):
+        return
+    target, placed = _other(replica), world.placed
+    movable = placed is not None and placed.replica == replica and not placed.moving_to
+    if movable and world.rehomes_left and _ready(world, target) and not world.lost:
+        started, nonce = _fresh(world, "f3", replica, target)
+        started = replace(started, rehomes_left=world.rehomes_left - 1)
+        yield f"f3 re-homes {replica}->{target} ({nonce})", started, False
+        return
+    after = replace(world, rehoming=tuple(r for r in world.rehoming if r != replica))
+    yield f"f3 lets {replica}'s re-homing key go", after, False
+
+
 def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[World, object]:
     """`effect` performed on the world: the directory's scripts, a replica's handlers."""
     placed = world.placed
@@ -258,53 +548,83 @@ def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[Worl
         case Read():
             return world, placed
         case Unlisted() | DropLost():
+            if isinstance(effect, DropLost) and placed == move.in_transit:
+                world = replace(world, placed=None)
             return world, None
         case Begin():
             listed = replace(world, listed=(*world.listed, (move, True)))
             if placed == move.before:
-                return replace(listed, placed=move.in_transit), True
-            return replace(listed, listed=world.listed), False
+                return _swap(listed, move.before, move.in_transit)
+            return world, False
         case Commit() | Abort():
-            if placed != move.in_transit:
-                return world, False
-            return replace(
-                world, placed=move.after if isinstance(effect, Commit) else move.before
-            ), True
+            new = move.after if isinstance(effect, Commit) else move.before
+            return _swap(world, move.in_transit, new)
         case Unlist():
             return replace(world, listed=tuple(e for e in world.listed if e[0] != move)), None
         case CallOut():
-            copy = world.copy(move.source)
-            if copy is None:
-                return world, 404
-            leaving = world.with_copy(move.source, replace(copy, moving=True))
-            return leaving.with_record(move.source, copy.history), 200
+            return _call_out(world, move)
         case CallIn():
             return _arrive(world, move, rules)
-        case Release(replica=replica, cancel=True):
-            copy = world.copy(replica)
-            if copy is not None:
-                world = world.with_copy(replica, replace(copy, moving=False))
-            return world, True
-        case Release(replica=replica, cancel=False):
-            if copies.may_close(placed, replica):
-                world = world.with_copy(replica, None)
-            return world, True
+        case Release(replica=replica, cancel=cancel):
+            return _release(world, replica, cancel, rules)
     raise AssertionError(f"no model of {effect!r}")
 
 
 def _swap(world: World, old: Placement, new: Placement) -> tuple[World, bool]:
     """The directory's compare-and-set, as its model has it (redis_model.py)."""
     current = None if world.placed is None else world.placed.encode()
-    value, answer, _ = redis_model.swap("s", current, old.encode(), new.encode())
+    value, answer, _ = redis_model.swap(SID, current, old.encode(), new.encode())
     return replace(world, placed=Placement.decode(value)), bool(answer)
 
 
+def _call_out(world: World, move: Move) -> tuple[World, object]:
+    """`migrate_out` on the source: ABSENT when the fronts see it unregistered; refused
+    (503) by a life that cannot answer now; else the copy leaves, its record written."""
+    source = move.source
+    if not world.life(source).registered:
+        return world, ABSENT
+    if not world.serving(source):
+        return world, 503
+    copy = world.copy(source)
+    if copy is None:
+        return world, 404
+    leaving = world.with_copy(source, replace(copy, moving=True))
+    return leaving.written(source, copy.history), 200
+
+
 def _arrive(world: World, move: Move, rules: Rules) -> tuple[World, object]:
+    """`migrate_in` on the target: only for this attempt in transit now, from the
+    source's records once proven current."""
     target, epoch = move.target, move.epoch + 1
+    if not world.serving(target):
+        return world, (503, False)
     if not copies.takes_arrival(world.placed, move.source, epoch, target, move.nonce):
         return world, (409, False)
     here = world.copy(target)
     if rules.same_attempt(here, move.nonce):
         return world, (200, True)
-    history = world.records[REPLICAS.index(move.source)] or ()
-    return world.with_copy(target, Copy(epoch, history, arrival=move.nonce)), (200, True)
+    if not world.proven(move.source):
+        return world, (503, False)
+    history = world.records[world.at(move.source)]
+    if history is None:
+        return world, (404, False)
+    arrived = world.with_copy(target, Copy(epoch, history, arrival=move.nonce))
+    return arrived.written(target, history), (200, True)  # recorded before it answers
+
+
+def _release(world: World, replica: str, cancel: bool, rules: Rules) -> tuple[World, object]:
+    """`migrate_done` / `migrate_cancel`: answered (True) when the replica is not
+    registered (it settles from the directory once back), refused by a life that cannot
+    answer now."""
+    if not world.life(replica).registered:
+        return world, True
+    if not world.serving(replica):
+        return world, False
+    copy = world.copy(replica)
+    if cancel and copy is not None:
+        if copy.moving and rules.cancel_restores(copy, world.placed, replica):
+            world = world.with_copy(replica, replace(copy, moving=False))
+        return world, True
+    if not cancel and copies.may_close(world.placed, replica):
+        return world.with_copy(replica, None), True
+    return world, True

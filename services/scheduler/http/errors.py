@@ -30,7 +30,7 @@ SESSION_STATUS = {
     "limit": 429,
     "moving": 503,  # leaving for another replica: the router sends the retry there
     "rebuilding": 503,  # its records are not proven current yet (session_rebuild.py)
-    "fenced": 503,  # this replica's lease on its sessions lapsed (replica_lease.py)
+    "fenced": 503,  # this replica's lease on its sessions lapsed (protocol/lives.py)
     "outcome_unknown": 504,  # moved while the turn's record was on its way (intake.py)
     "lost": 410,  # its history cannot be proven current after a fault (session_rebuild.py)
 }

@@ -48,7 +48,7 @@ async def migrate_done(request: web.Request) -> web.Response:
 
 async def migrate_cancel(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].migrate)
-    request.app[FRONT_DOOR].migrate_cancel(body.session_id)
+    await request.app[FRONT_DOOR].migrate_cancel(body.session_id)
     return web.json_response(True)
 
 

@@ -1,4 +1,4 @@
-"""After its lease lapsed (replica_lease.py), a replica checks every session it holds
+"""After its lease lapsed (protocol/lives.py), a replica checks every session it holds
 against the placement directory before it serves any of them again: a router may have
 found it dead and moved them meanwhile, and a client may have closed one on the replica it
 moved to. Each session the directory no longer gives this replica, at this epoch, is
@@ -6,6 +6,11 @@ released here: its turn in flight (if any) is aborted, its clients told the sess
 (or, for a turn whose record was delayed past the lease, that its outcome is unknown:
 Intake.refuse_turns), then the copy is closed. So one session never has two live copies,
 and a copy here never counts against a key's limits twice.
+
+A session the directory has in transit from here, though its copy was never told it is
+leaving (the move found this replica unregistered and carries its records), keeps the
+replica fenced until that move has ended: served meanwhile, its turn would be missing
+from the copy the move brings.
 
 A session without a placement is released only if it was placed by a router
 (`Session.routed`): a session opened straight on this scheduler has none, and is kept.
@@ -35,12 +40,19 @@ log = logging.getLogger("custody.scheduler")
 
 async def release_moved(
     client: aioredis.Redis, engine: EngineCore, intake: Intake, replica: str
-) -> list[str]:
-    """Release every held session the directory gives elsewhere; returns their ids."""
-    released = await _check(client, engine, intake, replica, list(engine.sessions.sessions))
+) -> bool:
+    """Release every held session the directory gives elsewhere; returns whether the
+    lease may be renewed: not while a move carries a held copy it never told (it found
+    this replica unregistered: protocol/copies.py, `unaware_of_move`), which is checked
+    again at the next heartbeat, once that move has ended."""
+    unaware: list[str] = []
+    sids = list(engine.sessions.sessions)
+    released = await _check(client, engine, intake, replica, sids, unaware)
     if released:
         log.warning("released %d sessions placed elsewhere: %s", len(released), released)
-    return released
+    if unaware:
+        log.warning("fenced while moves carry sessions held here: %s", unaware)
+    return not unaware
 
 
 async def settle(
@@ -51,17 +63,23 @@ async def settle(
     doubted = [  # a copy whose state a step still writes (an arrival's blob) waits a beat
         sid for sid, s in engine.sessions.sessions.items() if s.in_doubt and s.state_ready
     ]
-    released = await _check(client, engine, intake, replica, doubted)
+    released = await _check(client, engine, intake, replica, doubted, [])
     if released:
         log.warning("released %d copies whose move ended elsewhere: %s", len(released), released)
     return released
 
 
 async def _check(
-    client: aioredis.Redis, engine: EngineCore, intake: Intake, replica: str, sids: list[str]
+    client: aioredis.Redis,
+    engine: EngineCore,
+    intake: Intake,
+    replica: str,
+    sids: list[str],
+    unaware: list[str],
 ) -> list[str]:
-    """Check `sids` against the directory: release each it gives elsewhere, and settle
-    each a move left in doubt that it gives to this replica."""
+    """Check `sids` against the directory: release each it gives elsewhere, settle each
+    a move left in doubt that it gives to this replica, and add to `unaware` each a move
+    carries off this replica without having told its copy."""
     released = []
     for sid in sids:
         session = engine.sessions.sessions.get(sid)
@@ -83,6 +101,8 @@ async def _check(
                 intake.ended(engine.abort(session.turn.rid, "the session moved to another replica"))
             engine.sessions.depart(sid)
             released.append(sid)
+        elif copies.unaware_of_move(session, placed, replica):
+            unaware.append(sid)
         elif copies.settled_here(session, placed, replica):  # here, no move under way
             session.arrival = ""
             if session.moving:

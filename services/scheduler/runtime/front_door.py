@@ -272,9 +272,12 @@ class FrontDoor:
         await self._redis.sadd(self._outbox.keys.lost, sid)
         await self._redis.srem(streams.Keys(source).lost, sid)
 
-    def migrate_cancel(self, sid: str) -> None:
-        """The move of `sid` failed before its placement changed: it stays here."""
-        self._engine.sessions.stay(sid)
+    async def migrate_cancel(self, sid: str) -> None:
+        """The move of `sid` failed before its placement changed: it stays here, once
+        the directory gives it back. A cancel that comes late, or for an attempt another
+        has followed since (a front that took an undone move over), changes nothing: the
+        move under way decides (protocol/copies.py, `settled_here`)."""
+        await self._undo_stale_move(self._engine.sessions.get(sid))
 
     async def migrate_done(self, sid: str) -> None:
         """`sid` lives on another replica now: close it here. Refused while the placement

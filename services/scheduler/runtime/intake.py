@@ -3,7 +3,7 @@ tokens and the end, and the latencies each client sees. A finished request is an
 only once its records are on the ownership stream (`hold`; `recorded` once the outbox
 has taken the records; `announce` after it flushed them), so a scheduler restarted after
 the reply still knows that history. A replica whose lease lapsed takes no records
-(replica_lease.py): its finished turns wait, and those of a session that moved meanwhile
+(protocol/lives.py): its finished turns wait, and those of a session that moved meanwhile
 are refused (`refuse_turns`), never acknowledged."""
 
 from __future__ import annotations

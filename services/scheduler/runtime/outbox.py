@@ -58,7 +58,7 @@ class OwnershipOutbox:
         self.trimmed_unread = 0  # ownership entries trimmed before the store read them
         self._was_idle = True
         self._next_snapshot_check = 0.0
-        # whether this replica's lease lets it write session records (replica_lease.py)
+        # whether this replica's lease lets it write session records (protocol/lives.py)
         self.may_record: Callable[[], bool] = lambda: True
 
     def queue_ownership(self, executor_epoch: str | None) -> bool:

@@ -2,7 +2,7 @@
 expiring key the router reads (shared/streams.py `Keys.alive`). A replica whose key has
 expired gets no new work from the router; one whose scheduler is up but has no executor
 says so, and the router sends it nothing either. Each registration written renews the
-replica's lease on its sessions (replica_lease.py)."""
+replica's lease on its sessions (protocol/lives.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from collections import Counter
 import prometheus_client
 import redis.asyncio as aioredis
 
+from protocol.lives import ReplicaLease
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.runtime.directory_check import release_moved, settle
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.intake import Intake
 from services.scheduler.runtime.placed_sweep import PlacedSweep
-from services.scheduler.runtime.replica_lease import ReplicaLease
 from shared import streams
 from shared.config import Settings
 from shared.placement import UNPLACE, Placement
@@ -55,7 +55,9 @@ class Registration:
         self.secret = settings.cluster_secret
         self.period = settings.heartbeat_seconds
         self.ttl_ms = int(3 * settings.heartbeat_seconds * 1000)
-        self.lease = ReplicaLease(settings.replica_dead_seconds, settings.heartbeat_seconds)
+        self.lease = ReplicaLease(
+            settings.replica_dead_seconds, settings.heartbeat_seconds, time.monotonic
+        )
         self.sweep = PlacedSweep(keys, engine.sessions)
 
     def entry(self) -> str:
@@ -117,7 +119,8 @@ class Registration:
         if self.lease.fenced:
             if await client.exists(self.keys.rehoming):
                 return  # a router is moving them now: check once it is done
-            await release_moved(client, self.engine, self.intake, self.keys.replica)
+            if not await release_moved(client, self.engine, self.intake, self.keys.replica):
+                return  # a move carries a session held here: checked again next beat
             log.info("sessions checked against the directory: serving again")
         self.lease.renew(sent)
         self.intake.wake.set()  # records held while fenced may go now

@@ -1,16 +1,18 @@
-"""How a restarted scheduler takes its sessions back from the session store's records,
-only once they are proven current (shared/records_proof.py: the store has applied every
-record up to the stream's end as this life first saw it): the history always, the slots
-too when the executor alive now is the one the records' slots belong to. Until the proof
-comes, the sessions answer 503 with Retry-After; taken back late, they keep their history
-only (their next turn re-prefills). A record the store holds that does not decode
-is skipped with a warning: one bad record must not keep the scheduler from starting.
+"""How a new scheduler life starts (the steps, in protocol/lives.py's order) and takes
+its sessions back from the session store's records, only once they are proven current
+(shared/records_proof.py: the store has applied every record up to the stream's end as
+this life first saw it): the history always, the slots too when the executor alive now
+is the one the records' slots belong to. Until the proof comes, the sessions answer 503
+with Retry-After; taken back late, they keep their history only (their next turn
+re-prefills). A record the store holds that does not decode is skipped with a warning:
+one bad record must not keep the scheduler from starting.
 
-With replicas, the placement directory is the authority on where a session lives: a
-record of a session placed on another replica (it moved while this one was down) is not
-taken back but recorded closed here, and a blob it named is deleted as unnamed. A
-session in transit from here is taken back moving (no turn starts) and at its placement's
-epoch: the router that finishes or undoes the move decides where it lives.
+With replicas, the placement directory is the authority on where a session lives
+(protocol/lives.py's `take_back`): a record of a session placed on another replica (it
+moved while this one was down) is not taken back but recorded closed here, and a blob it
+named is deleted as unnamed. A session in transit from here is taken back moving (no
+turn starts) and at its placement's epoch: the front that finishes or undoes the move
+decides where it lives.
 
 A session the store lost (a gap its last life could not fill: services/session_store/
 consumer.py) has no record any more; it answers `session_lost` (410) until its client
@@ -21,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
 
+from protocol import lives
+from protocol.lives import Step, Taken
 from services.scheduler.sessions.manager import SessionManager
 from services.scheduler.sessions.records import without_device_state
 from shared import records_proof, streams
@@ -38,37 +43,62 @@ log = logging.getLogger("custody.scheduler")
 PROOF_WAIT_SECONDS = 2.0  # at start; then the sessions answer 503 until the proof comes
 
 
-async def rebuild_sessions(
-    client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys
+async def start_life(
+    client: aioredis.Redis,
+    sessions: SessionManager,
+    keys: streams.Keys,
+    register: Callable[[], Awaitable[object]],
 ) -> tuple[str | None, str | None]:
-    """Take back every recorded session whose records are proven current (shared/
-    records_proof.py): (the live executor's epoch when there were records, their slots
-    valid on it, else None; the stream entry the proof still waits for, else None). While
-    the proof waits, every recorded session is `pending`: it answers 503, never a turn
-    from a record older than the last one written; `finish_rebuild` takes them back."""
-    await rehoming_over(client, keys)
-    target = await records_proof.stream_end(client, keys)  # before this life writes
-    proven = await records_proof.wait_records_current(client, keys, target, PROOF_WAIT_SECONDS)
-    sids, placements = await _ours(client, sessions, keys)
+    """This life's first steps, in the order protocol/lives.py decides (`START`), ending
+    with every recorded session whose records are proven current taken back: (the live
+    executor's epoch when there were records, their slots valid on it, else None; the
+    stream entry the proof still waits for, else None). While the proof waits, every
+    recorded session is `pending`: it answers 503, never a turn from a record older than
+    the last one written; `finish_rebuild` takes them back."""
+    target, proven = records_proof.NO_STREAM, True
+    for step in lives.START:
+        match step:
+            case Step.REGISTER:
+                await register()
+            case Step.AWAIT_REHOMING:
+                await rehoming_over(client, keys)
+            case Step.READ_STREAM_END:  # before this life writes
+                target = await records_proof.stream_end(client, keys)
+            case Step.AWAIT_PROOF:
+                proven = await records_proof.wait_records_current(
+                    client, keys, target, PROOF_WAIT_SECONDS
+                )
+            case Step.TAKE_BACK:
+                return await _take_back(client, sessions, keys, target, proven)
+    raise AssertionError("protocol/lives.py START ends with TAKE_BACK")
+
+
+async def _take_back(
+    client: aioredis.Redis,
+    sessions: SessionManager,
+    keys: streams.Keys,
+    target: str,
+    proven: bool,
+) -> tuple[str | None, str | None]:
+    placements = await _placements(client, sessions, keys)
     if not proven:
         log.warning(
             "the session store has not applied this replica's records up to %s: "
             "%d sessions answer 503 until it has",
             target,
-            len(sids),
+            len(placements),
         )
-        sessions.pending |= set(sids)
+        sessions.pending |= set(placements)
         return None, target
     await _lost(client, sessions, keys)
-    records = await _records(client, keys, sids)
+    records = await _records(client, keys, list(placements))
     alive = await client.get(keys.executor_alive)
     epoch = alive.decode() if alive else None
     valid = [
         r if epoch is not None and r.executor == epoch else without_device_state(r) for r in records
     ]
-    sessions.rebuild(_still_ours(valid, placements, sessions), state_valid=True)
+    _rebuild(sessions, keys.replica, valid, placements, state_valid=True)
     sessions.discard_unnamed_blobs()
-    _place(sessions, placements)
     if not records:
         return None, None
     log.info("rebuilt %d sessions from the session store", len(records))
@@ -85,35 +115,55 @@ async def finish_rebuild(
         await asyncio.sleep(0.2)
     pending = sorted(sessions.pending)
     await _lost(client, sessions, keys)
-    sids, placements = await _ours(client, sessions, keys)
+    placements = await _placements(client, sessions, keys)
     records = [
         msgspec.structs.replace(r, disk=None)
-        for r in await _records(client, keys, [s for s in pending if s in sids])
+        for r in await _records(client, keys, [s for s in pending if s in placements])
     ]
-    sessions.rebuild(_still_ours(records, placements, sessions), state_valid=False)
+    _rebuild(sessions, keys.replica, records, placements, state_valid=False)
     sessions.dirty |= sessions.pending  # placed elsewhere now, or never recorded: closed
     sessions.pending.clear()
-    _place(sessions, placements)
     log.info("rebuilt %d sessions from the session store, after waiting for it", len(records))
 
 
-async def _ours(
+async def _placements(
     client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys
-) -> tuple[list[str], dict[str, Placement]]:
-    """The recorded sessions this replica owns, and their placements. One the directory
-    places elsewhere (it moved while this one was down) is recorded closed here."""
-    sids: list[str] = []
-    placements: dict[str, Placement] = {}
-    for sid in sorted(k.decode() for k in await client.smembers(keys.sessions)):
-        placed = await _placement(client, sid)
-        if placed is not None and placed.replica != keys.replica:
-            log.info("session %s lives on replica %s now; not taken back", sid, placed.replica)
-            sessions.dirty.add(sid)  # recorded closed here
+) -> dict[str, Placement | None]:
+    """Every session recorded on this replica, and where the directory places it now."""
+    sids = sorted(k.decode() for k in await client.smembers(keys.sessions))
+    return {sid: await _placement(client, sid) for sid in sids}
+
+
+def _rebuild(
+    sessions: SessionManager,
+    replica: str,
+    records: list[SessionRecord],
+    placements: dict[str, Placement | None],
+    state_valid: bool,
+) -> None:
+    """Take back each record as protocol/lives.py's `take_back` decides: at its
+    placement's epoch, moving if in transit from here, arriving if it is the arrival of
+    the attempt in transit here; one the directory gives elsewhere, or places nowhere
+    though a front placed it, is recorded closed here instead."""
+    kept: list[SessionRecord] = []
+    for rec in records:
+        placed = placements.get(rec.sid)
+        taken = lives.take_back(placed, replica, rec.epoch is not None, rec.arrival)
+        if taken is Taken.CLOSED:
+            log.info("session %s placed %s now: not taken back", rec.sid, placed)
+            sessions.dirty.add(rec.sid)  # recorded closed here
             continue
-        if placed is not None:
-            placements[sid] = placed
-        sids.append(sid)
-    return sids, placements
+        kept.append(rec)
+    sessions.rebuild(kept, state_valid=state_valid)
+    for rec in kept:
+        placed = placements.get(rec.sid)
+        if placed is not None and rec.sid in sessions.sessions:
+            session = sessions.sessions[rec.sid]
+            session.routed = True
+            if placed.replica == replica:
+                session.epoch, session.moving = placed.epoch, placed.moving_to is not None
+            else:  # the arrival of the attempt in transit here: in doubt until it ends
+                session.epoch, session.arrival = placed.epoch + 1, rec.arrival
 
 
 async def _lost(client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys) -> None:
@@ -140,32 +190,6 @@ async def _records(client: aioredis.Redis, keys: streams.Keys, sids: list[str]) 
         except WireError as err:
             log.warning("session %s not rebuilt: its stored record is refused (%s)", sid, err)
     return records
-
-
-def _still_ours(
-    records: list[SessionRecord], placements: dict[str, Placement], sessions: SessionManager
-) -> list[SessionRecord]:
-    """The records of sessions still open: one a router placed (it carries an epoch)
-    that the directory now places nowhere was closed elsewhere after it moved while
-    this replica was down; taken back, it would be a second live copy of a closed
-    session. It is recorded closed here instead."""
-    kept = []
-    for rec in records:
-        if rec.epoch is not None and rec.sid not in placements:
-            log.info("session %s was closed elsewhere; not taken back", rec.sid)
-            sessions.dirty.add(rec.sid)
-            continue
-        kept.append(rec)
-    return kept
-
-
-def _place(sessions: SessionManager, placements: dict[str, Placement]) -> None:
-    """A session taken back is at its placement's epoch, and moving if in transit."""
-    for sid, placed in placements.items():
-        if sid in sessions.sessions:
-            session = sessions.sessions[sid]
-            session.epoch, session.moving = placed.epoch, placed.moving_to is not None
-            session.routed = True
 
 
 async def _placement(client: aioredis.Redis, sid: str) -> Placement | None:

@@ -82,7 +82,7 @@ class SessionManager:
         self.lost = LostSessions()  # the store's decision on a gap (lost.py)
         self.conflicting_records = 0
         # whether this replica may serve its sessions now: its registration is provably
-        # current (runtime/replica_lease.py); the composition root sets it
+        # current (protocol/lives.py); the composition root sets it
         self.may_serve: Callable[[], bool] = lambda: True
         # routed sessions closed here (by their client, by their idle timeout) whose
         # placement this replica takes away (runtime/registration.py), should the router

@@ -72,6 +72,7 @@ class DurableRecords:
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
             last_rid=s.last_rid,
             epoch=s.epoch if s.routed else None,
+            arrival=s.arrival,
         )
         if s.disk is not None and s.disk.ready:
             rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
