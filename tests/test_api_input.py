@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 
 from services.scheduler.http.errors import errors
 from services.scheduler.http.events import EventStream
+from shared.placement import ROUTED_EPOCH_HEADER
 from shared.tokenizer import BYTE_VOCAB as VOCAB  # the built-in model's
 from tests.services_harness import POOLS, call, ledger_when_idle, stack_settings, start_stack
 
@@ -374,3 +375,32 @@ def test_health_is_readiness_liveness_is_separate_and_health_generate_generates(
     assert call(port, "/health")["status"] == "ok"
     assert call(port, "/liveness") == {"status": "alive"}
     assert call(port, "/health_generate")["status"] == "ok"
+
+
+def epoch_turn(port: int, sid: str, routed: str) -> tuple[int, bytes]:
+    """A session turn carrying the placement epoch a front routed it by."""
+    body = json.dumps(generate([5, 6], temperature=0) | {"session_params": {"id": sid}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        headers = {"Content-Type": "application/json", ROUTED_EPOCH_HEADER: routed}
+        conn.request("POST", "/generate", body.encode(), headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_turn_routed_at_another_placement_epoch_is_refused_and_retryable(stack):
+    """A front sends the epoch it routed by (protocol/copies.py, `routed_to`): a turn
+    delayed past a move must not run on a copy at another epoch."""
+    port = stack.settings.port
+    sid = call(port, "/open_session", {"session_id": "routed-epoch"})
+    try:
+        status, raw = epoch_turn(port, sid, "2")  # this copy is at the first epoch
+        assert status == 503 and "placement epoch 2" in json.loads(raw)["error"]["message"]
+        status, raw = epoch_turn(port, sid, "two")
+        assert status == 400 and ROUTED_EPOCH_HEADER in json.loads(raw)["error"]["message"]
+        status, raw = epoch_turn(port, sid, "1")
+        assert status == 200 and len(json.loads(raw)["output_ids"]) == 2
+    finally:
+        assert call(port, "/close_session", {"session_id": sid}) is True
