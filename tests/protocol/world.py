@@ -164,10 +164,6 @@ def _set(values: tuple, i: int, value: object) -> tuple:
     return (*values[:i], value, *values[i + 1 :])
 
 
-def _renew_from_sent(lease: ReplicaLease, sent: float) -> None:
-    lease.renew(sent)
-
-
 @dataclass(frozen=True)
 class Rules:
     """The decisions the world applies: production's, or a planted bug's."""
@@ -181,7 +177,7 @@ class Rules:
     proof_blocks: bool = False  # a new life waits for the records proof without bound
     # how a registration that reached Redis renews the lease (production: from when it
     # was sent)
-    renew: Callable[[ReplicaLease, float], None] = _renew_from_sent
+    renew: Callable[[ReplicaLease, float], None] = ReplicaLease.renew
     routed_to: Callable[[Any, int], bool] = copies.routed_to
     # whether a `migrate_cancel` gives a leaving copy its turns back
     cancel_restores: Callable[[Any, Placement | None, str], bool] = copies.settled_here
