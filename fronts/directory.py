@@ -45,7 +45,14 @@ log = logging.getLogger("custody.router")
 REQUEST_TTL_SECONDS = 3600
 HEARD_SECONDS = 2.0  # a subscription silent this long, though pinged, is taken as lost
 REMEMBERED = 1 << 17  # placements a router remembers; the oldest read is forgotten first
-SWAP = f"""if redis.call('GET', KEYS[1]) == ARGV[1] then
+# a compare-and-set that finds the key already at its new value answers done: redis-py
+# sends a command again after a connection error, so a swap whose reply was lost runs
+# twice, and the second, answering "not swapped", left a begun move unlisted for good
+SWAP = f"""local value = redis.call('GET', KEYS[1])
+if value == ARGV[2] then
+  return 1
+end
+if value == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2])
   redis.call('PUBLISH', '{streams.PLACEMENT_CHANGES}', KEYS[1] .. ' ' .. ARGV[2])
   return 1

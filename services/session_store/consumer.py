@@ -43,6 +43,7 @@ import msgpack
 import msgspec
 import redis
 
+from protocol import records
 from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLedger, Violation
 from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
@@ -296,11 +297,7 @@ class OwnershipConsumer:
         """Whether records a gap left incomplete can no longer be made whole: a life
         other than the one the gap was in (`epoch`: a snapshot's, or the fence a new
         life writes first, read when no message comes) has begun."""
-        return (
-            not self.records_complete
-            and self.gap_epoch is not None
-            and epoch not in (None, self.gap_epoch)
-        )
+        return not self.records_complete and records.gap_decided(self.gap_epoch, epoch)
 
     def _fenced_by(self) -> str | None:
         """The epoch of the scheduler life fenced in now, read only while a gap waits."""

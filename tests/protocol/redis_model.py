@@ -28,7 +28,10 @@ def place(key: str, value: Value, new: str) -> Outcome:
 
 
 def swap(key: str, value: Value, old: str, new: str) -> Outcome:
-    """`SWAP`: compare-and-set, publishing the new value."""
+    """`SWAP`: compare-and-set, publishing the new value; a key already at `new` answers
+    done (a retried swap), publishing nothing."""
+    if value == new:
+        return value, 1, None
     if value != old:
         return value, 0, None
     return new, 1, f"{key} {new}"

@@ -18,16 +18,15 @@ for more than ten minutes)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from protocol.lives import Step
+from tests.protocol import redis_model
 from tests.protocol.checker import Report, explore
 from tests.protocol.world import Rules, World
 
 # production's bound: every kind of fault, one of them per trace; each planted bug is
 # explored at the smallest bound that shows it (two faults where it takes two)
-BOUND = replace(World(), faults_left=1, crashes_left=1, moves_left=1, rehomes_left=1)
-TWO_FAULTS = replace(BOUND, faults_left=2, crashes_left=0, rehomes_left=0)
+BOUND = World()._replace(faults_left=1, crashes_left=1, moves_left=1, rehomes_left=1)
+TWO_FAULTS = BOUND._replace(faults_left=2, crashes_left=0, rehomes_left=0)
 
 
 def run(rules: Rules, start: World = BOUND, first_harm: bool = False) -> Report:
@@ -65,14 +64,14 @@ def test_an_arrival_that_ignores_the_attempt_is_found():
     attempt's arrival (an abort restores the same epoch): a later turn ran short, 200,
     no alarm."""
     rules = Rules(same_attempt=lambda copy, nonce: copy is not None)
-    start = replace(TWO_FAULTS, moves_left=2, turns_left=1)
+    start = TWO_FAULTS._replace(moves_left=2, turns_left=1)
     assert found(run(rules, start, first_harm=True), "missing from the history")
 
 
 def test_a_settle_sent_once_is_found():
     """Before settles were retried and replicas settled their copies from the directory,
     a lost `migrate_cancel` left the source's copy leaving for good."""
-    start = replace(TWO_FAULTS, turns_left=0)
+    start = TWO_FAULTS._replace(turns_left=0)
     report = run(Rules(restores_undone=False, unlist_unanswered=True), start)
     assert found(report, "wedged")
 
@@ -90,7 +89,7 @@ def test_a_store_and_a_scheduler_waiting_for_each_other_after_a_gap_are_found():
     waited for a new life to decide the last one's gap: neither moved again."""
     waits = (Step.READ_STREAM_END, Step.AWAIT_PROOF, Step.REGISTER)
     rules = Rules(start=(*waits, Step.AWAIT_REHOMING, Step.TAKE_BACK), proof_blocks=True)
-    start = replace(BOUND, faults_left=2, moves_left=0, rehomes_left=0)
+    start = BOUND._replace(faults_left=2, moves_left=0, rehomes_left=0)
     assert found(run(rules, start), "wedged")
 
 
@@ -100,3 +99,15 @@ def test_a_lease_renewed_while_its_holder_waits_is_found():
     sessions."""
     rules = Rules(renew=lambda lease, sent: lease.renew(lease.clock()))
     assert found(run(rules, first_harm=True), "two live copies")
+
+
+def test_a_compare_and_set_that_answers_its_own_retry_no_is_found():
+    """redis-py sends a command again after a connection error: a begin whose swap's
+    reply was lost ran it twice, heard "not swapped" from the second and unlisted its
+    move, leaving the session in transit with no front to finish it."""
+
+    def swap_once(key: str, value: str | None, old: str, new: str) -> redis_model.Outcome:
+        return (value, 0, None) if value != old else (new, 1, f"{key} {new}")
+
+    start = BOUND._replace(crashes_left=0, rehomes_left=0, turns_left=0)
+    assert found(run(Rules(swap=swap_once), start), "wedged")

@@ -26,10 +26,10 @@ write (a directory write that fails is a front dying before it). See docs/protoc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from protocol import copies, lives
+from protocol import copies, lives, records
 from protocol.lives import ReplicaLease, Step, Taken
 from protocol.moves import (
     ABSENT,
@@ -50,13 +50,13 @@ from shared.placement import Move, Placement
 from tests.protocol import redis_model
 
 REPLICAS = ("a", "b")
+AT = {replica: i for i, replica in enumerate(REPLICAS)}
 SID = "s"
 CALLS = (CallOut, CallIn, Release)  # effects that are HTTP calls to a replica
 History = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """A replica's copy of the session (the fields protocol/copies.py reads), with the
     turns its history holds."""
 
@@ -67,8 +67,7 @@ class Copy:
     arrival: str = ""
 
 
-@dataclass(frozen=True)
-class Life:
+class Life(NamedTuple):
     """A replica's current life: its number, whether its process runs, the next step of
     its start (`len(START)`: started), whether its own lease lets it serve, whether its
     registration is in Redis (the fronts see it alive), and whether its recorded
@@ -82,8 +81,7 @@ class Life:
     pending: bool = False
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """A front's run of a move and the effect it waits on."""
 
     front: str
@@ -91,17 +89,15 @@ class Run:
     effect: Effect
 
 
-@dataclass(frozen=True)
-class Late:
+class Late(NamedTuple):
     """A delayed request: delivered later, its reply to nobody."""
 
     move: Move
     effect: Effect
 
 
-@dataclass(frozen=True)
-class World:
-    placed: Placement | None = Placement("a", 1)  # noqa: RUF009 (a frozen value)
+class World(NamedTuple):
+    placed: Placement | None = Placement("a", 1)
     listed: tuple[tuple[Move, bool], ...] = ()  # (move, its front's lease still holds)
     copies: tuple[Copy | None, ...] = (Copy(1), None)
     lives: tuple[Life, ...] = (Life(), Life())
@@ -126,7 +122,7 @@ class World:
     nonces: int = 0  # nonces handed out
 
     def at(self, replica: str) -> int:
-        return REPLICAS.index(replica)
+        return AT[replica]
 
     def copy(self, replica: str) -> Copy | None:
         return self.copies[self.at(replica)]
@@ -135,18 +131,18 @@ class World:
         return self.lives[self.at(replica)]
 
     def with_copy(self, replica: str, copy: Copy | None) -> World:
-        return replace(self, copies=_set(self.copies, self.at(replica), copy))
+        return self._replace(copies=_set(self.copies, self.at(replica), copy))
 
     def with_life(self, replica: str, **changes: Any) -> World:
-        life = replace(self.life(replica), **changes)
-        return replace(self, lives=_set(self.lives, self.at(replica), life))
+        life = self.life(replica)._replace(**changes)
+        return self._replace(lives=_set(self.lives, self.at(replica), life))
 
     def written(self, replica: str, history: History) -> World:
         """`replica` puts its record of the session on its stream (one pending record
         stands for every unapplied one: the latest is what the store ends with)."""
         copy = self.copy(replica)
         written = (self.life(replica).number, history, "" if copy is None else copy.arrival)
-        return replace(self, stream=_set(self.stream, self.at(replica), written))
+        return self._replace(stream=_set(self.stream, self.at(replica), written))
 
     def proven(self, replica: str) -> bool:
         """The records proof: the store has applied every record on `replica`'s stream
@@ -181,6 +177,7 @@ class Rules:
     routed_to: Callable[[Any, int], bool] = copies.routed_to
     # whether a `migrate_cancel` gives a leaving copy its turns back
     cancel_restores: Callable[[Any, Placement | None, str], bool] = copies.settled_here
+    swap: Callable[[str, str | None, str, str], redis_model.Outcome] = redis_model.swap
 
 
 Transition = tuple[str, World, bool]  # (what happened, the state after, whether a fault)
@@ -193,7 +190,7 @@ def moves(world: World, rules: Rules) -> Iterator[Transition]:
         yield from _performs(world, i, held, rules)
     yield from _take_overs(world)
     for j, late in enumerate(world.late):
-        after = _apply(replace(world, late=_drop(world.late, j)), late.move, late.effect, rules)[0]
+        after = _apply(world._replace(late=_drop(world.late, j)), late.move, late.effect, rules)[0]
         yield f"late {type(late.effect).__name__} of {_name(late.move)} delivered", after, False
     yield from _turns(world, rules)
     for replica in REPLICAS:
@@ -225,7 +222,7 @@ def _begins(world: World) -> Iterator[Transition]:
     started, nonce = _fresh(world, "f1", source, _other(source))
     yield (
         f"f1 begins a move {source}->{_other(source)} ({nonce})",
-        replace(started, moves_left=world.moves_left - 1),
+        started._replace(moves_left=world.moves_left - 1),
         False,
     )
 
@@ -234,7 +231,7 @@ def _fresh(world: World, front: str, source: str, target: str) -> tuple[World, s
     nonce = f"{world.nonces + 1:x}"
     run = MoveRun.fresh_move(SID, source, target, nonce)
     runs = (*world.runs, Run(front, run, run.first()))
-    return replace(world, runs=runs, nonces=world.nonces + 1), nonce
+    return world._replace(runs=runs, nonces=world.nonces + 1), nonce
 
 
 def _performs(world: World, i: int, held: Run, rules: Rules) -> Iterator[Transition]:
@@ -242,20 +239,29 @@ def _performs(world: World, i: int, held: Run, rules: Rules) -> Iterator[Transit
     rest = _drop(world.runs, i)
     move, effect = held.run.move, held.effect
     what = f"{held.front} {type(effect).__name__} {_name(move)}"
-    applied, result = _apply(replace(world, runs=rest), move, effect, rules)
+    applied, result = _apply(world._replace(runs=rest), move, effect, rules)
     yield what, _continue(applied, held, result, rules), False
     if world.faults_left == 0:
         return
-    faulted = replace(world, runs=rest, faults_left=world.faults_left - 1)
+    faulted = world._replace(runs=rest, faults_left=world.faults_left - 1)
     if isinstance(effect, CALLS):
         failed = _failure(effect)
         yield f"{what}: request lost", _continue(faulted, held, failed, rules), True
         applied, _ = _apply(faulted, move, effect, rules)
         yield f"{what}: reply lost", _continue(applied, held, failed, rules), True
-        delayed = replace(faulted, late=(*faulted.late, Late(move, effect)))
+        delayed = faulted._replace(late=(*faulted.late, Late(move, effect)))
         yield f"{what}: delayed", _continue(delayed, held, failed, rules), True
-    else:  # Redis answers or the front dies: its move, listed, waits for a taker-over
-        yield f"{held.front} dies before {type(effect).__name__}", _unheld(faulted, move), True
+        applied, result = _apply(delayed, move, effect, rules)
+        yield f"{what}: duplicated", _continue(applied, held, result, rules), True
+    else:
+        # Redis refuses the write (or the front dies before it): the run ends, its move
+        # listed waits for a taker-over; or the client sends it again after a reply lost
+        # (redis-py retries a command on a connection error): applied twice, the front
+        # hears the second answer
+        yield f"Redis refuses {what}", _unheld(faulted, move), True
+        once, _ = _apply(faulted, move, effect, rules)
+        twice, result = _apply(once, move, effect, rules)
+        yield f"{what} is applied twice", _continue(twice, held, result, rules), True
     yield f"{held.front} stalls past its lease on {_name(move)}", _lapse(world, move), True
 
 
@@ -274,7 +280,7 @@ def _continue(world: World, held: Run, result: object, rules: Rules) -> World:
         result = True
     run, effect = held.run.advance(result)
     if effect is not None:
-        return replace(world, runs=(*world.runs, Run(held.front, run, effect)))
+        return world._replace(runs=(*world.runs, Run(held.front, run, effect)))
     return _unheld(world, run.move)
 
 
@@ -283,12 +289,12 @@ def _unheld(world: World, move: Move) -> World:
     renewed, and runs out."""
     if any(other.run.move == move for other in world.runs):
         return world
-    return replace(world, listed=tuple((m, live and m != move) for m, live in world.listed))
+    return world._replace(listed=tuple((m, live and m != move) for m, live in world.listed))
 
 
 def _lapse(world: World, move: Move) -> World:
     listed = tuple((m, live and m != move) for m, live in world.listed)
-    return replace(world, listed=listed, faults_left=world.faults_left - 1)
+    return world._replace(listed=listed, faults_left=world.faults_left - 1)
 
 
 def _ready(world: World, replica: str) -> bool:
@@ -303,7 +309,7 @@ def _take_overs(world: World) -> Iterator[Transition]:
             continue
         listed = _set(world.listed, k, (move, True))
         run = MoveRun(move, fresh=False, target_ready=_ready(world, move.target))
-        taken = replace(world, listed=listed, runs=(*world.runs, Run("f2", run, run.first())))
+        taken = world._replace(listed=listed, runs=(*world.runs, Run("f2", run, run.first())))
         yield f"f2 takes over {_name(move)}", taken, False
 
 
@@ -313,7 +319,7 @@ def _turns(world: World, rules: Rules) -> Iterator[Transition]:
     placed = world.placed
     if world.delayed is not None:
         replica, epoch = world.delayed
-        after = _deliver(replace(world, delayed=None), replica, epoch, rules)
+        after = _deliver(world._replace(delayed=None), replica, epoch, rules)
         yield f"the delayed turn reaches {replica}", after, False
     if world.turns_left == 0 or world.lost or placed is None or placed.moving_to:
         return
@@ -322,7 +328,7 @@ def _turns(world: World, rules: Rules) -> Iterator[Transition]:
         yield f"turn {len(world.acked) + 1} on {placed.replica}", served, False
     if world.faults_left and world.delayed is None:
         delayed = (placed.replica, placed.epoch)
-        after = replace(world, delayed=delayed, faults_left=world.faults_left - 1)
+        after = world._replace(delayed=delayed, faults_left=world.faults_left - 1)
         yield f"a turn routed to {placed.replica} is delayed", after, True
 
 
@@ -337,8 +343,8 @@ def _deliver(world: World, replica: str, epoch: int, rules: Rules) -> World:
         return world
     turn = len(world.acked) + 1
     history = (*copy.history, turn)
-    served = world.with_copy(replica, replace(copy, history=history)).written(replica, history)
-    return replace(served, acked=(*world.acked, turn), turns_left=world.turns_left - 1)
+    served = world.with_copy(replica, copy._replace(history=history)).written(replica, history)
+    return served._replace(acked=(*world.acked, turn), turns_left=world.turns_left - 1)
 
 
 def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
@@ -370,9 +376,9 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
         )
     if world.faults_left == 0:
         return
-    spent = replace(world, faults_left=world.faults_left - 1)
+    spent = world._replace(faults_left=world.faults_left - 1)
     if world.crashes_left:
-        crashed = replace(spent, crashes_left=world.crashes_left - 1).with_copy(replica, None)
+        crashed = spent._replace(crashes_left=world.crashes_left - 1).with_copy(replica, None)
         yield (
             f"{replica} life {life.number} crashes",
             crashed.with_life(replica, up=False, lease=False, pending=False),
@@ -401,7 +407,7 @@ def _start_step(world: World, replica: str, step: Step, rules: Rules) -> World |
     life = world.life(replica).number
     match step:
         case Step.REGISTER:  # fences earlier lives: the store may decide their gaps
-            fenced = replace(world, fenced_by=_set(world.fenced_by, world.at(replica), life))
+            fenced = world._replace(fenced_by=_set(world.fenced_by, world.at(replica), life))
             return fenced.with_life(replica, registered=True, lease=True)
         case Step.AWAIT_REHOMING:
             return None if replica in world.rehoming else world
@@ -460,7 +466,7 @@ def _directory_check(world: World, replica: str, rules: Rules) -> World:
         return world.with_copy(replica, None)
     if copies.settled_here(copy, world.placed, replica):
         moving = copy.moving and not rules.restores_undone
-        return world.with_copy(replica, replace(copy, moving=moving, arrival=""))
+        return world.with_copy(replica, copy._replace(moving=moving, arrival=""))
     return world
 
 
@@ -472,15 +478,14 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
     i = world.at(replica)
     pending, gap = world.stream[i], world.gap_life[i]
     if pending is not None and not gap:
-        applied = replace(
-            world,
+        applied = world._replace(
             records=_set(world.records, i, pending[1]),
             arrivals=_set(world.arrivals, i, pending[2]),
         )
         yield f"the store applies {replica}'s record", _unstreamed(applied, i), False
         if world.faults_left:
-            lost = replace(world, gap_life=_set(world.gap_life, i, pending[0]))
-            lost = replace(_unstreamed(lost, i), faults_left=world.faults_left - 1)
+            lost = world._replace(gap_life=_set(world.gap_life, i, pending[0]))
+            lost = _unstreamed(lost, i)._replace(faults_left=world.faults_left - 1)
             yield f"{replica}'s record is lost before the store applied it", lost, True
     if not gap:
         return
@@ -489,16 +494,15 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
         copy = world.copy(replica)
         full = None if copy is None else copy.history
         arrival = "" if copy is None else copy.arrival
-        mended = replace(
-            world, records=_set(world.records, i, full), arrivals=_set(world.arrivals, i, arrival)
+        mended = world._replace(
+            records=_set(world.records, i, full), arrivals=_set(world.arrivals, i, arrival)
         )
         superseded = _unstreamed(_ungapped(mended, i), i)  # older than the snapshot
         yield f"{replica}'s snapshot mends the gap", superseded, False
-    elif world.fenced_by[i] != gap:
+    elif records.gap_decided(gap, world.fenced_by[i]):
         placed = world.placed
         here = placed is not None and placed.replica == replica
-        decided = replace(
-            world,
+        decided = world._replace(
             records=_set(world.records, i, None),
             lost=world.lost or (here and world.records[i] is not None),
         )
@@ -506,11 +510,11 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
 
 
 def _unstreamed(world: World, i: int) -> World:
-    return replace(world, stream=_set(world.stream, i, None))
+    return world._replace(stream=_set(world.stream, i, None))
 
 
 def _ungapped(world: World, i: int) -> World:
-    return replace(world, gap_life=_set(world.gap_life, i, 0))
+    return world._replace(gap_life=_set(world.gap_life, i, 0))
 
 
 def _rehoming(world: World, replica: str) -> Iterator[Transition]:
@@ -521,7 +525,7 @@ def _rehoming(world: World, replica: str) -> Iterator[Transition]:
     if replica not in world.rehoming:
         placed = world.placed
         if not life.registered and placed is not None and placed.replica == replica:
-            after = replace(world, rehoming=(*world.rehoming, replica))
+            after = world._replace(rehoming=(*world.rehoming, replica))
             yield f"f3 takes {replica}'s re-homing key", after, False
         return
     if any(r.front == "f3" for r in world.runs):
@@ -530,10 +534,10 @@ def _rehoming(world: World, replica: str) -> Iterator[Transition]:
     movable = placed is not None and placed.replica == replica and not placed.moving_to
     if movable and world.rehomes_left and _ready(world, target) and not world.lost:
         started, nonce = _fresh(world, "f3", replica, target)
-        started = replace(started, rehomes_left=world.rehomes_left - 1)
+        started = started._replace(rehomes_left=world.rehomes_left - 1)
         yield f"f3 re-homes {replica}->{target} ({nonce})", started, False
         return
-    after = replace(world, rehoming=tuple(r for r in world.rehoming if r != replica))
+    after = world._replace(rehoming=tuple(r for r in world.rehoming if r != replica))
     yield f"f3 lets {replica}'s re-homing key go", after, False
 
 
@@ -545,18 +549,19 @@ def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[Worl
             return world, placed
         case Unlisted() | DropLost():
             if isinstance(effect, DropLost) and placed == move.in_transit:
-                world = replace(world, placed=None)
+                world = world._replace(placed=None)
             return world, None
-        case Begin():
-            listed = replace(world, listed=(*world.listed, (move, True)))
-            if placed == move.before:
-                return _swap(listed, move.before, move.in_transit)
-            return world, False
+        case Begin():  # listed, then swapped; unlisted if the swap failed
+            listed = world._replace(listed=(*_unlisted(world, move), (move, True)))
+            after, begun = _swap(listed, move.before, move.in_transit, rules)
+            return (
+                (after, True) if begun else (after._replace(listed=_unlisted(after, move)), False)
+            )
         case Commit() | Abort():
             new = move.after if isinstance(effect, Commit) else move.before
-            return _swap(world, move.in_transit, new)
+            return _swap(world, move.in_transit, new, rules)
         case Unlist():
-            return replace(world, listed=tuple(e for e in world.listed if e[0] != move)), None
+            return world._replace(listed=_unlisted(world, move)), None
         case CallOut():
             return _call_out(world, move)
         case CallIn():
@@ -566,11 +571,15 @@ def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[Worl
     raise AssertionError(f"no model of {effect!r}")
 
 
-def _swap(world: World, old: Placement, new: Placement) -> tuple[World, bool]:
+def _unlisted(world: World, move: Move) -> tuple[tuple[Move, bool], ...]:
+    return tuple(e for e in world.listed if e[0] != move)
+
+
+def _swap(world: World, old: Placement, new: Placement, rules: Rules) -> tuple[World, bool]:
     """The directory's compare-and-set, as its model has it (redis_model.py)."""
     current = None if world.placed is None else world.placed.encode()
-    value, answer, _ = redis_model.swap(SID, current, old.encode(), new.encode())
-    return replace(world, placed=Placement.decode(value)), bool(answer)
+    value, answer, _ = rules.swap(SID, current, old.encode(), new.encode())
+    return world._replace(placed=Placement.decode(value)), bool(answer)
 
 
 def _call_out(world: World, move: Move) -> tuple[World, object]:
@@ -584,7 +593,7 @@ def _call_out(world: World, move: Move) -> tuple[World, object]:
     copy = world.copy(source)
     if copy is None:
         return world, 404
-    leaving = world.with_copy(source, replace(copy, moving=True))
+    leaving = world.with_copy(source, copy._replace(moving=True))
     return leaving.written(source, copy.history), 200
 
 
@@ -619,7 +628,7 @@ def _release(world: World, replica: str, cancel: bool, rules: Rules) -> tuple[Wo
     copy = world.copy(replica)
     if cancel and copy is not None:
         if copy.moving and rules.cancel_restores(copy, world.placed, replica):
-            world = world.with_copy(replica, replace(copy, moving=False))
+            world = world.with_copy(replica, copy._replace(moving=False))
         return world, True
     if not cancel and copies.may_close(world.placed, replica):
         return world.with_copy(replica, None), True
