@@ -1,5 +1,5 @@
-"""The session store's decision on a gap in a replica's records (docs/protocol.md, "The
-session store"): records lost from a stream before the store applied them leave every
+"""The session store's decision on a gap in a replica's records (docs/protocol.md,
+"Actors"): records lost from a stream before the store applied them leave every
 session's record of that replica in doubt. Only the life that wrote them can make them
 whole again, by the full set its next snapshot ships; once a later life has begun (its
 snapshot arrived, or its fence is in Redis), none ever will, and the store decides: what

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tests.protocol.world import REPLICAS, Rules, World, moves
+from tests.protocol.world import REPLICAS, SIDS, Rules, Session, World, moves
 
 
 @dataclass
@@ -36,56 +36,73 @@ class Report:
 
 def harm(world: World) -> str | None:
     """A safety violation in `world`, named, or None."""
-    return lost_turn(world) or twins(world)
-
-
-def lost_turn(world: World) -> str | None:
-    placed = world.placed
-    if world.lost or placed is None or placed.moving_to:
-        return None
-    copy = world.copy(placed.replica)
-    if copy is None or copy.moving:
-        return None
-    missing = sorted(set(world.acked) - set(copy.history))
-    if missing:
-        return f"acknowledged turns {missing} are missing from the history {placed.replica} serves"
+    for k in range(len(world.sessions)):
+        broken = lost_turn(world, k) or twins(world, k)
+        if broken:
+            return broken
     return None
 
 
-def twins(world: World) -> str | None:
-    """Two copies that could each answer a turn: confirmed (no move in doubt), not
-    leaving, on replicas that serve."""
+def lost_turn(world: World, k: int) -> str | None:
+    session = world.sessions[k]
+    placed = session.placed
+    if session.lost or placed is None or placed.moving_to:
+        return None
+    copy = session.copy(placed.replica)
+    if copy is None or copy.moving:
+        return None
+    missing = sorted(set(session.acked) - set(copy.history))
+    if missing:
+        return (
+            f"acknowledged turns {missing} of {SIDS[k]} are missing from the history "
+            f"{placed.replica} serves"
+        )
+    return None
+
+
+def twins(world: World, k: int) -> str | None:
+    """Two copies of session `k` that could each answer a turn: confirmed (no move in
+    doubt), not leaving, on replicas that serve."""
     live = [
         r
         for r in REPLICAS
-        if (c := world.copy(r)) is not None and not c.moving and not c.arrival and world.serving(r)
+        if (c := world.sessions[k].copy(r)) is not None
+        and not c.moving
+        and not c.arrival
+        and world.serving(r)
     ]
     if len(live) > 1:
-        return f"two live copies, on {' and '.join(live)}"
+        return f"two live copies of {SIDS[k]}, on {' and '.join(live)}"
     return None
 
 
 def settled(world: World) -> bool:
-    """Nothing in flight or held, every life started or dead for good, and the session
-    either ended (placed nowhere, or lost) with no copy anywhere, or servable: placed
-    on a ready replica whose copy is at its epoch, with no copy elsewhere."""
-    if world.runs or world.listed or world.late or world.delayed or world.rehoming:
+    """Nothing in flight or held, every life started or dead for good, and each session
+    either ended (placed nowhere, or lost) with no copy anywhere, or servable: placed on
+    a ready replica whose copy is at its epoch, with no copy elsewhere."""
+    if world.runs or world.listed or world.late or world.rehoming:
         return False
     for r in REPLICAS:
         life = world.life(r)
-        if world.stream[world.at(r)] is not None or world.gap_life[world.at(r)]:
+        if not world.proven(r):
             return False
         if life.up and not (world.serving(r) and life.registered):
             return False
         if not life.up and (life.number < 2 or life.registered):
             return False
-    placed = world.placed
-    if placed is None or world.lost:
-        return all(world.copy(r) is None for r in REPLICAS)
+    return all(_session_settled(world, session) for session in world.sessions)
+
+
+def _session_settled(world: World, session: Session) -> bool:
+    if session.delayed:
+        return False
+    placed = session.placed
+    if placed is None or session.lost:
+        return all(session.copy(r) is None for r in REPLICAS)
     if placed.moving_to or not world.life(placed.replica).up:
         return False
-    copy = world.copy(placed.replica)
-    others = [world.copy(r) for r in REPLICAS if r != placed.replica]
+    copy = session.copy(placed.replica)
+    others = [session.copy(r) for r in REPLICAS if r != placed.replica]
     return (
         copy is not None
         and copy.epoch == placed.epoch

@@ -1,27 +1,32 @@
-"""The model checker's small world of the session protocol (docs/protocol.md): one session
-on two replicas that live, die, pause and start again; fronts moving it (a drain's move,
-a take-over of a move whose lease ran out, the re-homing of a dead replica); clients'
-turns; the session store applying each replica's records, with gaps. Its fronts run the
-production machine of a move (protocol/moves.py), its replicas apply the production
-decisions about their copies (protocol/copies.py) and lives (protocol/lives.py: the
-order a new life starts in, what it takes back, its lease); what is modelled is what
-those call: the directory's compare-and-sets (redis_model.py, held to the real scripts
-by test_redis_model.py), a replica's handlers of the admin calls, the store.
+"""The model checker's small world of the session protocol (docs/protocol.md): sessions
+(one, or two sharing the replicas) on two replicas that live, die, pause and start
+again; fronts moving them (a drain's moves, a take-over of a move whose lease ran out,
+the re-homing of a dead replica); clients' turns; the session store applying each
+replica's records, with gaps. Its fronts run the production machine of a move
+(protocol/moves.py), its replicas apply the production decisions about their copies
+(protocol/copies.py) and lives (protocol/lives.py: the order a new life starts in, what
+it takes back, its lease), its store decides gaps as production's does
+(protocol/records.py); what is modelled is what those call: the directory's
+compare-and-sets (redis_model.py, held to the real scripts by test_redis_model.py), a
+replica's handlers of the admin calls, the store.
 
 A state is a value (`World`); `moves(world, rules)` lists every transition enabled in
 it, each named, with the state it leads to and whether it is a fault. Faults (at most
 `World.faults_left` per trace): a call's request lost (not applied, the front sees a
-503), its reply lost (applied, the front sees a 503), or delayed (the front sees a 503;
-the request is delivered at any later moment); a front's work on a move stalled past its
-lease, or the front dying before a directory write; a client's turn delayed (routed by
-the placement now, delivered at any later moment); a replica's life crashing (its copies
-gone; a new life may start) or pausing past its lease (its registration expires
-meanwhile); a record lost from a replica's stream before the store applied it (a gap).
-Time passing is an event too: a registration expiring, the store applying a record.
+503), its reply lost (applied, the front sees a 503), delayed (the front sees a 503; the
+request is delivered at any later moment) or duplicated (applied, answered, and
+delivered again at any later moment); a directory write refused (the front's run ends
+there, as if it died) or applied twice (redis-py sends a command again after a
+connection error; the front hears the second answer); a front's work on a move stalled
+past its lease; a client's turn delayed (routed by the placement now, delivered at any
+later moment); a replica's life crashing (its copies gone; a new life may start) or
+pausing past its lease (its registration expires meanwhile); the records on a replica's
+stream lost before the store applied them (a gap). Time passing is an event too: a
+registration expiring, the store applying a replica's records.
 
-What it does not model: opens and closes, a second session, the fronts' memory of
-placements (a turn is routed by the directory as it is when routed), Redis refusing a
-write (a directory write that fails is a front dying before it). See docs/protocol.md."""
+What it does not model: opens and closes, the fronts' memory of placements (a turn is
+routed by the directory as it is when routed), writes to Redis other than the
+directory's refused or repeated. See docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -51,13 +56,13 @@ from tests.protocol import redis_model
 
 REPLICAS = ("a", "b")
 AT = {replica: i for i, replica in enumerate(REPLICAS)}
-SID = "s"
+SIDS = ("s", "t")  # the sessions' ids, the first `len(World.sessions)` of them
 CALLS = (CallOut, CallIn, Release)  # effects that are HTTP calls to a replica
 History = tuple[int, ...]
 
 
 class Copy(NamedTuple):
-    """A replica's copy of the session (the fields protocol/copies.py reads), with the
+    """A replica's copy of a session (the fields protocol/copies.py reads), with the
     turns its history holds."""
 
     epoch: int
@@ -65,6 +70,26 @@ class Copy(NamedTuple):
     routed: bool = True
     moving: bool = False
     arrival: str = ""
+
+
+class Session(NamedTuple):
+    """One session: its placement, each replica's copy of it, what the store holds of
+    it, and its client's turns."""
+
+    placed: Placement | None = Placement("a", 1)
+    copies: tuple[Copy | None, ...] = (Copy(1), None)
+    records: tuple[History | None, ...] = ((), None)  # what the store has applied
+    arrivals: tuple[str, ...] = ("", "")  # the attempt each applied record was brought by
+    # per replica: its latest record of the session written and not yet applied (the life
+    # that wrote it, the history, the attempt that brought the copy)
+    stream: tuple[tuple[int, History, str] | None, ...] = (None, None)
+    lost: bool = False  # the store decided the session's records lost: session_lost
+    acked: History = ()  # turns answered to its client
+    delayed: tuple[str, int] | None = None  # a turn routed to (replica, epoch), not delivered
+    turns_left: int = 2
+
+    def copy(self, replica: str) -> Copy | None:
+        return self.copies[AT[replica]]
 
 
 class Life(NamedTuple):
@@ -97,26 +122,16 @@ class Late(NamedTuple):
 
 
 class World(NamedTuple):
-    placed: Placement | None = Placement("a", 1)
+    sessions: tuple[Session, ...] = (Session(),)
     listed: tuple[tuple[Move, bool], ...] = ()  # (move, its front's lease still holds)
-    copies: tuple[Copy | None, ...] = (Copy(1), None)
     lives: tuple[Life, ...] = (Life(), Life())
-    records: tuple[History | None, ...] = ((), None)  # what the store has applied
-    arrivals: tuple[str, ...] = ("", "")  # the attempt each applied record was brought by
-    # per replica: its latest record written and not yet applied (the life that wrote it,
-    # the history, the attempt that brought the copy)
-    stream: tuple[tuple[int, History, str] | None, ...] = (None, None)
     gap_life: tuple[int, ...] = (0, 0)  # the life whose records a gap left incomplete
     fenced_by: tuple[int, ...] = (1, 1)  # the life that last fenced the replica's others
-    lost: bool = False  # the store decided the session's records lost: session_lost
-    acked: History = ()  # turns answered to their client
-    delayed: tuple[str, int] | None = None  # a turn routed to (replica, epoch), not delivered
     runs: tuple[Run, ...] = ()
     late: tuple[Late, ...] = ()
     rehoming: tuple[str, ...] = ()  # replicas whose re-homing key a front holds
     moves_left: int = 2  # moves a drain may still begin
     rehomes_left: int = 1  # re-homing moves a front may still begin
-    turns_left: int = 2
     faults_left: int = 3
     crashes_left: int = 0  # lives that may still end (each replica has at most two)
     nonces: int = 0  # nonces handed out
@@ -124,31 +139,33 @@ class World(NamedTuple):
     def at(self, replica: str) -> int:
         return AT[replica]
 
-    def copy(self, replica: str) -> Copy | None:
-        return self.copies[self.at(replica)]
-
     def life(self, replica: str) -> Life:
-        return self.lives[self.at(replica)]
+        return self.lives[AT[replica]]
 
-    def with_copy(self, replica: str, copy: Copy | None) -> World:
-        return self._replace(copies=_set(self.copies, self.at(replica), copy))
+    def with_session(self, k: int, **changes: Any) -> World:
+        session = self.sessions[k]._replace(**changes)
+        return self._replace(sessions=_set(self.sessions, k, session))
+
+    def with_copy(self, k: int, replica: str, copy: Copy | None) -> World:
+        return self.with_session(k, copies=_set(self.sessions[k].copies, AT[replica], copy))
 
     def with_life(self, replica: str, **changes: Any) -> World:
         life = self.life(replica)._replace(**changes)
-        return self._replace(lives=_set(self.lives, self.at(replica), life))
+        return self._replace(lives=_set(self.lives, AT[replica], life))
 
-    def written(self, replica: str, history: History) -> World:
-        """`replica` puts its record of the session on its stream (one pending record
+    def written(self, k: int, replica: str, history: History) -> World:
+        """`replica` puts its record of session `k` on its stream (one pending record
         stands for every unapplied one: the latest is what the store ends with)."""
-        copy = self.copy(replica)
+        session = self.sessions[k]
+        copy = session.copy(replica)
         written = (self.life(replica).number, history, "" if copy is None else copy.arrival)
-        return self._replace(stream=_set(self.stream, self.at(replica), written))
+        return self.with_session(k, stream=_set(session.stream, AT[replica], written))
 
     def proven(self, replica: str) -> bool:
         """The records proof: the store has applied every record on `replica`'s stream
         (a gap stops it until mended or decided)."""
-        i = self.at(replica)
-        return self.stream[i] is None and not self.gap_life[i]
+        i = AT[replica]
+        return not self.gap_life[i] and all(s.stream[i] is None for s in self.sessions)
 
     def serving(self, replica: str) -> bool:
         """`replica`'s life may serve: up, started, its lease current, nothing pending."""
@@ -158,6 +175,10 @@ class World(NamedTuple):
 
 def _set(values: tuple, i: int, value: object) -> tuple:
     return (*values[:i], value, *values[i + 1 :])
+
+
+def _of(move: Move) -> int:
+    return SIDS.index(move.sid)
 
 
 @dataclass(frozen=True)
@@ -178,6 +199,9 @@ class Rules:
     # whether a `migrate_cancel` gives a leaving copy its turns back
     cancel_restores: Callable[[Any, Placement | None, str], bool] = copies.settled_here
     swap: Callable[[str, str | None, str, str], redis_model.Outcome] = redis_model.swap
+    # a lapsed lease waits while a move carries any of the replica's copies unaware (not:
+    # only the first session's)
+    fence_every_session: bool = True
 
 
 Transition = tuple[str, World, bool]  # (what happened, the state after, whether a fault)
@@ -192,7 +216,8 @@ def moves(world: World, rules: Rules) -> Iterator[Transition]:
     for j, late in enumerate(world.late):
         after = _apply(world._replace(late=_drop(world.late, j)), late.move, late.effect, rules)[0]
         yield f"late {type(late.effect).__name__} of {_name(late.move)} delivered", after, False
-    yield from _turns(world, rules)
+    for k in range(len(world.sessions)):
+        yield from _turns(world, k, rules)
     for replica in REPLICAS:
         yield from _life(world, replica, rules)
         yield from _store(world, replica)
@@ -204,7 +229,7 @@ def _drop(values: tuple, i: int) -> tuple:
 
 
 def _name(move: Move) -> str:
-    return f"{move.source}->{move.target}@{move.epoch}#{move.nonce}"
+    return f"{move.sid}:{move.source}->{move.target}@{move.epoch}#{move.nonce}"
 
 
 def _other(replica: str) -> str:
@@ -216,20 +241,21 @@ def _begins(world: World) -> Iterator[Transition]:
     a time); a move left listed, waiting for a taker-over, does not stop it."""
     if world.moves_left == 0 or any(r.front == "f1" for r in world.runs):
         return
-    if world.placed is None or world.placed.moving_to or world.lost:
-        return
-    source = world.placed.replica
-    started, nonce = _fresh(world, "f1", source, _other(source))
-    yield (
-        f"f1 begins a move {source}->{_other(source)} ({nonce})",
-        started._replace(moves_left=world.moves_left - 1),
-        False,
-    )
+    for k, session in enumerate(world.sessions):
+        if session.placed is None or session.placed.moving_to or session.lost:
+            continue
+        source = session.placed.replica
+        started, nonce = _fresh(world, "f1", SIDS[k], source, _other(source))
+        yield (
+            f"f1 begins a move of {SIDS[k]} {source}->{_other(source)} ({nonce})",
+            started._replace(moves_left=world.moves_left - 1),
+            False,
+        )
 
 
-def _fresh(world: World, front: str, source: str, target: str) -> tuple[World, str]:
+def _fresh(world: World, front: str, sid: str, source: str, target: str) -> tuple[World, str]:
     nonce = f"{world.nonces + 1:x}"
-    run = MoveRun.fresh_move(SID, source, target, nonce)
+    run = MoveRun.fresh_move(sid, source, target, nonce)
     runs = (*world.runs, Run(front, run, run.first()))
     return world._replace(runs=runs, nonces=world.nonces + 1), nonce
 
@@ -313,38 +339,41 @@ def _take_overs(world: World) -> Iterator[Transition]:
         yield f"f2 takes over {_name(move)}", taken, False
 
 
-def _turns(world: World, rules: Rules) -> Iterator[Transition]:
-    """A client's turn, routed to the replica the directory names at its epoch, and
-    delivered there now, or (a fault) at any later moment."""
-    placed = world.placed
-    if world.delayed is not None:
-        replica, epoch = world.delayed
-        after = _deliver(world._replace(delayed=None), replica, epoch, rules)
-        yield f"the delayed turn reaches {replica}", after, False
-    if world.turns_left == 0 or world.lost or placed is None or placed.moving_to:
+def _turns(world: World, k: int, rules: Rules) -> Iterator[Transition]:
+    """A client's turn of session `k`, routed to the replica the directory names at its
+    epoch, and delivered there now, or (a fault) at any later moment."""
+    session = world.sessions[k]
+    placed = session.placed
+    if session.delayed is not None:
+        replica, epoch = session.delayed
+        after = _deliver(world.with_session(k, delayed=None), k, replica, epoch, rules)
+        yield f"the delayed turn of {SIDS[k]} reaches {replica}", after, False
+    if session.turns_left == 0 or session.lost or placed is None or placed.moving_to:
         return
-    served = _deliver(world, placed.replica, placed.epoch, rules)
+    served = _deliver(world, k, placed.replica, placed.epoch, rules)
     if served != world:
-        yield f"turn {len(world.acked) + 1} on {placed.replica}", served, False
-    if world.faults_left and world.delayed is None:
-        delayed = (placed.replica, placed.epoch)
-        after = world._replace(delayed=delayed, faults_left=world.faults_left - 1)
-        yield f"a turn routed to {placed.replica} is delayed", after, True
+        yield f"turn {len(session.acked) + 1} of {SIDS[k]} on {placed.replica}", served, False
+    if world.faults_left and session.delayed is None:
+        delayed = world.with_session(k, delayed=(placed.replica, placed.epoch))
+        after = delayed._replace(faults_left=world.faults_left - 1)
+        yield f"a turn of {SIDS[k]} routed to {placed.replica} is delayed", after, True
 
 
-def _deliver(world: World, replica: str, epoch: int, rules: Rules) -> World:
-    """A turn reaches `replica`, routed at `epoch`: served (its record written, its
-    client answered) if the replica serves and its copy answers it, else refused (503:
-    the client sends it again)."""
-    copy = world.copy(replica)
-    if world.turns_left == 0 or copy is None or not world.serving(replica):
+def _deliver(world: World, k: int, replica: str, epoch: int, rules: Rules) -> World:
+    """A turn of session `k` reaches `replica`, routed at `epoch`: served (its record
+    written, its client answered) if the replica serves and its copy answers it, else
+    refused (503: the client sends it again)."""
+    session = world.sessions[k]
+    copy = session.copy(replica)
+    if session.turns_left == 0 or copy is None or not world.serving(replica):
         return world
     if copy.moving or not rules.routed_to(copy, epoch):
         return world
-    turn = len(world.acked) + 1
+    turn = len(session.acked) + 1
     history = (*copy.history, turn)
-    served = world.with_copy(replica, copy._replace(history=history)).written(replica, history)
-    return served._replace(acked=(*world.acked, turn), turns_left=world.turns_left - 1)
+    served = world.with_copy(k, replica, copy._replace(history=history))
+    served = served.written(k, replica, history)
+    return served.with_session(k, acked=(*session.acked, turn), turns_left=session.turns_left - 1)
 
 
 def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
@@ -378,7 +407,9 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
         return
     spent = world._replace(faults_left=world.faults_left - 1)
     if world.crashes_left:
-        crashed = spent._replace(crashes_left=world.crashes_left - 1).with_copy(replica, None)
+        crashed = spent._replace(crashes_left=world.crashes_left - 1)
+        for k in range(len(world.sessions)):
+            crashed = crashed.with_copy(k, replica, None)
         yield (
             f"{replica} life {life.number} crashes",
             crashed.with_life(replica, up=False, lease=False, pending=False),
@@ -407,7 +438,7 @@ def _start_step(world: World, replica: str, step: Step, rules: Rules) -> World |
     life = world.life(replica).number
     match step:
         case Step.REGISTER:  # fences earlier lives: the store may decide their gaps
-            fenced = world._replace(fenced_by=_set(world.fenced_by, world.at(replica), life))
+            fenced = world._replace(fenced_by=_set(world.fenced_by, AT[replica], life))
             return fenced.with_life(replica, registered=True, lease=True)
         case Step.AWAIT_REHOMING:
             return None if replica in world.rehoming else world
@@ -425,92 +456,118 @@ def _start_step(world: World, replica: str, step: Step, rules: Rules) -> World |
 
 
 def _take_back(world: World, replica: str) -> World:
-    """A new life's copy of the session, from its records, as protocol/lives.py decides
+    """A new life's copy of each session, from its records, as protocol/lives.py decides
     (the session store lost them: it answers session_lost, and holds no copy)."""
-    record = world.records[world.at(replica)]
-    if record is None or world.lost:
-        return world
-    placed, arrival = world.placed, world.arrivals[world.at(replica)]
-    taken = lives.take_back(placed, replica, True, arrival)
-    if taken is Taken.CLOSED or placed is None:
-        return world
-    if taken is Taken.ARRIVING:
-        return world.with_copy(replica, Copy(placed.epoch + 1, record, arrival=arrival))
-    return world.with_copy(replica, Copy(placed.epoch, record, moving=taken is Taken.MOVING))
+    for k, session in enumerate(world.sessions):
+        record = session.records[AT[replica]]
+        if record is None or session.lost:
+            continue
+        placed, arrival = session.placed, session.arrivals[AT[replica]]
+        taken = lives.take_back(placed, replica, True, arrival)
+        if taken is Taken.CLOSED or placed is None:
+            continue
+        if taken is Taken.ARRIVING:
+            copy = Copy(placed.epoch + 1, record, arrival=arrival)
+        else:
+            copy = Copy(placed.epoch, record, moving=taken is Taken.MOVING)
+        world = world.with_copy(k, replica, copy)
+    return world
 
 
 def _heartbeat(world: World, replica: str, rules: Rules) -> World:
     """A started life writes its registration: a lapsed lease is renewed only once every
     copy was checked against the directory (not while a front re-homes it, nor while a
-    move carries a copy it never told: protocol/copies.py); then each
-    copy a move left in doubt is settled as the directory says."""
+    move carries a copy it never told: protocol/copies.py); then each copy a move left
+    in doubt is settled as the directory says."""
     world = world.with_life(replica, registered=True)
     if not world.life(replica).lease:
         if replica in world.rehoming:
             return world
-        copy = world.copy(replica)
-        if copy is not None and copies.unaware_of_move(copy, world.placed, replica):
-            return world
-        if copy is not None and copies.released(copy, world.placed, replica):
-            world = world.with_copy(replica, None)
+        for session in world.sessions[: None if rules.fence_every_session else 1]:
+            copy = session.copy(replica)
+            if copy is not None and copies.unaware_of_move(copy, session.placed, replica):
+                return world
+        for k, session in enumerate(world.sessions):
+            copy = session.copy(replica)
+            if copy is not None and copies.released(copy, session.placed, replica):
+                world = world.with_copy(k, replica, None)
         world = world.with_life(replica, lease=True)
-    return _directory_check(world, replica, rules)
+    for k in range(len(world.sessions)):
+        world = _directory_check(world, k, replica, rules)
+    return world
 
 
-def _directory_check(world: World, replica: str, rules: Rules) -> World:
-    """The replica settles its copy a move left in doubt, as the directory says."""
-    copy = world.copy(replica)
+def _directory_check(world: World, k: int, replica: str, rules: Rules) -> World:
+    """The replica settles its copy of session `k` a move left in doubt, as the
+    directory says."""
+    session = world.sessions[k]
+    copy = session.copy(replica)
     if copy is None or not (copy.moving or copy.arrival):
         return world
-    if copies.released(copy, world.placed, replica):
-        return world.with_copy(replica, None)
-    if copies.settled_here(copy, world.placed, replica):
+    if copies.released(copy, session.placed, replica):
+        return world.with_copy(k, replica, None)
+    if copies.settled_here(copy, session.placed, replica):
         moving = copy.moving and not rules.restores_undone
-        return world.with_copy(replica, copy._replace(moving=moving, arrival=""))
+        return world.with_copy(k, replica, copy._replace(moving=moving, arrival=""))
     return world
 
 
 def _store(world: World, replica: str) -> Iterator[Transition]:
-    """The session store: applies a replica's record; a record lost before it did (a
-    gap); a gap mended by the full set its life's snapshot ships, or, once a later life
-    fenced that one in (nothing can mend it now), decided: a session it held a record of
-    and the directory places there is lost."""
-    i = world.at(replica)
-    pending, gap = world.stream[i], world.gap_life[i]
-    if pending is not None and not gap:
-        applied = world._replace(
-            records=_set(world.records, i, pending[1]),
-            arrivals=_set(world.arrivals, i, pending[2]),
-        )
-        yield f"the store applies {replica}'s record", _unstreamed(applied, i), False
+    """The session store: applies a replica's records (of every session, in one go);
+    records lost before it did (a gap); a gap mended by the full set its life's snapshot
+    ships, or, once a later life fenced that one in (nothing can mend it now), decided
+    (protocol/records.py): a session it held a record of and the directory places there
+    is lost."""
+    i = AT[replica]
+    gap = world.gap_life[i]
+    pending = [s.stream[i] for s in world.sessions]
+    if any(p is not None for p in pending) and not gap:
+        applied = world
+        for k, written in enumerate(pending):
+            if written is not None:
+                session = applied.sessions[k]
+                applied = applied.with_session(
+                    k,
+                    records=_set(session.records, i, written[1]),
+                    arrivals=_set(session.arrivals, i, written[2]),
+                )
+        yield f"the store applies {replica}'s records", _unstreamed(applied, i), False
         if world.faults_left:
-            lost = world._replace(gap_life=_set(world.gap_life, i, pending[0]))
+            life = min(p[0] for p in pending if p is not None)  # the oldest unapplied
+            lost = world._replace(gap_life=_set(world.gap_life, i, life))
             lost = _unstreamed(lost, i)._replace(faults_left=world.faults_left - 1)
-            yield f"{replica}'s record is lost before the store applied it", lost, True
+            yield f"{replica}'s records are lost before the store applied them", lost, True
     if not gap:
         return
     life = world.life(replica)
     if life.number == gap and life.up and life.step == len(lives.START):
-        copy = world.copy(replica)
-        full = None if copy is None else copy.history
-        arrival = "" if copy is None else copy.arrival
-        mended = world._replace(
-            records=_set(world.records, i, full), arrivals=_set(world.arrivals, i, arrival)
-        )
+        mended = world
+        for k, session in enumerate(world.sessions):
+            copy = session.copy(replica)
+            mended = mended.with_session(
+                k,
+                records=_set(session.records, i, None if copy is None else copy.history),
+                arrivals=_set(session.arrivals, i, "" if copy is None else copy.arrival),
+            )
         superseded = _unstreamed(_ungapped(mended, i), i)  # older than the snapshot
         yield f"{replica}'s snapshot mends the gap", superseded, False
     elif records.gap_decided(gap, world.fenced_by[i]):
-        placed = world.placed
-        here = placed is not None and placed.replica == replica
-        decided = world._replace(
-            records=_set(world.records, i, None),
-            lost=world.lost or (here and world.records[i] is not None),
-        )
+        decided = world
+        for k, session in enumerate(world.sessions):
+            here = session.placed is not None and session.placed.replica == replica
+            decided = decided.with_session(
+                k,
+                records=_set(session.records, i, None),
+                lost=session.lost or (here and session.records[i] is not None),
+            )
         yield f"the store decides {replica}'s gap lost", _ungapped(decided, i), False
 
 
 def _unstreamed(world: World, i: int) -> World:
-    return world._replace(stream=_set(world.stream, i, None))
+    for k, session in enumerate(world.sessions):
+        if session.stream[i] is not None:
+            world = world.with_session(k, stream=_set(session.stream, i, None))
+    return world
 
 
 def _ungapped(world: World, i: int) -> World:
@@ -520,54 +577,63 @@ def _ungapped(world: World, i: int) -> World:
 def _rehoming(world: World, replica: str) -> Iterator[Transition]:
     """The front holding the duties re-homes a replica it finds dead (unregistered):
     takes its re-homing key (and, the replica still unregistered, keeps it), moves the
-    session off it to a ready replica, and lets the key go once nothing is left to do."""
+    sessions off it to a ready replica one at a time, and lets the key go once nothing
+    is left to do."""
     life = world.life(replica)
+    placed_here = [
+        k
+        for k, s in enumerate(world.sessions)
+        if s.placed is not None and s.placed.replica == replica
+    ]
     if replica not in world.rehoming:
-        placed = world.placed
-        if not life.registered and placed is not None and placed.replica == replica:
+        if not life.registered and placed_here:
             after = world._replace(rehoming=(*world.rehoming, replica))
             yield f"f3 takes {replica}'s re-homing key", after, False
         return
     if any(r.front == "f3" for r in world.runs):
         return
-    target, placed = _other(replica), world.placed
-    movable = placed is not None and placed.replica == replica and not placed.moving_to
-    if movable and world.rehomes_left and _ready(world, target) and not world.lost:
-        started, nonce = _fresh(world, "f3", replica, target)
-        started = started._replace(rehomes_left=world.rehomes_left - 1)
-        yield f"f3 re-homes {replica}->{target} ({nonce})", started, False
-        return
+    target = _other(replica)
+    for k in placed_here:
+        session = world.sessions[k]
+        if session.placed.moving_to or session.lost:
+            continue
+        if world.rehomes_left and _ready(world, target):
+            started, nonce = _fresh(world, "f3", SIDS[k], replica, target)
+            started = started._replace(rehomes_left=world.rehomes_left - 1)
+            yield f"f3 re-homes {SIDS[k]} {replica}->{target} ({nonce})", started, False
+            return
     after = world._replace(rehoming=tuple(r for r in world.rehoming if r != replica))
     yield f"f3 lets {replica}'s re-homing key go", after, False
 
 
 def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[World, object]:
     """`effect` performed on the world: the directory's scripts, a replica's handlers."""
-    placed = world.placed
+    k = _of(move)
+    placed = world.sessions[k].placed
     match effect:
         case Read():
             return world, placed
         case Unlisted() | DropLost():
             if isinstance(effect, DropLost) and placed == move.in_transit:
-                world = world._replace(placed=None)
+                world = world.with_session(k, placed=None)
             return world, None
         case Begin():  # listed, then swapped; unlisted if the swap failed
             listed = world._replace(listed=(*_unlisted(world, move), (move, True)))
-            after, begun = _swap(listed, move.before, move.in_transit, rules)
+            after, begun = _swap(listed, k, move.before, move.in_transit, rules)
             return (
                 (after, True) if begun else (after._replace(listed=_unlisted(after, move)), False)
             )
         case Commit() | Abort():
             new = move.after if isinstance(effect, Commit) else move.before
-            return _swap(world, move.in_transit, new, rules)
+            return _swap(world, k, move.in_transit, new, rules)
         case Unlist():
             return world._replace(listed=_unlisted(world, move)), None
         case CallOut():
-            return _call_out(world, move)
+            return _call_out(world, k, move)
         case CallIn():
-            return _arrive(world, move, rules)
+            return _arrive(world, k, move, rules)
         case Release(replica=replica, cancel=cancel):
-            return _release(world, replica, cancel, rules)
+            return _release(world, k, replica, cancel, rules)
     raise AssertionError(f"no model of {effect!r}")
 
 
@@ -575,14 +641,15 @@ def _unlisted(world: World, move: Move) -> tuple[tuple[Move, bool], ...]:
     return tuple(e for e in world.listed if e[0] != move)
 
 
-def _swap(world: World, old: Placement, new: Placement, rules: Rules) -> tuple[World, bool]:
+def _swap(world: World, k: int, old: Placement, new: Placement, rules: Rules) -> tuple[World, bool]:
     """The directory's compare-and-set, as its model has it (redis_model.py)."""
-    current = None if world.placed is None else world.placed.encode()
-    value, answer, _ = rules.swap(SID, current, old.encode(), new.encode())
-    return world._replace(placed=Placement.decode(value)), bool(answer)
+    placed = world.sessions[k].placed
+    current = None if placed is None else placed.encode()
+    value, answer, _ = rules.swap(SIDS[k], current, old.encode(), new.encode())
+    return world.with_session(k, placed=Placement.decode(value)), bool(answer)
 
 
-def _call_out(world: World, move: Move) -> tuple[World, object]:
+def _call_out(world: World, k: int, move: Move) -> tuple[World, object]:
     """`migrate_out` on the source: ABSENT when the fronts see it unregistered; refused
     (503) by a life that cannot answer now; else the copy leaves, its record written."""
     source = move.source
@@ -590,34 +657,35 @@ def _call_out(world: World, move: Move) -> tuple[World, object]:
         return world, ABSENT
     if not world.serving(source):
         return world, 503
-    copy = world.copy(source)
+    copy = world.sessions[k].copy(source)
     if copy is None:
         return world, 404
-    leaving = world.with_copy(source, copy._replace(moving=True))
-    return leaving.written(source, copy.history), 200
+    leaving = world.with_copy(k, source, copy._replace(moving=True))
+    return leaving.written(k, source, copy.history), 200
 
 
-def _arrive(world: World, move: Move, rules: Rules) -> tuple[World, object]:
+def _arrive(world: World, k: int, move: Move, rules: Rules) -> tuple[World, object]:
     """`migrate_in` on the target: only for this attempt in transit now, from the
     source's records once proven current."""
-    target, epoch = move.target, move.epoch + 1
+    target, epoch, session = move.target, move.epoch + 1, world.sessions[k]
     if not world.serving(target):
         return world, (503, False)
-    if not copies.takes_arrival(world.placed, move.source, epoch, target, move.nonce):
+    if not copies.takes_arrival(session.placed, move.source, epoch, target, move.nonce):
         return world, (409, False)
-    here = world.copy(target)
-    if rules.same_attempt(here, move.nonce):
+    if rules.same_attempt(session.copy(target), move.nonce):
         return world, (200, True)
     if not world.proven(move.source):
         return world, (503, False)
-    history = world.records[world.at(move.source)]
+    history = session.records[AT[move.source]]
     if history is None:
         return world, (404, False)
-    arrived = world.with_copy(target, Copy(epoch, history, arrival=move.nonce))
-    return arrived.written(target, history), (200, True)  # recorded before it answers
+    arrived = world.with_copy(k, target, Copy(epoch, history, arrival=move.nonce))
+    return arrived.written(k, target, history), (200, True)  # recorded before it answers
 
 
-def _release(world: World, replica: str, cancel: bool, rules: Rules) -> tuple[World, object]:
+def _release(
+    world: World, k: int, replica: str, cancel: bool, rules: Rules
+) -> tuple[World, object]:
     """`migrate_done` / `migrate_cancel`: answered (True) when the replica is not
     registered (it settles from the directory once back), refused by a life that cannot
     answer now."""
@@ -625,11 +693,12 @@ def _release(world: World, replica: str, cancel: bool, rules: Rules) -> tuple[Wo
         return world, True
     if not world.serving(replica):
         return world, False
-    copy = world.copy(replica)
+    session = world.sessions[k]
+    copy = session.copy(replica)
     if cancel and copy is not None:
-        if copy.moving and rules.cancel_restores(copy, world.placed, replica):
-            world = world.with_copy(replica, copy._replace(moving=False))
+        if copy.moving and rules.cancel_restores(copy, session.placed, replica):
+            world = world.with_copy(k, replica, copy._replace(moving=False))
         return world, True
-    if not cancel and copies.may_close(world.placed, replica):
-        return world.with_copy(replica, None), True
+    if not cancel and copies.may_close(session.placed, replica):
+        return world.with_copy(k, replica, None), True
     return world, True
