@@ -3,22 +3,31 @@ within the fault bound, breadth first (so the first trace found to a state is a 
 one), safety checked in each, then liveness over the whole graph.
 
 - Safety, in every reachable state: no acknowledged turn is missing from the history of
-  the copy the directory names, while that copy serves.
-- Liveness: from every reachable state some schedule without faults reaches a settled
-  state (the directory names a ready copy at its epoch, not in transit and in doubt
-  nowhere, no other copy, no move listed or running, no request in flight), and `depth`
-  is the longest such shortest schedule (the N the test prints). This is the
-  existential form: a state from which no fault-free schedule settles is a wedge; a
-  state from which some unfair schedule loops forever is not reported.
+  the copy the directory names, while that copy serves; no two copies of a session
+  could each answer a turn.
+- Liveness, once faults stop, over the graph of fault-free steps:
+  - from every reachable state some schedule reaches a settled state (the directory
+    names a ready copy at its epoch, not in transit and in doubt nowhere, no other
+    copy, no move listed or running, no request in flight); `depth` is the longest such
+    shortest schedule (the N the test prints). A state with none is a wedge.
+  - every schedule settles under weak fairness: each cycle of unsettled states (each
+    strongly connected component) is checked to be one that no weakly fair schedule
+    stays in for ever: some actor (a front, a replica, the store, the network carrying
+    a message) can act in every state of it and never does within it. Retries loop by
+    design (a settle asked again while a replica cannot answer): such loops are counted
+    (`cycles`), and a cycle a fair schedule could stay in is a violation. Choices nobody
+    must make (a client's next turn, a drain's next move) oblige no one. Because the
+    loops are there, no bound N holds for every schedule; N is the existential one.
 
 It reports the states explored, and for each violation the shortest trace to it."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tests.protocol.world import REPLICAS, SIDS, Rules, Session, World, moves
+from tests.protocol.world import CHOICE, FAULT, REPLICAS, SIDS, Rules, Session, World, moves
 
 
 @dataclass
@@ -26,6 +35,7 @@ class Report:
     states: int = 0
     edges: int = 0
     depth: int = 0  # the longest shortest fault-free schedule to a settled state
+    cycles: int = 0  # cycles of unsettled states, each left by every weakly fair schedule
     violations: list[tuple[str, list[str]]] = field(default_factory=list)
 
     def first(self) -> str:
@@ -131,7 +141,7 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
                 break
             i += 1
             continue
-        for _, after, fault in moves(world, rules):
+        for _, after, by in moves(world, rules):
             report.edges += 1
             j = index.get(after)
             if j is None:
@@ -139,7 +149,7 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
                 worlds.append(after)
                 parent.append(i)
                 back.append([])
-            if not fault:
+            if by != FAULT:
                 back[j].append(i)
         i += 1
     report.states = len(worlds)
@@ -149,6 +159,17 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
     if wedged:
         report.violations.append(
             ("wedged: no fault-free schedule settles", _trace(worlds, parent, wedged[0], rules))
+        )
+    open_ = [not settled(w) and not harm(w) for w in worlds]
+    report.cycles, trapped = fair_cycles(
+        components(back, open_), lambda k: [(index[a], by) for _, a, by in moves(worlds[k], rules)]
+    )
+    if trapped:
+        report.violations.append(
+            (
+                "a fault-free cycle a weakly fair schedule may never leave",
+                _trace(worlds, parent, trapped[0], rules),
+            )
         )
     return report
 
@@ -169,6 +190,86 @@ def _liveness(worlds: list[World], back: list[list[int]], explored: int) -> tupl
                 queue.append(before)
     wedged = [k for k in range(explored) if distance[k] < 0 and not harm(worlds[k])]
     return max(distance), wedged
+
+
+def fair_cycles(
+    found: list[list[int]], steps: Callable[[int], list[tuple[int, str]]]
+) -> tuple[int, list[int]]:
+    """(how many of the components `found` there are, the states of the first one a
+    weakly fair schedule may stay in for ever, lowest first); `steps(k)`: state k's
+    steps, each (the state it leads to, who takes it). A component is left by every fair
+    schedule when some actor can act in each of its states and none of its steps stays
+    inside; then so is every cycle within it."""
+    trapped: list[int] = []
+    for component in found:
+        inside = set(component)
+        always: set[str] | None = None
+        stays: set[str] = set()
+        for k in component:
+            able = set()
+            for after, by in steps(k):
+                if by in (FAULT, CHOICE):
+                    continue
+                able.add(by)
+                if after in inside:
+                    stays.add(by)
+            always = able if always is None else always & able
+        if always is not None and always <= stays:
+            trapped = sorted(component)
+            break
+    return len(found), trapped
+
+
+def components(back: list[list[int]], open_: list[bool]) -> list[list[int]]:
+    """The strongly connected components of the `open_` states that hold a cycle (more
+    than one state, or a step to itself), by Tarjan's algorithm without recursion over
+    `back`, the reversed graph of fault-free steps (its components are the graph's)."""
+    n = len(back)
+    order, low = [-1] * n, [0] * n
+    stacked = [False] * n
+    stack: list[int] = []
+    found: list[list[int]] = []
+    counter = 0
+    for root in range(n):
+        if order[root] >= 0 or not open_[root]:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, at = work.pop()
+            if at == 0:
+                order[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                stacked[v] = True
+            edges = back[v]
+            descended = False
+            while at < len(edges):
+                u = edges[at]
+                at += 1
+                if not open_[u]:
+                    continue
+                if order[u] < 0:
+                    work += [(v, at), (u, 0)]
+                    descended = True
+                    break
+                if stacked[u]:
+                    low[v] = min(low[v], order[u])
+            if descended:
+                continue
+            if low[v] == order[v]:
+                component = []
+                while True:
+                    u = stack.pop()
+                    stacked[u] = False
+                    component.append(u)
+                    if u == v:
+                        break
+                if len(component) > 1 or v in back[v]:
+                    found.append(component)
+            if work:
+                above = work[-1][0]
+                low[above] = min(low[above], low[v])
+    return found
 
 
 def _trace(worlds: list[World], parent: list[int], i: int, rules: Rules) -> list[str]:

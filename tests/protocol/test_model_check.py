@@ -49,7 +49,12 @@ def run(rules: Rules, start: World = BOUND, first_harm: bool = False) -> Report:
         f"{sessions}, {start.moves_left} drain moves one at a time + "
         f"{start.rehomes_left} re-homing, {turns} turns, {start.faults_left} faults; "
         f"{report.states} states, {report.edges} transitions explored"
-        + ("" if first_harm else f"; longest shortest settling schedule N = {report.depth}")
+        + (
+            ""
+            if first_harm
+            else f"; longest shortest settling schedule N = {report.depth}; {report.cycles} "
+            "fault-free cycles, each left by every weakly fair schedule"
+        )
     )
     if report.violations:
         print(report.first())

@@ -11,7 +11,8 @@ compare-and-sets (redis_model.py, held to the real scripts by test_redis_model.p
 replica's handlers of the admin calls, the store.
 
 A state is a value (`World`); `moves(world, rules)` lists every transition enabled in
-it, each named, with the state it leads to and whether it is a fault. Faults (at most
+it, each named, with the state it leads to and who took it (a fault, a choice, or an
+actor: `Transition`). Faults (at most
 `World.faults_left` per trace): a call's request lost (not applied, the front sees a
 503), its reply lost (applied, the front sees a 503), delayed (the front sees a 503; the
 request is delivered at any later moment) or duplicated (applied, answered, and
@@ -204,7 +205,12 @@ class Rules:
     fence_every_session: bool = True
 
 
-Transition = tuple[str, World, bool]  # (what happened, the state after, whether a fault)
+# (what happened, the state after, who took the step): a fault (`FAULT`), a choice nobody
+# must make (`CHOICE`: a client's next turn, a drain's next move), or the name of the
+# actor that takes it (a front, a replica, the store for a replica, the network for a
+# message in flight), which weak fairness obliges to act if it can for ever
+Transition = tuple[str, World, str]
+FAULT, CHOICE = "fault", "choice"
 
 
 def moves(world: World, rules: Rules) -> Iterator[Transition]:
@@ -215,7 +221,8 @@ def moves(world: World, rules: Rules) -> Iterator[Transition]:
     yield from _take_overs(world)
     for j, late in enumerate(world.late):
         after = _apply(world._replace(late=_drop(world.late, j)), late.move, late.effect, rules)[0]
-        yield f"late {type(late.effect).__name__} of {_name(late.move)} delivered", after, False
+        message = f"{type(late.effect).__name__} of {_name(late.move)}"
+        yield f"late {message} delivered", after, f"network: {message}"
     for k in range(len(world.sessions)):
         yield from _turns(world, k, rules)
     for replica in REPLICAS:
@@ -249,7 +256,7 @@ def _begins(world: World) -> Iterator[Transition]:
         yield (
             f"f1 begins a move of {SIDS[k]} {source}->{_other(source)} ({nonce})",
             started._replace(moves_left=world.moves_left - 1),
-            False,
+            CHOICE,
         )
 
 
@@ -266,29 +273,29 @@ def _performs(world: World, i: int, held: Run, rules: Rules) -> Iterator[Transit
     move, effect = held.run.move, held.effect
     what = f"{held.front} {type(effect).__name__} {_name(move)}"
     applied, result = _apply(world._replace(runs=rest), move, effect, rules)
-    yield what, _continue(applied, held, result, rules), False
+    yield what, _continue(applied, held, result, rules), held.front
     if world.faults_left == 0:
         return
     faulted = world._replace(runs=rest, faults_left=world.faults_left - 1)
     if isinstance(effect, CALLS):
         failed = _failure(effect)
-        yield f"{what}: request lost", _continue(faulted, held, failed, rules), True
+        yield f"{what}: request lost", _continue(faulted, held, failed, rules), FAULT
         applied, _ = _apply(faulted, move, effect, rules)
-        yield f"{what}: reply lost", _continue(applied, held, failed, rules), True
+        yield f"{what}: reply lost", _continue(applied, held, failed, rules), FAULT
         delayed = faulted._replace(late=(*faulted.late, Late(move, effect)))
-        yield f"{what}: delayed", _continue(delayed, held, failed, rules), True
+        yield f"{what}: delayed", _continue(delayed, held, failed, rules), FAULT
         applied, result = _apply(delayed, move, effect, rules)
-        yield f"{what}: duplicated", _continue(applied, held, result, rules), True
+        yield f"{what}: duplicated", _continue(applied, held, result, rules), FAULT
     else:
         # Redis refuses the write (or the front dies before it): the run ends, its move
         # listed waits for a taker-over; or the client sends it again after a reply lost
         # (redis-py retries a command on a connection error): applied twice, the front
         # hears the second answer
-        yield f"Redis refuses {what}", _unheld(faulted, move), True
+        yield f"Redis refuses {what}", _unheld(faulted, move), FAULT
         once, _ = _apply(faulted, move, effect, rules)
         twice, result = _apply(once, move, effect, rules)
-        yield f"{what} is applied twice", _continue(twice, held, result, rules), True
-    yield f"{held.front} stalls past its lease on {_name(move)}", _lapse(world, move), True
+        yield f"{what} is applied twice", _continue(twice, held, result, rules), FAULT
+    yield f"{held.front} stalls past its lease on {_name(move)}", _lapse(world, move), FAULT
 
 
 def _failure(effect: Effect) -> object:
@@ -336,7 +343,7 @@ def _take_overs(world: World) -> Iterator[Transition]:
         listed = _set(world.listed, k, (move, True))
         run = MoveRun(move, fresh=False, target_ready=_ready(world, move.target))
         taken = world._replace(listed=listed, runs=(*world.runs, Run("f2", run, run.first())))
-        yield f"f2 takes over {_name(move)}", taken, False
+        yield f"f2 takes over {_name(move)}", taken, "f2"
 
 
 def _turns(world: World, k: int, rules: Rules) -> Iterator[Transition]:
@@ -347,16 +354,16 @@ def _turns(world: World, k: int, rules: Rules) -> Iterator[Transition]:
     if session.delayed is not None:
         replica, epoch = session.delayed
         after = _deliver(world.with_session(k, delayed=None), k, replica, epoch, rules)
-        yield f"the delayed turn of {SIDS[k]} reaches {replica}", after, False
+        yield f"the delayed turn of {SIDS[k]} reaches {replica}", after, f"network {SIDS[k]}"
     if session.turns_left == 0 or session.lost or placed is None or placed.moving_to:
         return
     served = _deliver(world, k, placed.replica, placed.epoch, rules)
     if served != world:
-        yield f"turn {len(session.acked) + 1} of {SIDS[k]} on {placed.replica}", served, False
+        yield f"turn {len(session.acked) + 1} of {SIDS[k]} on {placed.replica}", served, CHOICE
     if world.faults_left and session.delayed is None:
         delayed = world.with_session(k, delayed=(placed.replica, placed.epoch))
         after = delayed._replace(faults_left=world.faults_left - 1)
-        yield f"a turn of {SIDS[k]} routed to {placed.replica} is delayed", after, True
+        yield f"a turn of {SIDS[k]} routed to {placed.replica} is delayed", after, FAULT
 
 
 def _deliver(world: World, k: int, replica: str, epoch: int, rules: Rules) -> World:
@@ -383,25 +390,25 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
     if not life.up:
         if life.registered:
             after = world.with_life(replica, registered=False)
-            yield f"{replica}'s registration expires", after, False
+            yield f"{replica}'s registration expires", after, replica
         if life.number < 2:
             after = world.with_life(replica, number=life.number + 1, up=True, step=0, lease=False)
-            yield f"{replica} starts life {life.number + 1}", after, False
+            yield f"{replica} starts life {life.number + 1}", after, replica
         return
     if life.step < len(rules.start):
         after = _start_step(world, replica, rules.start[life.step], rules)
         if after is not None:
             what = f"{replica} life {life.number}: {rules.start[life.step].value}"
-            yield what, after.with_life(replica, step=life.step + 1), False
+            yield what, after.with_life(replica, step=life.step + 1), replica
         return
     after = _heartbeat(world, replica, rules)
     if after != world:
-        yield f"{replica} writes its registration", after, False
+        yield f"{replica} writes its registration", after, replica
     if life.pending and world.proven(replica):
         yield (
             f"{replica} takes back what waited for the proof",
             _take_back(world.with_life(replica, pending=False), replica),
-            False,
+            replica,
         )
     if world.faults_left == 0:
         return
@@ -413,11 +420,11 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
         yield (
             f"{replica} life {life.number} crashes",
             crashed.with_life(replica, up=False, lease=False, pending=False),
-            True,
+            FAULT,
         )
     if life.registered and life.lease:
         paused = spent.with_life(replica, lease=_lease_after_pause(rules), registered=False)
-        yield f"{replica} pauses past its lease", paused, True
+        yield f"{replica} pauses past its lease", paused, FAULT
 
 
 def _lease_after_pause(rules: Rules) -> bool:
@@ -531,12 +538,12 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
                     records=_set(session.records, i, written[1]),
                     arrivals=_set(session.arrivals, i, written[2]),
                 )
-        yield f"the store applies {replica}'s records", _unstreamed(applied, i), False
+        yield f"the store applies {replica}'s records", _unstreamed(applied, i), f"store {replica}"
         if world.faults_left:
             life = min(p[0] for p in pending if p is not None)  # the oldest unapplied
             lost = world._replace(gap_life=_set(world.gap_life, i, life))
             lost = _unstreamed(lost, i)._replace(faults_left=world.faults_left - 1)
-            yield f"{replica}'s records are lost before the store applied them", lost, True
+            yield f"{replica}'s records are lost before the store applied them", lost, FAULT
     if not gap:
         return
     life = world.life(replica)
@@ -550,7 +557,7 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
                 arrivals=_set(session.arrivals, i, "" if copy is None else copy.arrival),
             )
         superseded = _unstreamed(_ungapped(mended, i), i)  # older than the snapshot
-        yield f"{replica}'s snapshot mends the gap", superseded, False
+        yield f"{replica}'s snapshot mends the gap", superseded, f"store {replica}"
     elif records.gap_decided(gap, world.fenced_by[i]):
         decided = world
         for k, session in enumerate(world.sessions):
@@ -560,7 +567,7 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
                 records=_set(session.records, i, None),
                 lost=session.lost or (here and session.records[i] is not None),
             )
-        yield f"the store decides {replica}'s gap lost", _ungapped(decided, i), False
+        yield f"the store decides {replica}'s gap lost", _ungapped(decided, i), f"store {replica}"
 
 
 def _unstreamed(world: World, i: int) -> World:
@@ -588,7 +595,7 @@ def _rehoming(world: World, replica: str) -> Iterator[Transition]:
     if replica not in world.rehoming:
         if not life.registered and placed_here:
             after = world._replace(rehoming=(*world.rehoming, replica))
-            yield f"f3 takes {replica}'s re-homing key", after, False
+            yield f"f3 takes {replica}'s re-homing key", after, "f3"
         return
     if any(r.front == "f3" for r in world.runs):
         return
@@ -600,10 +607,10 @@ def _rehoming(world: World, replica: str) -> Iterator[Transition]:
         if world.rehomes_left and _ready(world, target):
             started, nonce = _fresh(world, "f3", SIDS[k], replica, target)
             started = started._replace(rehomes_left=world.rehomes_left - 1)
-            yield f"f3 re-homes {SIDS[k]} {replica}->{target} ({nonce})", started, False
+            yield f"f3 re-homes {SIDS[k]} {replica}->{target} ({nonce})", started, "f3"
             return
     after = world._replace(rehoming=tuple(r for r in world.rehoming if r != replica))
-    yield f"f3 lets {replica}'s re-homing key go", after, False
+    yield f"f3 lets {replica}'s re-homing key go", after, "f3"
 
 
 def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[World, object]:
