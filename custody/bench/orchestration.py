@@ -135,6 +135,10 @@ def _metrics(port: int) -> dict[str, float]:
     return found
 
 
+# a process's name in the figures' keys, where it is not its stack name
+PROCESS_KEYS = {"session-store": "store"}
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -211,6 +215,12 @@ def _figures(cell: Cell, before: dict, after: dict, times: list[list[float]]) ->
     )
     cpu = {k[4:]: round(v / wall, 3) for k, v in delta.items() if k.startswith("cpu_")}
     used = sum(cpu.values()) / (os.cpu_count() or 1)
+    own = {  # custody's processes (and Redis), not the load's clients
+        PROCESS_KEYS.get(k[4:], k[4:].replace("-", "_")): v
+        for k, v in delta.items()
+        if k.startswith("cpu_") and k != "cpu_clients"
+    }
+    per_step_ms = {name: round(v / steps * 1e3, 3) for name, v in own.items()}
     return {
         "idle_share": round(max(0.0, 1 - delta["busy"] / wall), 4),
         "steps_per_s": round(steps / wall, 1),
@@ -220,6 +230,12 @@ def _figures(cell: Cell, before: dict, after: dict, times: list[list[float]]) ->
         "step_bytes_per_row": round(delta["bytes"] / rows, 1),
         "itl_ms_p50": round(float(np.percentile(gaps, 50)) * 1e3, 2) if len(gaps) else None,
         "itl_ms_p99": round(float(np.percentile(gaps, 99)) * 1e3, 2) if len(gaps) else None,
+        # each process's CPU time per decoding row and step, and per step: with a core
+        # each, the largest per step is what would pace a step
+        "cpu_us_per_row_step": {name: round(v / rows * 1e6, 2) for name, v in own.items()},
+        "cpu_ms_per_step": per_step_ms,
+        "max_process_cpu_ms_per_step": max(per_step_ms.values()),
+        "sum_process_cpu_ms_per_step": round(sum(own.values()) / steps * 1e3, 3),
         "cores_used": cpu,  # CPU seconds per second of each process, the clients' too
         "machine_share": round(used, 3),
         "load_average": round(os.getloadavg()[0], 2),
@@ -347,10 +363,12 @@ def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
         results[cell.key] = runs[len(runs) // 2]
         progress("orchestration", i + 1, len(cells))
     payload: dict = {f"idle_share_{k}": r["idle_share"] for k, r in results.items()}
-    payload |= {
-        f"scheduler_cpu_us_per_row_step_{k}": r["scheduler_cpu_us_per_row_step"]
-        for k, r in results.items()
-    }
+    for k, r in results.items():
+        payload |= {
+            f"{name}_cpu_us_per_row_step_{k}": v for name, v in r["cpu_us_per_row_step"].items()
+        }
+        payload[f"max_process_cpu_ms_per_step_{k}"] = r["max_process_cpu_ms_per_step"]
+        payload[f"sum_process_cpu_ms_per_step_{k}"] = r["sum_process_cpu_ms_per_step"]
     small, large = results.get("b64_ctx1k_10ms"), results.get("b64_ctx32k_10ms")
     if small and large:
         payload["step_bytes_ratio_32k_vs_1k"] = round(
@@ -366,15 +384,19 @@ def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
 
 def _table(results: dict[str, dict]) -> str:
     lines = [
-        "| cell | idle share | scheduler CPU per step / per row-step | bytes per row "
+        "| cell | idle share | scheduler CPU per step / per row-step "
+        "| CPU per row-step, each process | largest / sum per step | bytes per row "
         "| inter-token p50 / p99 | machine used | load avg |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         mark = " (saturated)" if r["saturated"] else ""
+        each = ", ".join(f"{name} {v:.1f}" for name, v in r["cpu_us_per_row_step"].items())
         lines.append(
             f"| {key} | {r['idle_share']:.3f}{mark} | {r['scheduler_cpu_us_per_step']:.0f} us / "
-            f"{r['scheduler_cpu_us_per_row_step']:.1f} us | {r['step_bytes_per_row']:.0f} B "
+            f"{r['scheduler_cpu_us_per_row_step']:.1f} us | {each} us "
+            f"| {r['max_process_cpu_ms_per_step']:.2f} / {r['sum_process_cpu_ms_per_step']:.2f} ms "
+            f"| {r['step_bytes_per_row']:.0f} B "
             f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} ms | {r['machine_share']:.2f} "
             f"| {r['load_average']} |"
         )

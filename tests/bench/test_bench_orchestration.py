@@ -17,6 +17,12 @@ def test_one_cell_decodes_every_client_and_reports_every_figure():
     assert got["scheduler_cpu_us_per_row_step"] > 0 and got["itl_ms_p50"] > 0
     assert set(got["cores_used"]) >= {"scheduler", "session-store", "executor", "clients"}
     assert isinstance(got["saturated"], bool)
+    each = got["cpu_us_per_row_step"]  # every process's own figure, the clients' not
+    assert set(each) >= {"scheduler", "store", "executor"} and "clients" not in each
+    assert all(v > 0 for v in each.values()), each
+    per_step = got["cpu_ms_per_step"]
+    assert got["max_process_cpu_ms_per_step"] == max(per_step.values())
+    assert got["sum_process_cpu_ms_per_step"] >= got["max_process_cpu_ms_per_step"]
 
 
 def test_the_scheduler_core_alone_is_timed_over_steps_of_every_row():
