@@ -131,10 +131,12 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
     index: dict[World, int] = {start: 0}
     worlds, parent = [start], [-1]
     back: list[list[int]] = [[]]  # per state: the states with a fault-free edge to it
+    harmed: list[bool] = []  # per state explored: whether it breaks safety
     report, i = Report(), 0
     while i < len(worlds):
         world = worlds[i]
         broken = harm(world)
+        harmed.append(broken is not None)
         if broken:
             report.violations.append((broken, _trace(worlds, parent, i, rules)))
             if first_harm:
@@ -155,12 +157,13 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
     report.states = len(worlds)
     if first_harm:
         return report
-    report.depth, wedged = _liveness(worlds, back, i)
+    done = [settled(w) for w in worlds]
+    report.depth, wedged = _liveness(back, done, harmed)
     if wedged:
         report.violations.append(
             ("wedged: no fault-free schedule settles", _trace(worlds, parent, wedged[0], rules))
         )
-    open_ = [not settled(w) and not harm(w) for w in worlds]
+    open_ = [not d and not h for d, h in zip(done, harmed, strict=True)]
     report.cycles, trapped = fair_cycles(
         components(back, open_), lambda k: [(index[a], by) for _, a, by in moves(worlds[k], rules)]
     )
@@ -174,12 +177,12 @@ def explore(rules: Rules, start: World | None = None, first_harm: bool = False) 
     return report
 
 
-def _liveness(worlds: list[World], back: list[list[int]], explored: int) -> tuple[int, list[int]]:
-    """(the longest shortest fault-free distance to a settled state, the states from
-    which none is reachable, shortest trace first), by a backward search from the
-    settled states."""
-    distance = [-1] * len(worlds)
-    queue = deque(k for k in range(explored) if settled(worlds[k]))
+def _liveness(back: list[list[int]], done: list[bool], harmed: list[bool]) -> tuple[int, list[int]]:
+    """(the longest shortest fault-free distance to a settled (`done`) state, the states
+    from which none is reachable and that break no safety property, shortest trace
+    first), by a backward search from the settled states."""
+    distance = [-1] * len(back)
+    queue = deque(k for k, d in enumerate(done) if d)
     for k in queue:
         distance[k] = 0
     while queue:
@@ -188,7 +191,7 @@ def _liveness(worlds: list[World], back: list[list[int]], explored: int) -> tupl
             if distance[before] < 0:
                 distance[before] = distance[k] + 1
                 queue.append(before)
-    wedged = [k for k in range(explored) if distance[k] < 0 and not harm(worlds[k])]
+    wedged = [k for k, d in enumerate(distance) if d < 0 and not harmed[k]]
     return max(distance), wedged
 
 

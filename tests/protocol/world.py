@@ -137,9 +137,6 @@ class World(NamedTuple):
     crashes_left: int = 0  # lives that may still end (each replica has at most two)
     nonces: int = 0  # nonces handed out
 
-    def at(self, replica: str) -> int:
-        return AT[replica]
-
     def life(self, replica: str) -> Life:
         return self.lives[AT[replica]]
 
