@@ -306,7 +306,9 @@ class EngineCore:
             return 0
         need = pages_to_grow(self.pools.config.page_size, planned, n)
         running = self.queue.running
-        while not self.room.make(need + state.pages, 0, 0):
+        # the pages taken so far fitted (rows only free room between): a row that grows
+        # no page needs no check, the case of nearly every decoding row
+        while need and not self.room.make(need + state.pages, 0, 0):
             planned = {id(r) for r, _ in chosen}
             victims = [
                 r

@@ -19,6 +19,7 @@ from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
+FUTURE_ROW = (FUTURE_TOKEN,)  # the tokens of a row fed the token the step in flight samples
 
 
 def pages_to_grow(page_size: int, length: int, n: int) -> int:
@@ -90,14 +91,15 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
     scored = req.scored(start, end)
     row_slot = req.slots.row.slot
     kv_from, kv = pools.rows.delta(row_slot, req.rid, start, end)
-    wire = StepRow.of(
-        np.array([FUTURE_TOKEN]) if future else req.sequence[start:end],
-        start,
-        kv,
-        read,
+    # built field by field (not StepRow.of): this runs for every row of every step
+    wire = StepRow(
         rid=req.rid,
+        tokens=array(FUTURE_ROW if future else req.tokens_at(start, end), I4),
+        start=start,
+        kv_indices=array(kv, I4),
         kv_from=kv_from,
         row=row_slot,
+        mamba_slot=read,
         mamba_out=write,
         snapshot_slot=slot,
         snapshot_len=snap_len if slot else 0,
@@ -111,7 +113,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
         top_logprobs=params.top_logprobs,
         future=future,
         scored_from=scored.start,
-        scored=req.prompt[scored.start + 1 : scored.stop + 1],
+        scored=array(req.prompt[scored.start + 1 : scored.stop + 1] if scored else (), I4),
         grammar=row_grammar(req) if sample else None,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,

@@ -100,6 +100,16 @@ class Request:
             return self.prompt
         return np.concatenate([self.prompt, np.asarray(self.output, dtype=np.int64)])
 
+    def tokens_at(self, start: int, end: int) -> np.ndarray:
+        """The sequence's tokens at positions start..end-1, without joining the whole
+        prompt and output (a decoding row wants one token of them)."""
+        cut = len(self.prompt)
+        if start >= cut:
+            return np.asarray(self.output[start - cut : end - cut], dtype=np.int64)
+        if end <= cut:
+            return self.prompt[start:end]
+        return self.sequence[start:end]
+
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -134,7 +144,7 @@ class Request:
     def pending_tokens(self) -> int:
         """Tokens of this request that steps in flight sample, not yet known: one per
         decode row in flight (a prefill chunk samples only at the prompt's end)."""
-        return sum(row.sample for row in self.inflight)
+        return len([row for row in self.inflight if row.wire.sample])
 
     @property
     def done(self) -> bool:
