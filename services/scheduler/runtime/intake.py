@@ -114,15 +114,21 @@ class Intake:
         self.ended(unapplied + unknown)
 
     def tokens_arrived(self, rids: list[str]) -> None:
+        """A step brought tokens for `rids`: wake their clients, and observe each one's
+        time to first token or gap since its last (one histogram update per step)."""
         now = time.monotonic()
+        firsts, gaps = [], []
         for rid in rids:
             seen = self.timing.get(rid)
             if seen is not None:
-                (self.metrics.ttft if seen[1] is None else self.metrics.itl).observe(
-                    now - (seen[0] if seen[1] is None else seen[1])
-                )
+                if seen[1] is None:
+                    firsts.append(now - seen[0])
+                else:
+                    gaps.append(now - seen[1])
                 seen[1] = now
             self._notify(rid)
+        self.metrics.ttft.observe_many(firsts)
+        self.metrics.itl.observe_many(gaps)
 
     def _notify(self, rid: str) -> None:
         waiter = self.waiters.get(rid)

@@ -3,8 +3,8 @@
 Pool occupancy, sessions, queues and counters are read from live state at scrape time
 (the ledger's owner tables, the engine's queues), so a metric can never drift from what
 it measures; KV utilisation alone reads counts the prefix cache keeps as it changes, which
-its integrity check holds against a walk. Latencies are histograms observed as tokens
-arrive.
+its integrity check holds against a walk. Latencies are histograms observed a step at a time
+(latency_histogram.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.scheduler.runtime.latency_histogram import StepHistogram
 from shared import streams
 from shared.retry import DEPENDENCY_FAULTS, background_faults
 
@@ -239,34 +240,34 @@ class SchedulerMetrics:
         self.keys = keys
         self.registry = CollectorRegistry()
         self.live: LiveState | None = None
-        self.ttft = Histogram(
-            "custody_ttft_seconds", "time to first token", buckets=BUCKETS, registry=self.registry
+        self.ttft = StepHistogram(
+            "custody_ttft_seconds", "time to first token", BUCKETS, self.registry
         )
-        self.itl = Histogram(
+        self.itl = StepHistogram(
             "custody_inter_token_latency_seconds",
             "time between tokens",
-            buckets=BUCKETS,
-            registry=self.registry,
+            BUCKETS,
+            self.registry,
         )
-        self.e2e = Histogram(
+        self.e2e = StepHistogram(
             "custody_request_seconds",
             "arrival to end of a request",
-            buckets=BUCKETS,
-            registry=self.registry,
+            BUCKETS,
+            self.registry,
         )
-        self.step = Histogram(
+        self.step = StepHistogram(
             "custody_step_seconds",
             "one pass of the scheduling loop with work in flight (plan and publish a step, "
             "wait for and complete the oldest); their sum is the loop's busy time",
-            buckets=BUCKETS,
-            registry=self.registry,
+            BUCKETS,
+            self.registry,
         )
-        self.turnaround = Histogram(
+        self.turnaround = StepHistogram(
             "custody_step_turnaround_seconds",
             "a step's result read to the next step on the stream: the part of the pipeline "
             "the executor's forward must cover, or it waits (bench e2e's overhead_share)",
-            buckets=BUCKETS,
-            registry=self.registry,
+            BUCKETS,
+            self.registry,
         )
         self.header_turns = Counter(
             "custody_header_session_turns",
