@@ -44,7 +44,12 @@ import msgspec
 import redis
 
 from protocol import records
-from services.session_store.ledger_replay import KEEP_VIOLATIONS, IndependentLedger, Violation
+from services.session_store.ledger_replay import (
+    CHECKPOINT_PAGE,
+    KEEP_VIOLATIONS,
+    IndependentLedger,
+    Violation,
+)
 from services.session_store.record_check import check_records
 from services.session_store.write_checker import WriteChecker
 from shared import records_proof, streams
@@ -94,6 +99,7 @@ class OwnershipConsumer:
         self.sessions_lost = 0  # sessions lost by a decision on an unfillable gap
         self.last_entry = records_proof.NO_STREAM  # the last stream entry handled
         self._lose = False  # every recorded session is to be lost with the next write
+        self._stale_fields: list[str] = []  # a whole-table checkpoint's, read once
         streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
 
@@ -157,6 +163,8 @@ class OwnershipConsumer:
         if self.records_complete:  # every record up to the last entry applied, or lost
             self.records_through = self.last_entry
         pipe.hset(keys.checkpoint, mapping=self._checkpoint())
+        if self._stale_fields:  # its tables are all in pages now (all dirty once loaded)
+            pipe.hdel(keys.checkpoint, *self._stale_fields)
         if entries:
             pipe.xack(self.stream, self.group, *[i for i, _ in entries])
         self.checker.ack(pipe)
@@ -166,7 +174,7 @@ class OwnershipConsumer:
         # (a move then carried a history a turn short: the 3-replica campaign).
         self._writes.clear()
         self.ledger.dirty.clear()  # likewise: a refused checkpoint writes them next time
-        self._full, self._lose = None, False
+        self._full, self._lose, self._stale_fields = None, False, []
         return len(entries)
 
     def _lose_recorded(self, pipe: redis.client.Pipeline) -> None:
@@ -329,9 +337,10 @@ class OwnershipConsumer:
 
     # ---- checkpoint ----
     def _checkpoint(self) -> dict:
-        """The fields of the checkpoint to write: every table changed since the last one
-        written (`table:<pool id>`: a pool's owner table is its biggest part, and most
-        batches touch one or two pools) and the rest of the state."""
+        """The fields of the checkpoint to write: every page of the owner tables changed
+        since the last one written (`page:<n>`, ledger_replay.py's CHECKPOINT_PAGE slots
+        of the tables joined: they are its biggest part, and a batch changes a few
+        pages) and the rest of the state."""
         led = self.ledger
         state = {
             "epoch": self.epoch,
@@ -349,8 +358,9 @@ class OwnershipConsumer:
             "sessions_lost": self.sessions_lost,
             "last_entry": self.last_entry,
             "lost_epoch": self.lost_epoch,
+            "sizes": led.sizes,
         }
-        tables = {f"table:{i}": pack(led.tables[i], WIRE_DTYPES[OWNER]) for i in led.dirty}
+        tables = {f"page:{n}": pack(led.page(n), WIRE_DTYPES[OWNER]) for n in led.dirty}
         return {
             "state": msgpack.packb(state, use_bin_type=True),
             "records_complete": int(self.records_complete),
@@ -370,9 +380,16 @@ class OwnershipConsumer:
         led = self.ledger
         self.epoch, self.seq = state["epoch"], state["seq"]
         led.names, led.next_event = state["names"], state["next_event"]
-        fields = [f"table:{i}" for i in range(len(led.names))]
-        raws = self.client.hmget(self.keys.checkpoint, fields) if fields else []
-        led.restore([unpack(t or b"", WIRE_DTYPES[OWNER]) for t in raws])
+        if "sizes" in state:
+            sizes = state["sizes"]
+            fields = [f"page:{n}" for n in range(-(-sum(sizes) // CHECKPOINT_PAGE))]
+            raws = self.client.hmget(self.keys.checkpoint, fields) if fields else []
+            led.restore_pages([unpack(t or b"", WIRE_DTYPES[OWNER]) for t in raws], sizes)
+        else:  # written whole, a field a table, before pages (5000829)
+            fields = [f"table:{i}" for i in range(len(led.names))]
+            raws = self.client.hmget(self.keys.checkpoint, fields) if fields else []
+            led.restore([unpack(t or b"", WIRE_DTYPES[OWNER]) for t in raws])
+            self._stale_fields = fields  # the next checkpoint deletes them
         led.owners.reset({int(k): v for k, v in state["owners"].items()}, led.tables)
         led.violations = [Violation(**v) for v in state["violations"]]
         led.found = Counter(state.get("found") or [v.kind for v in led.violations])

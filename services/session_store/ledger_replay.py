@@ -33,6 +33,9 @@ KINDS = (
     "record_not_owned",  # a session record names slots the session does not own
 )
 KEEP_VIOLATIONS = 1000
+# The checkpoint writes the owner tables in pages of this many slots, only those a batch
+# changed: a decode step moves a few KV pages of a pool of hundreds of thousands.
+CHECKPOINT_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class IndependentLedger:
         self.flat = np.zeros(0, np.int64)  # every pool's owner ids, one after another
         self.offsets = np.zeros(0, np.int64)  # where each pool starts in `flat`
         self.tables: list[np.ndarray] = []  # per pool id: its view of `flat`, per slot
-        self.dirty: set[int] = set()  # tables changed since the last checkpoint took them
+        self.dirty: set[int] = set()  # pages of `flat` changed since a checkpoint took them
         self.names: list[str] = []
         self.owners = OwnerBook()
         self.violations: list[Violation] = []  # the latest KEEP_VIOLATIONS
@@ -83,7 +86,24 @@ class IndependentLedger:
         self.offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         self.flat = np.concatenate([np.zeros(0, np.int64), *tables]).astype(np.int64)
         self.tables = [self.flat[o : o + n] for o, n in zip(self.offsets, sizes, strict=True)]
-        self.dirty = set(range(len(tables)))
+        self.dirty = set(range(-(-len(self.flat) // CHECKPOINT_PAGE)))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each pool's slot count (the sink included), in pool id order."""
+        return [len(t) for t in self.tables]
+
+    def page(self, number: int) -> np.ndarray:
+        """Page `number` of every table joined (`CHECKPOINT_PAGE` slots; the last one
+        shorter)."""
+        return self.flat[number * CHECKPOINT_PAGE : (number + 1) * CHECKPOINT_PAGE]
+
+    def restore_pages(self, pages: Sequence[np.ndarray], sizes: Sequence[int]) -> None:
+        """Take the tables from a checkpoint's pages, split by `sizes`."""
+        flat = np.concatenate([np.zeros(0, np.int64), *pages])
+        if len(flat) != sum(sizes):
+            raise WireError(f"checkpoint pages hold {len(flat)} slots, its pools {sum(sizes)}")
+        self.restore(np.split(flat, np.cumsum(sizes)[:-1]) if sizes else [])
 
     def owner_at(self, pool: str, slot: int) -> int | None:
         """The owner of `slot` of `pool`; None for the sink or a slot out of range."""
@@ -120,10 +140,10 @@ class IndependentLedger:
         records = batch.records()
         self._check_bounds(records)
         self.owners.declare(batch.owners)
-        self.dirty.update(np.unique(records.pool).tolist())
         # each slot's owner before its move: the giver, unless a misfit
         before = np.empty(len(records.pool), np.int64)
         where = self.offsets[records.pool] + records.slot
+        self.dirty.update(np.unique(where // CHECKPOINT_PAGE).tolist())
         cuts = np.searchsorted(records.event, [seq - batch.first for seq in stops])
         found: list[Violation] = []
         start = 0
