@@ -24,10 +24,11 @@ def check_slots(rows: list[StepRow], ops: DeferredOps, slots: int) -> None:
     writes = [r.mamba_out for r in rows] + [r.snapshot_slot for r in rows if r.snapshot_slot]
     if any(not 0 < s < slots for s in reads + writes):
         raise BatchRefused(f"Mamba slots {reads + writes} must lie in 1..{slots - 1}")
-    if len(set(writes)) != len(writes):
+    written = set(writes)
+    if len(written) != len(writes):
         raise BatchRefused(f"a Mamba slot is written twice: {writes}")
     for r in rows:
-        if r.mamba_slot in writes and r.mamba_slot != r.mamba_out:
+        if r.mamba_slot in written and r.mamba_slot != r.mamba_out:
             raise BatchRefused(f"Mamba slot {r.mamba_slot} is read by one row, written by another")
 
 

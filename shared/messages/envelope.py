@@ -73,7 +73,9 @@ def unpack(raw: bytes, dtype: str) -> np.ndarray:
 def array(values: np.ndarray | Sequence[int] | Sequence[float], kind: type) -> np.ndarray:
     """`values` as a new array for a field of type `kind` (U1, I4, I8, F4): a copy, so the
     message does not change with the caller's array."""
-    return np.array(values, dtype=WIRE_DTYPES[kind], copy=True)  # one copy, converted
+    out = np.asarray(values, dtype=WIRE_DTYPES[kind])
+    # a conversion already made a new array: copy only what may still be the caller's
+    return out.copy() if out is values or not out.flags.owndata else out
 
 
 def empty(kind: type) -> Callable[[], np.ndarray]:
