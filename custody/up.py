@@ -81,9 +81,11 @@ class Stack:
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
         plan: Callable[[Settings], dict[str, tuple[str, Settings]]] = layout,
+        source: Path | None = None,
     ) -> None:
         """`plan` chooses the children: `layout` for `custody up`, one replica's two for a
-        compose replica container (custody/replica.py)."""
+        compose replica container (custody/replica.py). `source`: another revision's tree
+        whose modules the children run (a benchmark's `--baseline`); None: this one's."""
         self.redis: PrivateRedis | None = None
         if not settings.redis_url:
             self.redis = PrivateRedis(appendonly=True).start()
@@ -99,13 +101,18 @@ class Stack:
         self.children: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = dict.fromkeys(self.layout, 0)
         self.clock = clock
+        self.source = source
         self.backoff = {name: Backoff() for name in self.layout}
         self._due: dict[str, float] = {}
 
     def start(self, name: str) -> None:
         module, settings = self.layout[name]
         env = {**os.environ, **settings.to_env()}
-        self.children[name] = subprocess.Popen([sys.executable, "-m", module], env=env)
+        if self.source is not None:  # that tree's packages only, none of this one's
+            env["PYTHONPATH"] = str(self.source)
+        self.children[name] = subprocess.Popen(
+            [sys.executable, "-m", module], env=env, cwd=self.source
+        )
         self.backoff[name].started(self.clock())
 
     def start_all(self) -> Stack:

@@ -7,10 +7,15 @@ behind a forward), from the services' own metrics. The stack runs its default
 configuration (compiled decode, two steps in flight, the session store's write checker
 on); the same clients run in the same run, runs alternating, against three more stacks:
 one with the eager forward (`--compile false`), one with `pipeline_depth` 0 (one step at
-a time), the reference for what pipelining buys, and one with `pipeline_depth` 1."""
+a time), the reference for what pipelining buys, and one with `pipeline_depth` 1.
+
+`--baseline REV` adds the same four stacks of another revision's services (baseline.py),
+each measured right after this revision's of the same configuration by the same clients;
+each side's figures are its own medians."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
@@ -19,15 +24,18 @@ import statistics
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
-from custody.bench.harness import RESULTS_DIR, plot, progress
+from custody.bench.baseline import alternate, tree
+from custody.bench.harness import RESULTS_DIR, plot
 from custody.bench.sessions import _post
-from custody.up import Stack
+from custody.up import SERVICES, Stack
 from shared.config import Settings
 
 CLIENTS, TURNS, INPUT, OUTPUT = 16, 4, 32, 32
+OVERHEAD_TARGET = 0.10  # issue 47 (it was 0.15)
 
 
 def _metric_sum(port: int, name: str) -> float:
@@ -98,11 +106,7 @@ CONFIGS = {
 }
 
 
-def _stack(overrides: dict) -> Stack:
-    return Stack(Settings.ephemeral(**overrides))
-
-
-def _summary(runs: list[dict]) -> dict:
+def _config_summary(runs: list[dict]) -> dict:
     itl = np.concatenate([r["itl"] for r in runs]) * 1e3
     return {
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
@@ -111,64 +115,34 @@ def _summary(runs: list[dict]) -> dict:
     }
 
 
-def run(repeats: int = 3) -> dict:
-    stacks = {name: _stack(overrides) for name, overrides in CONFIGS.items()}
-    by_config: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    try:
+def run(repeats: int = 3, baseline: str | None = None) -> dict:
+    """Every configuration's stack, runs alternating over them; with `baseline` (a commit
+    id), that revision's stack of each configuration measured right after this one's."""
+    with contextlib.ExitStack() as scope:
+        sources: dict[str, Path | None] = {"this": None}
+        if baseline is not None:
+            sources["baseline"] = scope.enter_context(tree(baseline, SERVICES.values()))
+        stacks: dict[tuple[str, str], Stack] = {}
+        for name, overrides in CONFIGS.items():
+            for side, source in sources.items():
+                stacks[name, side] = Stack(Settings.ephemeral(**overrides), source=source)
+                scope.callback(stacks[name, side].stop)
         for stack in stacks.values():
             stack.start_all().wait_healthy()
-        for i in range(repeats):
-            for name, stack in stacks.items():
-                by_config[name].append(_one_run(stack.settings, i))
-            progress("e2e", i + 1, repeats)
-    finally:
-        for stack in stacks.values():
-            stack.stop()
-    runs = by_config["default"]
-    ttft = np.concatenate([r["ttft"] for r in runs]) * 1e3
-    itl = np.concatenate([r["itl"] for r in runs]) * 1e3
-    share = statistics.median(r["overhead_share"] for r in runs)
-    eager, unpipelined = _summary(by_config["eager"]), _summary(by_config["unpipelined"])
-    one_deep = _summary(by_config["one_deep"])
-    payload = {
-        "clients": CLIENTS,
-        "turns": TURNS,
-        "input_tokens": INPUT,
-        "output_tokens": OUTPUT,
-        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
-        "ttft_ms": {p: round(float(np.percentile(ttft, p)), 1) for p in (50, 90, 99)},
-        "itl_ms": {p: round(float(np.percentile(itl, p)), 2) for p in (50, 90, 99)},
-        "overhead_share": round(share, 3),
-        "eager": eager,
-        "unpipelined": unpipelined,
-        "one_deep": one_deep,
-        "repeats": repeats,
-    }
-    tps_0 = unpipelined["tokens_per_s"]
-    ttft_text = " / ".join(str(v) for v in payload["ttft_ms"].values())
-    itl_text = " / ".join(str(v) for v in payload["itl_ms"].values())
-    verdict = "met" if share <= 0.15 else "NOT met"
-    lines = [
-        "| figure | value |",
-        "|---|---|",
-        f"| output throughput, {CLIENTS} sessions x {TURNS} turns | "
-        f"{payload['tokens_per_s']} tokens/s (one step at a time: {tps_0}; "
-        f"x{payload['tokens_per_s'] / tps_0:.2f}) |",
-        f"| TTFT p50 / p90 / p99 | {ttft_text} ms |",
-        f"| inter-token p50 / p90 / p99 | {itl_text} ms "
-        f"(eager: p50 {eager['itl_ms_p50']} ms; one step at a time: p50 "
-        f"{unpipelined['itl_ms_p50']} ms) |",
-        f"| overhead_share (target <= 0.15) | {share:.3f} {verdict} "
-        f"(eager: {eager['overhead_share']:.3f}; one step at a time: "
-        f"{unpipelined['overhead_share']:.3f}) |",
-        f"| output throughput, eager forward | {eager['tokens_per_s']} tokens/s |",
-        f"| one step in flight (`--pipeline-depth 1`) | overhead_share "
-        f"{one_deep['overhead_share']:.3f}, {one_deep['tokens_per_s']} tokens/s, inter-token "
-        f"p50 {one_deep['itl_ms_p50']} ms |",
-    ]
+        runs = alternate(
+            repeats,
+            list(CONFIGS),
+            list(sources),
+            lambda i, name, side: _one_run(stacks[name, side].settings, i),
+            "e2e",
+        )
+    payload = summary(runs["this"], repeats)
+    if baseline is not None:
+        payload["baseline"] = {"revision": baseline, **summary(runs["baseline"], repeats)}
+    table = report(payload)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "e2e.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS_DIR / "e2e.md").write_text("\n".join(lines) + "\n")
+    (RESULTS_DIR / "e2e.md").write_text(table + "\n")
     plot(
         "e2e",
         f"{CLIENTS} concurrent sessions",
@@ -179,5 +153,80 @@ def run(repeats: int = 3) -> dict:
         },
         "milliseconds",
     )
-    payload["table"] = "\n".join(lines)
+    payload["table"] = table
     return payload
+
+
+def summary(by_config: dict[str, list[dict]], repeats: int) -> dict:
+    """One side's figures from its runs of each configuration: medians of the runs, and
+    percentiles of the default stack's latencies pooled over them."""
+    runs = by_config["default"]
+    ttft = np.concatenate([r["ttft"] for r in runs]) * 1e3
+    itl = np.concatenate([r["itl"] for r in runs]) * 1e3
+    return {
+        "clients": CLIENTS,
+        "turns": TURNS,
+        "input_tokens": INPUT,
+        "output_tokens": OUTPUT,
+        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
+        "ttft_ms": {p: round(float(np.percentile(ttft, p)), 1) for p in (50, 90, 99)},
+        "itl_ms": {p: round(float(np.percentile(itl, p)), 2) for p in (50, 90, 99)},
+        "overhead_share": round(statistics.median(r["overhead_share"] for r in runs), 3),
+        "eager": _config_summary(by_config["eager"]),
+        "unpipelined": _config_summary(by_config["unpipelined"]),
+        "one_deep": _config_summary(by_config["one_deep"]),
+        "repeats": repeats,
+    }
+
+
+def report(payload: dict) -> str:
+    """The markdown table: a value column, or with a baseline its column beside this
+    revision's and whether `overhead_share` is below the baseline's."""
+    base = payload.get("baseline")
+    if base is None:
+        return "\n".join(
+            ["| figure | value |", "|---|---|"] + [f"| {f} | {v} |" for f, v in _rows(payload)]
+        )
+    sha = base["revision"][:7]
+    lines = [f"| figure | this revision | baseline {sha} |", "|---|---|---|"]
+    for (figure, ours), (_, theirs) in zip(_rows(payload), _rows(base), strict=True):
+        lines.append(f"| {figure} | {ours} | {theirs} |")
+    below = payload["overhead_share"] < base["overhead_share"]
+    lines.append(
+        f"| overhead_share below the baseline's | {'yes' if below else 'NO'}: "
+        f"{payload['overhead_share']:.3f} against {base['overhead_share']:.3f} | |"
+    )
+    return "\n".join(lines)
+
+
+def _rows(payload: dict) -> list[tuple[str, str]]:
+    """The table's figures of one side, each as (figure, value)."""
+    eager, unpipelined = payload["eager"], payload["unpipelined"]
+    one_deep, share = payload["one_deep"], payload["overhead_share"]
+    tps, tps_0 = payload["tokens_per_s"], unpipelined["tokens_per_s"]
+    ttft_text = " / ".join(str(v) for v in payload["ttft_ms"].values())
+    itl_text = " / ".join(str(v) for v in payload["itl_ms"].values())
+    verdict = "met" if share <= OVERHEAD_TARGET else "NOT met"
+    return [
+        (
+            f"output throughput, {payload['clients']} sessions x {payload['turns']} turns",
+            f"{tps} tokens/s (one step at a time: {tps_0}; x{tps / tps_0:.2f})",
+        ),
+        ("TTFT p50 / p90 / p99", f"{ttft_text} ms"),
+        (
+            "inter-token p50 / p90 / p99",
+            f"{itl_text} ms (eager: p50 {eager['itl_ms_p50']} ms; one step at a time: p50 "
+            f"{unpipelined['itl_ms_p50']} ms)",
+        ),
+        (
+            f"overhead_share (target <= {OVERHEAD_TARGET})",
+            f"{share:.3f} {verdict} (eager: {eager['overhead_share']:.3f}; one step at a "
+            f"time: {unpipelined['overhead_share']:.3f})",
+        ),
+        ("output throughput, eager forward", f"{eager['tokens_per_s']} tokens/s"),
+        (
+            "one step in flight (`--pipeline-depth 1`)",
+            f"overhead_share {one_deep['overhead_share']:.3f}, {one_deep['tokens_per_s']} "
+            f"tokens/s, inter-token p50 {one_deep['itl_ms_p50']} ms",
+        ),
+    ]

@@ -25,6 +25,12 @@ over a window of steady decode it reads:
 What it cannot see: a real forward's host work (the stand-in builds no tensors), tier
 moves and grammars (none here), and anything beyond one replica.
 
+`--baseline REV` measures another revision's services beside this one's (baseline.py):
+each cell on a stack of the baseline tree's scheduler, store and stand-in executor,
+alternating with this revision's, the same clients and windows reading both; the engine
+core of each tree too (the baseline's in a subprocess on its tree). `--cells` runs some
+of the sweep's cells only.
+
 `--device cuda` (`measure_on_device`) runs the real executor instead, on the GPU, serving
 the published 8B shape with `--load-format dummy` weights (custody/bench/published.py)
 at a 1K context, 64 and 256 clients, on one stack sized for the larger. Each process is
@@ -48,14 +54,15 @@ import re
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from custody.bench.harness import RESULTS_DIR, plot, progress
+from custody.bench.baseline import alternate, run_in_tree, tree
+from custody.bench.harness import RESULTS_DIR, plot
 from custody.bench.published import NEMOTRON_H_8B
 from custody.bench.scheduler_core import per_row_step_us
 from custody.bench.standin_executor import STEP_MS
@@ -94,6 +101,23 @@ class Cell:
         return f"b{self.batch}_ctx{self.context // 1024}k_{step}"
 
 
+SWEEP = [Cell(b, c, ms) for b in BATCHES for c in CONTEXTS for ms in STEPS_MS]
+CORE_BATCHES = (64, 256)
+
+
+def cells_named(keys: Sequence[str]) -> list[Cell]:
+    """The sweep's cells of these keys (`--cells`), in the order given; ValueError
+    listing the sweep's keys for one that is not among them."""
+    by_key = {cell.key: cell for cell in SWEEP}
+    unknown = [key for key in keys if key not in by_key]
+    if unknown or not keys:
+        raise ValueError(
+            f"--cells: no cell {', '.join(unknown) or 'given'}; the sweep's cells are "
+            + ", ".join(by_key)
+        )
+    return [by_key[key] for key in dict.fromkeys(keys)]
+
+
 def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
     """One replica sized for the cell: every client runs at once, and a prefill step
     takes many prompts' chunks (the stand-in's step time does not grow with them)."""
@@ -113,10 +137,12 @@ def settings_for(cell: Cell, stream_interval: int = 1) -> Settings:
     )
 
 
+STANDIN = {**SERVICES, "executor": "custody.bench.standin_executor"}
+
+
 def _standin(settings: Settings) -> dict[str, tuple[str, Settings]]:
     """One replica whose executor is the stand-in."""
-    modules = {**SERVICES, "executor": "custody.bench.standin_executor"}
-    return {name: (module, settings) for name, module in modules.items()}
+    return {name: (module, settings) for name, module in STANDIN.items()}
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -243,10 +269,16 @@ def _figures(cell: Cell, before: dict, after: dict, times: list[list[float]]) ->
     }
 
 
-def measure_cell(cell: Cell, stream_interval: int = 1, window: float = WINDOW_SECONDS) -> dict:
-    """One cell on a stack of its own."""
+def measure_cell(
+    cell: Cell,
+    stream_interval: int = 1,
+    window: float = WINDOW_SECONDS,
+    source: Path | None = None,
+) -> dict:
+    """One cell on a stack of its own, of `source`'s services (a baseline's tree) or,
+    None, this revision's."""
     os.environ[STEP_MS] = str(cell.step_ms)
-    stack = Stack(settings_for(cell, stream_interval), plan=_standin)
+    stack = Stack(settings_for(cell, stream_interval), plan=_standin, source=source)
     try:
         stack.start_all().wait_healthy()
         return asyncio.run(_measure(stack, cell, window, builtin_config().vocab_size))
@@ -254,11 +286,14 @@ def measure_cell(cell: Cell, stream_interval: int = 1, window: float = WINDOW_SE
         stack.stop()
 
 
-def device_settings(model_dir: Path, device: str, batch: int, context: int) -> Settings:
+def device_settings(
+    model_dir: Path, device: str, batch: int, context: int, output: int = DEVICE_OUTPUT
+) -> Settings:
     """One replica of the real executor serving `model_dir`'s config with drawn weights,
-    sized for `batch` clients of `context` tokens (see the module's doc)."""
+    sized for `batch` clients of `context` tokens, each to get `output` (see the module's
+    doc)."""
     cfg = ModelConfig.from_dir(model_dir)
-    tokens = context + DEVICE_OUTPUT + 64
+    tokens = context + output + 64
     return Settings.ephemeral(
         model=model_dir,
         load_format="dummy",
@@ -299,10 +334,12 @@ def measure_on_device(
     context: int = DEVICE_CONTEXT,
     window: float = WINDOW_SECONDS,
     done: Callable[[dict[str, dict]], None] = lambda results: None,
+    output: int = DEVICE_OUTPUT,
 ) -> dict[str, dict]:
     """The device cells, one after the other on one stack sized for the largest; `done`
-    gets the results so far after each."""
-    settings = device_settings(model_dir, device, max(batches), context)
+    gets the results so far after each. `output`: the tokens a client may get, more
+    than the warm-up and window can take at the device's step time."""
+    settings = device_settings(model_dir, device, max(batches), context, output)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     stack = Stack(settings)
     results: dict[str, dict] = {}
@@ -311,7 +348,7 @@ def measure_on_device(
         pin(stack, CORES)
         for batch in batches:
             cell = Cell(batch, context, 0)
-            results[cell.key] = asyncio.run(_measure(stack, cell, window, vocab, DEVICE_OUTPUT))
+            results[cell.key] = asyncio.run(_measure(stack, cell, window, vocab, output))
             done(results)
             _wait_idle(stack)
     finally:
@@ -353,15 +390,55 @@ def _wait_idle(stack: Stack, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
-    """Every cell of the sweep (`repeats` runs each: the median idle share is kept)."""
-    cells = cells or [Cell(b, c, ms) for b in BATCHES for c in CONTEXTS for ms in STEPS_MS]
+def run(repeats: int = 1, cells: list[Cell] | None = None, baseline: str | None = None) -> dict:
+    """The sweep's cells (or `cells`), `repeats` runs each, the run of the median idle
+    share kept; with `baseline` (a commit id), that revision's services measured too,
+    runs alternating with this revision's (baseline.py), each side its own medians."""
+    cells = cells or SWEEP
+    with contextlib.ExitStack() as scope:
+        sources: dict[str, Path | None] = {"this": None}
+        if baseline is not None:
+            sources["baseline"] = scope.enter_context(tree(baseline, STANDIN.values()))
+        cores = {side: _core(source) for side, source in sources.items()}
+        runs = alternate(
+            repeats,
+            cells,
+            list(sources),
+            lambda _, cell, side: measure_cell(cell, source=sources[side]),
+            "orchestration",
+        )
+    payload = summary(runs["this"], cores["this"])
+    if baseline is not None:
+        payload["baseline"] = {"revision": baseline, **summary(runs["baseline"], cores["baseline"])}
+    payload["table"] = report(payload, repeats)
+    _write(payload)
+    return payload
+
+
+def _core(source: Path | None) -> dict[str, float]:
+    """The engine core's figures: this revision's in process, a baseline tree's in a
+    subprocess on that tree; none where the tree has no scheduler_core.py (the report
+    says so)."""
+    keys = {b: f"scheduler_core_us_per_row_step_b{b}" for b in CORE_BATCHES}
+    if source is None:
+        return {key: per_row_step_us(b) for b, key in keys.items()}
+    if not (source / "custody" / "bench" / "scheduler_core.py").exists():
+        return {}
+    code = (
+        "import json\nfrom custody.bench.scheduler_core import per_row_step_us\n"
+        f"print(json.dumps([per_row_step_us(b) for b in {CORE_BATCHES}]))"
+    )
+    figures = json.loads(run_in_tree(source, code))
+    return dict(zip(keys.values(), figures, strict=True))
+
+
+def summary(runs: dict[Cell, list[dict]], core: dict[str, float]) -> dict:
+    """One side's payload: each cell's run of the median idle share, its figures under
+    the keys the results files have always had, and the engine core's."""
     results: dict[str, dict] = {}
-    for i, cell in enumerate(cells):
-        runs = [measure_cell(cell) for _ in range(repeats)]
-        runs.sort(key=lambda r: r["idle_share"])
-        results[cell.key] = runs[len(runs) // 2]
-        progress("orchestration", i + 1, len(cells))
+    for cell, cell_runs in runs.items():
+        ordered = sorted(cell_runs, key=lambda r: r["idle_share"])
+        results[cell.key] = ordered[len(ordered) // 2]
     payload: dict = {f"idle_share_{k}": r["idle_share"] for k, r in results.items()}
     for k, r in results.items():
         payload |= {
@@ -374,15 +451,31 @@ def run(repeats: int = 1, cells: list[Cell] | None = None) -> dict:
         payload["step_bytes_ratio_32k_vs_1k"] = round(
             large["step_bytes_per_row"] / small["step_bytes_per_row"], 3
         )
-    core = {f"scheduler_core_us_per_row_step_b{b}": per_row_step_us(b) for b in (64, 256)}
     payload |= core
     payload["cells"] = results
-    payload["table"] = _table(results) + "\n\n" + _core_line(core)
-    _write(payload, results)
     return payload
 
 
-def _table(results: dict[str, dict]) -> str:
+def report(payload: dict, repeats: int) -> str:
+    """The markdown: a row per cell, and with a baseline its row beneath each; then the
+    engine core's line."""
+    base = payload.get("baseline")
+    if base is None:
+        return _table(payload["cells"]) + "\n\n" + _core_line(payload)
+    sha = base["revision"][:7]
+    note = (
+        f"Each cell's second row is baseline {sha}'s services, measured by this revision's "
+        f"clients, runs alternating with this revision's; each row the run of the median "
+        f"idle share of {repeats}."
+    )
+    table = _table(payload["cells"], base["cells"], sha)
+    core = _core_line(payload) + " " + _core_line(base, sha)
+    return f"{note}\n\n{table}\n\n{core}"
+
+
+def _table(results: dict[str, dict], baseline: dict[str, dict] | None = None, sha: str = "") -> str:
+    """One row per cell; with `baseline`, the baseline's row under each, its key marked
+    with `sha`."""
     lines = [
         "| cell | idle share | scheduler CPU per step / per row-step "
         "| CPU per row-step, each process | largest / sum per step | bytes per row "
@@ -390,36 +483,55 @@ def _table(results: dict[str, dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
-        mark = " (saturated)" if r["saturated"] else ""
-        each = ", ".join(f"{name} {v:.1f}" for name, v in r["cpu_us_per_row_step"].items())
-        lines.append(
-            f"| {key} | {r['idle_share']:.3f}{mark} | {r['scheduler_cpu_us_per_step']:.0f} us / "
-            f"{r['scheduler_cpu_us_per_row_step']:.1f} us | {each} us "
-            f"| {r['max_process_cpu_ms_per_step']:.2f} / {r['sum_process_cpu_ms_per_step']:.2f} ms "
-            f"| {r['step_bytes_per_row']:.0f} B "
-            f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} ms | {r['machine_share']:.2f} "
-            f"| {r['load_average']} |"
-        )
+        lines.append(_row(key, r))
+        if baseline is not None:
+            lines.append(_row(f"{key} @ {sha}", baseline[key]))
     return "\n".join(lines)
 
 
-def _core_line(core: dict[str, float]) -> str:
-    figures = ", ".join(f"{k.rsplit('_', 1)[1]} {v} us" for k, v in core.items())
+def _row(key: str, r: dict) -> str:
+    mark = " (saturated)" if r["saturated"] else ""
+    each = ", ".join(f"{name} {v:.1f}" for name, v in r["cpu_us_per_row_step"].items())
     return (
-        "The scheduler's engine core alone (plan and complete, in process, 1K context; "
-        f"scheduler_core.py), per decoding row-step: {figures}."
+        f"| {key} | {r['idle_share']:.3f}{mark} | {r['scheduler_cpu_us_per_step']:.0f} us / "
+        f"{r['scheduler_cpu_us_per_row_step']:.1f} us | {each} us "
+        f"| {r['max_process_cpu_ms_per_step']:.2f} / {r['sum_process_cpu_ms_per_step']:.2f} ms "
+        f"| {r['step_bytes_per_row']:.0f} B "
+        f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} ms | {r['machine_share']:.2f} "
+        f"| {r['load_average']} |"
     )
 
 
-def _write(payload: dict, results: dict[str, dict]) -> None:
+def _core_line(payload: dict, sha: str = "") -> str:
+    """The engine core's figures of this revision (no `sha`) or of baseline `sha`."""
+    core = {b: payload.get(f"scheduler_core_us_per_row_step_b{b}") for b in CORE_BATCHES}
+    figures = ", ".join(f"b{b} {v} us" for b, v in core.items())
+    if not sha:
+        return (
+            "The scheduler's engine core alone (plan and complete, in process, 1K context; "
+            f"scheduler_core.py), per decoding row-step: {figures}."
+        )
+    if None in core.values():
+        return f"Baseline {sha}'s engine core: not measured (no scheduler_core.py at {sha})."
+    return f"Baseline {sha}'s own scheduler_core.py, in a subprocess on its tree: {figures}."
+
+
+def _write(payload: dict) -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
     saved = {k: v for k, v in payload.items() if k != "table"}
     (RESULTS_DIR / "orchestration.json").write_text(json.dumps(saved, indent=2) + "\n")
     (RESULTS_DIR / "orchestration.md").write_text(payload["table"] + "\n")
+    results = payload["cells"]
+    series = {"idle share": [r["idle_share"] for r in results.values()]}
+    if "baseline" in payload:
+        base = payload["baseline"]
+        series[f"baseline {base['revision'][:7]}"] = [
+            base["cells"][k]["idle_share"] for k in results
+        ]
     plot(
         "orchestration",
         "executor idle share with the scheduler against a fixed step time",
         list(results),
-        {"idle share": [r["idle_share"] for r in results.values()]},
+        series,
         "share of the window",
     )

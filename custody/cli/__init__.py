@@ -41,6 +41,9 @@ REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rou
 # cells, a stack each; serving: bench_serving's percentiles over its own requests)
 ONCE = ("multiturn", "orchestration", "prefix", "serving")
 REPEATS_OF = {"structured": 3}  # interleaved runs of every cell: 3 keep it to a minute
+# --repeats with --baseline: each side's figures the median of three alternated runs
+BASELINE_REPEATS = 3
+BASELINE_BENCHMARKS = ("e2e", "orchestration")
 # `custody bench multiturn`'s workload flags (SGLang bench_multiturn's names): the fields of
 # custody.bench.multiturn_workload.Workload, whose defaults apply when a flag is not given.
 MULTITURN_FLAGS = {
@@ -66,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help=f"repeats per figure (default {REPEATS}; multiturn and prefix 1)",
+        help=f"repeats per figure (default {REPEATS}; multiturn and prefix 1; "
+        f"{BASELINE_REPEATS} with --baseline)",
     )
     bench.add_argument(
         "--gateway",
@@ -81,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="executor and orchestration: cuda runs the real executor on the GPU at the "
         "published 8B shape (docs/gpu.md)",
     )
+    _add_baseline_arguments(bench)
     _add_multiturn_arguments(bench)
     demo = sub.add_parser("demo", help="one streaming session, scheduler and executor in process")
     demo.add_argument(
@@ -143,6 +148,25 @@ def build_parser() -> argparse.ArgumentParser:
     Settings.add_arguments(up)
     add_sglang_flags(up)
     return parser
+
+
+def _add_baseline_arguments(bench: argparse.ArgumentParser) -> None:
+    """A figure of this machine means something only beside another revision's measured
+    in the same hour: these flags ask for one, on the cells wanted."""
+    bench.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="orchestration and e2e: also measure the services of git revision REV (its "
+        "tree extracted to a temporary directory) with this revision's clients, each run "
+        "of this revision followed by one of REV's; each side reports its own medians "
+        "(docs/benchmarks.md)",
+    )
+    bench.add_argument(
+        "--cells",
+        metavar="KEYS",
+        help="orchestration: only these cells of its sweep, comma-separated (e.g. "
+        "b256_ctx8k_10ms,b64_ctx1k_10ms; default all 27)",
+    )
 
 
 def _add_multiturn_arguments(bench: argparse.ArgumentParser) -> None:
@@ -277,6 +301,25 @@ def _multiturn_workload(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(str(err))
 
 
+def _bench_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """`--baseline` and `--cells` checked, before the benchmarks (torch) are imported:
+    the revision resolved to its commit id, as the bench's `baseline` argument."""
+    if args.baseline is not None and args.name not in BASELINE_BENCHMARKS:
+        parser.error("--baseline applies to `custody bench orchestration` or `e2e` only")
+    if args.cells is not None and args.name != "orchestration":
+        parser.error("--cells applies to `custody bench orchestration` only")
+    if args.device == "cuda" and (args.baseline is not None or args.cells is not None):
+        parser.error("--baseline and --cells apply to the stand-in's sweep, not --device cuda")
+    if args.baseline is None:
+        return {}
+    from custody.bench.baseline import revision
+
+    try:
+        return {"baseline": revision(args.baseline)}
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -285,7 +328,17 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--gateway applies to `custody bench scaleout` only")
     if args.device == "cuda" and args.name not in ("executor", "orchestration"):
         parser.error("--device cuda applies to `custody bench executor` or `orchestration`")
+    options = _bench_options(parser, args)
     runs = device_benchmarks() if args.device == "cuda" else benchmarks()
+    if args.cells is not None:
+        from custody.bench.orchestration import cells_named
+
+        try:
+            options["cells"] = cells_named([k.strip() for k in args.cells.split(",") if k.strip()])
+        except ValueError as err:
+            parser.error(str(err))
+    if options:
+        runs[args.name] = functools.partial(runs[args.name], **options)
     if "multiturn" in runs:
         runs["multiturn"] = functools.partial(runs["multiturn"], workload=workload)
     if args.gateway == "epp":
@@ -296,6 +349,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     combined = {}
     for name in names:
         default = 1 if name in ONCE else REPEATS_OF.get(name, REPEATS)
+        if args.baseline is not None:
+            default = BASELINE_REPEATS
         result = runs[name](default if args.repeats is None else args.repeats)
         combined[name] = {k: v for k, v in result.items() if k != "table"}
         if not args.json:

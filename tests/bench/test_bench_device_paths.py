@@ -48,11 +48,13 @@ def _model_params():
 
 
 def test_the_orchestration_bench_runs_the_real_executor_on_a_dummy_checkpoint(tmp_path):
-    cfg = dataclasses.replace(builtin_config(), max_position_embeddings=1024)
+    # the tiny model decodes a step in about a millisecond here: 4,096 tokens a client
+    # outlast the warm-up and the window many times over (512, the 8B's, did not always)
+    cfg = dataclasses.replace(builtin_config(), max_position_embeddings=8192)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     seen = []
     results = orchestration.measure_on_device(
-        tmp_path, "cpu", batches=(2,), context=64, window=0.5, done=seen.append
+        tmp_path, "cpu", batches=(2,), context=64, window=0.5, done=seen.append, output=4096
     )
     cell = results["b2_ctx0k_device"]
     assert seen == [results]
