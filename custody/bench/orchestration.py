@@ -535,3 +535,29 @@ def _write(payload: dict) -> None:
         series,
         "share of the window",
     )
+    _plot_cpu(payload)
+
+
+def _plot_cpu(payload: dict) -> None:
+    """Each process's CPU per row-step against the batch size, at the 8K context and
+    the 10 ms step (the baseline's beside it): bench-results/orchestration-cpu.png."""
+    cells = {k: r for k, r in payload["cells"].items() if k.endswith("_ctx8k_10ms")}
+    if not cells:
+        return
+    sides = {"": payload} | (
+        {f" @ {payload['baseline']['revision'][:7]}": payload["baseline"]}
+        if "baseline" in payload
+        else {}
+    )
+    series = {
+        f"{process}{suffix}": [side["cells"][k]["cpu_us_per_row_step"][process] for k in cells]
+        for suffix, side in sides.items()
+        for process in next(iter(cells.values()))["cpu_us_per_row_step"]
+    }
+    plot(
+        "orchestration-cpu",
+        "CPU per row-step by process, 8K context, 10 ms step",
+        [k.split("_", 1)[0] for k in cells],
+        series,
+        "microseconds per row-step",
+    )

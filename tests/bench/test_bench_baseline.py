@@ -194,3 +194,17 @@ def test_e2e_reports_each_sides_medians_in_columns_and_the_verdict():
 def test_the_revision_outside_a_checkout_is_a_clear_error(tmp_path: Path):
     with pytest.raises(ValueError, match="needs a git checkout"):
         baseline.revision("HEAD", repo=tmp_path)
+
+
+def test_the_cpu_plot_has_each_process_of_each_side_by_batch(monkeypatch):
+    drawn = {}
+    monkeypatch.setattr(orchestration, "plot", lambda name, *args: drawn.update({name: args}))
+    runs = {Cell(b, 8192, 10): [_cell_run(0.1, 10.0 * b)] for b in (8, 256)}
+    runs[Cell(8, 1024, 10)] = [_cell_run(0.1, 1.0)]  # another context: not plotted
+    payload = orchestration.summary(runs, {})
+    payload["baseline"] = {"revision": "5000829" + "0" * 33, **payload}
+    orchestration._plot_cpu(payload)
+    _, labels, series, _ = drawn["orchestration-cpu"]
+    assert labels == ["b8", "b256"]
+    assert series["scheduler"] == [80.0, 2560.0] and series["store"] == [20.0, 20.0]
+    assert series["scheduler @ 5000829"] == [80.0, 2560.0]
