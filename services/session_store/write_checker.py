@@ -74,12 +74,13 @@ ROW_WRITES = ("mamba_out", "KV", "snapshot")  # what a row writes, in the order 
 class RowWrites:
     """What a step's rows write, as arrays over the rows, so a step of hundreds of rows
     is parsed and checked in a few numpy operations: per row its request's owner, its
-    track's, its Mamba output slot and its snapshot slot (0: none), and per written KV
-    page the row that writes it."""
+    track's, its session's (0: none), its Mamba output slot and its snapshot slot (0:
+    none), and per written KV page the row that writes it."""
 
     rids: list[str]
     owner: np.ndarray
     track: np.ndarray
+    session: np.ndarray
     mamba_out: np.ndarray
     snapshot: np.ndarray
     kv_row: np.ndarray
@@ -104,6 +105,7 @@ class RowWrites:
             [r.rid for r in rows],
             column("owner"),
             column("track_owner"),
+            column("session_owner"),
             column("mamba_out"),
             column("snapshot_slot"),
             key // span,
@@ -142,9 +144,8 @@ class PlannedStep:
         if step.ledger_seq is None:
             return None
         planned = cls(step.epoch, step.step, step.ledger_seq)
-        planned.rows = RowWrites.of(step.rows, max(1, step.page_size))
-        for row in step.rows:
-            planned._claim(row)
+        planned.rows = rows = RowWrites.of(step.rows, max(1, step.page_size))
+        planned._claim(rows)
         for dsts, owners, what in (
             (step.clears, step.clear_owners, "a clear"),
             (step.copies[:, 1], step.copy_owners, "a copy"),
@@ -171,16 +172,19 @@ class PlannedStep:
         self.writes.append(Write(kv, tuple(move.dst_pages.tolist()), owner, what))
         self.writes.append(Write(mamba, (move.dst_slot,), owner, what))
 
-    def _claim(self, row: StepRow) -> None:
-        for owner, kind in (
-            (row.owner, OwnerKind.REQUEST),
-            (row.track_owner, OwnerKind.TRACK),
-            (row.session_owner, OwnerKind.SESSION),
-        ):
-            if owner or kind is not OwnerKind.SESSION:  # a row of no session names none
-                self.claims.add((owner, kind, row.rid))
-            if owner:
-                self.parties.add(owner)
+    def _claim(self, rows: RowWrites) -> None:
+        """Each row names its request and its track, and a session turn's row its
+        session: claims checked once each per step, and the step's parties."""
+        rids, sessions, n = rows.rids, rows.session.tolist(), len(rows.rids)
+        for ids, kind in ((rows.owner, OwnerKind.REQUEST), (rows.track, OwnerKind.TRACK)):
+            self.claims.update(zip(ids.tolist(), [kind] * n, rids, strict=True))
+        self.claims.update(
+            (owner, OwnerKind.SESSION, rid)
+            for owner, rid in zip(sessions, rids, strict=True)
+            if owner  # a row of no session names none
+        )
+        named = np.concatenate([rows.owner, rows.track, rows.session])
+        self.parties.update(np.unique(named[named != 0]).tolist())
 
     def check(self, ledger: IndependentLedger) -> list[Violation]:
         """Every write against the ledger, which must stand at this step's point."""
