@@ -8,6 +8,7 @@ unknown and the device state is treated as lost, never waited for."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -31,7 +32,8 @@ from tests.engine.driver import Driver
 from tests.test_scheduler_loop import plain, started
 
 
-def a_step() -> Step:
+def a_step(edit: Callable[[list[StepRow]], None] = lambda rows: None) -> Step:
+    """A step of two rows; `edit` changes them before they become its columns."""
     ops = DeferredOps()
     ops.clear(3, owner=7)
     ops.copy(1, 4, owner=9)
@@ -42,6 +44,7 @@ def a_step() -> Step:
         StepRow.of([-1], 3, [16, 17, 18, 19], 6, rid="b", future=True, sample=False),
     ]
     rows[0].snapshot_slot, rows[0].snapshot_len = 5, 4
+    edit(rows)
     return Step.of("sched", 4, "exec", rows, ops, after=3, ledger_seq=21, page_size=4)
 
 
@@ -64,10 +67,11 @@ def test_a_step_and_a_result_survive_the_round_trip():
 
 
 def test_penalties_and_top_logprobs_survive_the_round_trip():
-    step = a_step()
-    step.rows[1].penalties = Penalties.of(1.3, 0.5, -0.5, [7, 3, 7, 9], [4, 4, 2])
-    step.rows[1].top_logprobs, step.rows[1].min_p = 3, 0.05
-    back = decode_step(encode(step)).rows[1]
+    def penalise(rows: list[StepRow]) -> None:
+        rows[1].penalties = Penalties.of(1.3, 0.5, -0.5, [7, 3, 7, 9], [4, 4, 2])
+        rows[1].top_logprobs, rows[1].min_p = 3, 0.05
+
+    back = decode_step(encode(a_step(penalise))).rows[1]
     assert back.penalties.prompt_ids.tolist() == [3, 7, 9]  # distinct, for repetition
     assert back.penalties.output_ids.tolist() == [4, 4, 2]
     assert (back.top_logprobs, back.min_p, back.penalties.presence) == (3, 0.05, -0.5)
@@ -82,10 +86,12 @@ def test_penalties_and_top_logprobs_survive_the_round_trip():
 
 def test_input_scores_survive_the_round_trip():
     """A row scoring positions of its input, and the result's scores of it."""
-    step = a_step()
-    row = step.rows[0]
-    row.scored_from, row.scored = row.start, np.array(row.tokens[1:], dtype="<i4")
-    back = decode_step(encode(step)).rows[0]
+
+    def score(rows: list[StepRow]) -> None:
+        rows[0].scored_from, rows[0].scored = rows[0].start, np.array([6], dtype="<i4")
+
+    row = a_step(score).rows[0]
+    back = decode_step(encode(a_step(score))).rows[0]
     assert (back.scored_from, back.scored.tolist()) == (row.start, row.tokens[1:].tolist())
     top = [([5, 1], [-0.5, -1.25]), ([2], [-3.0])]
     scores = [RowScores.of("a", [-0.5, -3.0], top)]
@@ -116,30 +122,50 @@ def broken_steps() -> dict[str, tuple[dict, str]]:
     case("unknown kind", "$.kind", ("kind",), "bogus")
     case("a result's kind", "$.kind", ("kind",), "result")
     case("wrong type", "Expected `int`, got `str`", ("seq",), "4")
-    case("rows not a list", "Expected `array`", ("rows",), {"a": 1})
-    case("a row not a row", "$.rows[0]", ("rows", 0), "not a row")
-    case("truncated tokens", "packed <i4 array of 7 bytes", ("rows", 0, "tokens"), b"\0" * 7)
+    case("rows not columns", "Expected `object`", ("rows",), [1])
+    case("columns of other lengths", "rows: 1 row for 2 rows", ("rows", "row"), b"\0" * 4)
+    case("truncated tokens", "packed <i4 array of 7 bytes", ("rows", "tokens"), b"\0" * 7)
+    case(
+        "tokens against counts",
+        "rows: 2 tokens where the counts say 3",
+        ("rows", "tokens"),
+        b"\0" * 8,
+    )
     case("truncated owners", "packed <i8 array of 4 bytes", ("clear_owners",), b"\0" * 4)
     case(
         "kv against tokens",
-        "3 KV indices from position 0 for 2 tokens from 2",
-        ("rows", 0, "kv"),
+        "KV indices from position 0 for 2 tokens from 2 (3 in the step)",
+        ("rows", "kv"),
         b"\0" * 12,
     )
-    case("negative start", "from position 0 for 2 tokens from -1", ("rows", 0, "start"), -1)
-    case("a delta past the start", "from position 3 for 2 tokens from 2", ("rows", 0, "row"), 1)
-    cases["a delta past the start"][0]["rows"][0]["kv_from"] = 3
-    case("a delta of no row", "a KV delta from 2 names no row", ("rows", 0, "kv_from"), 2)
+    starts = (np.array([-1, 3]).astype("<i8")).tobytes()
+    case("negative start", "from position 0 for 2 tokens from -1", ("rows", "start"), starts)
+    deltas = np.array([3, 0]).astype("<i8").tobytes()
+    case(
+        "a delta past the start", "from position 3 for 2 tokens from 2", ("rows", "kv_from"), deltas
+    )
+    cases["a delta past the start"][0]["rows"]["row"] = np.array([1, 0]).astype("<i4").tobytes()
+    deltas = np.array([2, 0]).astype("<i8").tobytes()
+    case("a delta of no row", "KV indices from position 2 for 2", ("rows", "kv_from"), deltas)
     case("odd copies", "copies: 3 slots", ("copies",), b"\0" * 12)
     case("owners against clears", "2 owners for 1 clears", ("clear_owners",), b"\0" * 16)
     case("owners against copies", "0 owners for 1 copies", ("copy_owners",), b"")
-    cut = {"output": b"\0" * 5}
-    case("truncated penalised ids", "packed <i4 array of 5", ("rows", 0, "penalties"), cut)
+    cut = {0: {"output": b"\0" * 5}}
+    case("truncated penalised ids", "packed <i4 array of 5", ("rows", "penalties"), cut)
+    counts = np.array([3, 0]).astype("<i4").tobytes()
     case(
         "scored past the row",
         "3 scored positions from 0 outside 2..3",
-        ("rows", 0, "scored"),
-        b"\0" * 12,
+        ("rows", "scored_counts"),
+        counts,
+    )
+    cases["scored past the row"][0]["rows"]["scored"] = b"\0" * 12
+    grammar = {1: {"key": "k", "accepted": 0}}
+    case(
+        "a grammar on no sampling row",
+        "a grammar on a row that samples",
+        ("rows", "grammars"),
+        grammar,
     )
     return cases
 

@@ -49,7 +49,8 @@ import redis
 from services.session_store.ledger_replay import IndependentLedger, Violation
 from shared import streams
 from shared.messages.envelope import WireError
-from shared.messages.forward import StepRow, decode_step
+from shared.messages.forward import decode_step
+from shared.messages.step_rows import RowColumns
 from shared.messages.tiers import TierMove
 from shared.owners import OwnerKind, kind_of, label
 
@@ -87,27 +88,22 @@ class RowWrites:
     kv_page: np.ndarray
 
     @classmethod
-    def of(cls, rows: list[StepRow], page_size: int) -> RowWrites:
-        n = len(rows)
-
-        def column(name: str) -> np.ndarray:
-            return np.fromiter((getattr(r, name) for r in rows), np.int64, n)
-
-        written = [r.written_kv for r in rows]
-        lengths = np.fromiter((len(w) for w in written), np.int64, n)
-        pages = np.concatenate([np.zeros(0, np.int64), *written]) // page_size
+    def of(cls, rows: RowColumns, page_size: int) -> RowWrites:
+        """Read from the step's columns: no row is built."""
+        row_of, written = rows.written_kv()
+        pages = written // page_size
         # each page a row writes, once, by row then page (a malformed negative page too,
         # which the check then names: the keys count from the lowest page)
         low = int(pages.min()) if len(pages) else 0
         span = int(pages.max()) - low + 1 if len(pages) else 1
-        key = np.unique(np.repeat(np.arange(n), lengths) * span + (pages - low))
+        key = np.unique(row_of * span + (pages - low))
         return cls(
-            [r.rid for r in rows],
-            column("owner"),
-            column("track_owner"),
-            column("session_owner"),
-            column("mamba_out"),
-            column("snapshot_slot"),
+            rows.rids,
+            rows.owner,
+            rows.track_owner,
+            rows.session_owner,
+            rows.mamba_out.astype(np.int64),
+            rows.snapshot_slot.astype(np.int64),
             key // span,
             key % span + low,
         )
@@ -144,7 +140,7 @@ class PlannedStep:
         if step.ledger_seq is None:
             return None
         planned = cls(step.epoch, step.step, step.ledger_seq)
-        planned.rows = rows = RowWrites.of(step.rows, max(1, step.page_size))
+        planned.rows = rows = RowWrites.of(step.columns, max(1, step.page_size))
         planned._claim(rows)
         for dsts, owners, what in (
             (step.clears, step.clear_owners, "a clear"),

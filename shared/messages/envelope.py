@@ -3,7 +3,7 @@ tag msgspec dispatches on), the producer's `(epoch, seq)` so a consumer applies 
 (a duplicate has a seq it has seen; a gap, one past the next it expects), and integer
 arrays packed as little-endian bytes.
 
-An array field is declared once, by its type (`U1`, `I4`, `I8`, `F4`): it holds a numpy
+An array field is declared once, by its type (`U1`, `I4`, `I8`, `U8`, `F4`, `F8`): it holds a numpy
 array, travels as the bytes of its items (msgpack bin, as `pack` writes them), and is
 decoded back by `decode_hook`, which checks its length.
 
@@ -27,8 +27,10 @@ M = TypeVar("M")
 U1 = npt.NDArray[np.uint8]
 I4 = npt.NDArray[np.int32]
 I8 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint64]
 F4 = npt.NDArray[np.float32]
-WIRE_DTYPES = {U1: "<u1", I4: "<i4", I8: "<i8", F4: "<f4"}
+F8 = npt.NDArray[np.float64]
+WIRE_DTYPES = {U1: "<u1", I4: "<i4", I8: "<i8", U8: "<u8", F4: "<f4", F8: "<f8"}
 # each kind's dtype made once: a step decodes a few arrays per row, hundreds of rows
 _DTYPES = {kind: np.dtype(name) for kind, name in WIRE_DTYPES.items()}
 
@@ -76,8 +78,8 @@ def _frombuffer(raw: bytes, dtype: np.dtype) -> np.ndarray:
 
 
 def array(values: np.ndarray | Sequence[int] | Sequence[float], kind: type) -> np.ndarray:
-    """`values` as a new array for a field of type `kind` (U1, I4, I8, F4): a copy, so the
-    message does not change with the caller's array."""
+    """`values` as a new array for a field of type `kind` (U1, I4, I8, U8, F4, F8): a
+    copy, so the message does not change with the caller's array."""
     out = np.asarray(values, dtype=WIRE_DTYPES[kind])
     # a conversion already made a new array: copy only what may still be the caller's
     return out.copy() if out is values or not out.flags.owndata else out

@@ -2,8 +2,9 @@
 session store's write checker too) and its `StepResult` (executor -> scheduler, stream
 "results").
 
-One shape per row on both sides: the scheduler plans a `StepRow` and sends it as it is;
-the executor runs the rows it decodes. Integer arrays travel packed (`<i4`, owner ids
+One shape per row on both sides: the scheduler plans a `StepRow`, and the executor runs
+the rows it decodes; between them a step's rows travel as columns (step_rows.py), which
+the session store checks without building a row. Integer arrays travel packed (`<i4`, owner ids
 `<i8`, log probabilities `<f4`: array fields, envelope.py). Decoding checks what the
 types cannot: every packed length, and the arrays that must agree (a KV index per
 position, an owner per op, a token per sampling row).
@@ -17,10 +18,9 @@ tokens it computes, not the contexts it reads (docs/architecture.md, "Step delta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from functools import cached_property
 
 import msgspec
-import numpy as np
 
 from shared.deferred_ops import DeferredOps
 from shared.messages.envelope import (
@@ -34,109 +34,11 @@ from shared.messages.envelope import (
     array,
     empty,
 )
-from shared.messages.grammar import RowGrammar
-from shared.messages.sampling import Penalties, RowScores, Top, pack_top, unpack_top
+from shared.messages.sampling import RowScores, Top, pack_top, unpack_top
+from shared.messages.step_rows import RowColumns, StepRow
 from shared.messages.tiers import TierMove
 
-Ints = np.ndarray | Sequence[int]  # or a host torch tensor: anything np.asarray takes
-
-
-class StepRow(Arrays, kw_only=True):
-    """One row of a step: the positions it computes for one request, the Mamba slots it
-    reads and writes, how it samples, and whom its writes are for."""
-
-    rid: str
-    tokens: I4  # fed at positions start..end-1
-    start: int
-    # The KV token index of positions kv_from..end-1; the executor's page table of `row`
-    # holds those before kv_from. kv_from 0: the whole context, a new table for `row`.
-    kv_indices: I4 = msgspec.field(name="kv")
-    kv_from: int = 0  # at most start: the positions a row writes always travel
-    row: int = 0  # the request row (the scheduler's row slot); 0: a table kept nowhere
-    mamba_slot: int  # the state is read from here
-    mamba_out: int  # and written here after the row's tokens (may be mamba_slot)
-    snapshot_slot: int = 0  # 0: no snapshot this step
-    snapshot_len: int = 0  # the state after this many positions is copied to snapshot_slot
-    sample: bool = True  # the row produces a token, from its last position
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    min_p: float = 0.0  # tokens below min_p times the most likely one's probability go
-    penalties: Penalties | None = None  # None: no penalty (sampling.py)
-    top_logprobs: int = 0  # the top log probabilities wanted at the sampled position
-    future: bool = False  # tokens[0] stands for the token the step before samples
-    # Input log probabilities: position scored_from + i is scored by the log probability
-    # of scored[i], the token after it (RowScores in the result); empty: none.
-    scored_from: int = 0
-    scored: I4 = msgspec.field(default_factory=empty(I4))
-    grammar: RowGrammar | None = None  # a constrained sampling row (grammar.py)
-    # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
-    # the session store checks each write against its own ledger.
-    owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
-    track_owner: int = 0  # the request's track: owns snapshot_slot
-    session_owner: int = 0  # the session whose turn this is: may own op destinations
-
-    def __post_init__(self) -> None:
-        """A row whose arrays are cut or disagree is refused as it is decoded."""
-        n, kv = len(self.tokens), len(self.kv_indices)
-        if self.kv_from and not self.row:
-            raise WireError(f"row {self.rid}: a KV delta from {self.kv_from} names no row")
-        if not 0 <= self.kv_from <= self.start or kv != self.start + n - self.kv_from:
-            raise WireError(
-                f"row {self.rid}: {kv} KV indices from position {self.kv_from} for {n} "
-                f"tokens from {self.start}"
-            )
-        scored = len(self.scored)
-        if scored and not self.start <= self.scored_from <= self.end - scored:
-            raise WireError(
-                f"row {self.rid}: {scored} scored positions from {self.scored_from} outside "
-                f"{self.start}..{self.end - 1}"
-            )
-        if self.grammar is not None and not self.sample:
-            raise WireError(f"row {self.rid}: a grammar on a row that samples nothing")
-
-    @classmethod
-    def of(
-        cls,
-        tokens: Ints,
-        start: int,
-        kv_indices: Ints,
-        mamba_slot: int,
-        *,
-        rid: str = "",
-        mamba_out: int = 0,
-        scored: Ints = (),
-        **facts: Any,
-    ) -> StepRow:
-        """A row from its arrays; `mamba_out` 0 updates the state in place. `facts`:
-        any of the other fields."""
-        return cls(
-            rid=rid,
-            tokens=array(tokens, I4),
-            start=start,
-            kv_indices=array(kv_indices, I4),
-            mamba_slot=mamba_slot,
-            mamba_out=mamba_out or mamba_slot,
-            scored=array(scored, I4),
-            **facts,
-        )
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    @property
-    def written_kv(self) -> np.ndarray:
-        """The KV indices of the positions this row writes (start..end-1): the last
-        ones it carries, whether it holds its whole context or a delta."""
-        return self.kv_indices[len(self.kv_indices) - len(self.tokens) :]
-
-    def fill_future(self, token: int) -> None:
-        """The executor's part: tokens[0] becomes what the step before sampled."""
-        tokens = self.tokens.copy()
-        tokens[:1] = token
-        self.tokens = tokens
+__all__ = ["Step", "StepHead", "StepResult", "StepRow"]  # StepRow: where it is imported from
 
 
 class StepHead(Message, tag="step", kw_only=True):
@@ -151,7 +53,7 @@ class StepHead(Message, tag="step", kw_only=True):
         return self.seq
 
 
-class Step(StepHead, Arrays, tag="step", kw_only=True):
+class Step(StepHead, Arrays, tag="step", kw_only=True, dict=True):
     """A forward step. `after`: the step it was planned on top of (its rows read the
     state that step writes, and its future tokens are that step's samples), or None when
     it builds on nothing in flight; the executor refuses it unless `after` is the step
@@ -169,7 +71,7 @@ class Step(StepHead, Arrays, tag="step", kw_only=True):
     rows when it only moves state."""
 
     after: int | None
-    rows: list[StepRow]
+    columns: RowColumns = msgspec.field(name="rows")  # the rows as they travel
     clears: I4
     copies: I4  # [n, 2]: source, destination; flat on the wire
     clear_owners: I8
@@ -206,12 +108,12 @@ class Step(StepHead, Arrays, tag="step", kw_only=True):
     ) -> Step:
         """The step numbered `step` in scheduler life `epoch`; each op destination's
         owner is taken from `ops.owners` (0 where it names none)."""
-        return cls(
+        message = cls(
             epoch=epoch,
             seq=step,
             executor_epoch=executor_epoch,
             after=after,
-            rows=rows,
+            columns=RowColumns.of(rows),
             clears=array(ops.clears, I4),
             copies=array(ops.copies, I4),
             clear_owners=array([ops.owners.get(s, 0) for s in ops.clears], I8),
@@ -221,6 +123,13 @@ class Step(StepHead, Arrays, tag="step", kw_only=True):
             moves=moves or [],
             discards=discards or [],
         )
+        message.__dict__["rows"] = rows  # the planner's own rows: none to rebuild
+        return message
+
+    @cached_property
+    def rows(self) -> list[StepRow]:
+        """The rows, built from the columns once (the executor's side)."""
+        return self.columns.rows()
 
     def ops(self) -> DeferredOps:
         """The deferred ops, as the executor runs them."""

@@ -97,10 +97,10 @@ def test_a_step_that_raises_is_answered_with_its_cause_and_the_next_runs(
 def test_rows_that_do_not_decode_are_answered_and_the_service_serves_on(service):
     """The step's head still says whose it is: its scheduler gets the reason."""
     raw = msgspec.msgpack.decode(step(service, "s", 1, [wire_row(PROMPT)]))
-    raw["rows"] = ["not a row"]
+    raw["rows"]["rids"] = "not the rows' ids"
     before = malformed()
     failed = decode_result(service.run_step(msgspec.msgpack.encode(raw)))
-    assert "malformed" in failed.error and "rows[0]" in failed.error
+    assert "malformed" in failed.error and "rows.rids" in failed.error
     assert failed.ops_ran is False and malformed() == before + 1
     ok = decode_result(service.run_step(step(service, "s", 2, [wire_row(PROMPT)])))
     assert ok.error is None

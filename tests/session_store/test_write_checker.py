@@ -19,8 +19,9 @@ from services.scheduler.runtime.event_shipper import EventShipper
 from services.session_store.consumer import OwnershipConsumer
 from services.session_store.write_checker import RowWrites, WriteChecker
 from shared import streams
-from shared.messages.envelope import array, encode
-from shared.messages.forward import I4, I8, StepRow
+from shared.messages.envelope import I4, I8, array, encode
+from shared.messages.forward import StepRow
+from shared.messages.step_rows import RowColumns
 from tests.engine.data_model import result_of
 from tests.engine.driver import Driver
 from tests.engine.test_sessions import text
@@ -197,7 +198,8 @@ def test_an_op_for_an_owner_outside_the_step_and_a_foreign_kv_page_are_named(red
     kv[rows[i].start - rows[i].kv_from] = foreign * 4
     rows[i] = msgspec.structs.replace(rows[i], kv_indices=array(kv, I4))
     # and the clear claims to be for a bystander
-    step = msgspec.structs.replace(step, rows=rows, clear_owners=array([idle], I8))
+    columns = RowColumns.of(rows)
+    step = msgspec.structs.replace(step, columns=columns, clear_owners=array([idle], I8))
     pub.ship()
     pub._xadd(streams.SINGLE.forward, encode(step))
     pub.complete_oldest()
@@ -342,7 +344,7 @@ def test_each_page_a_row_writes_is_listed_once_under_its_row_a_negative_one_too(
         StepRow.of([4], 0, [-16], 2, rid="b"),
         StepRow.of([5, 6], 0, [48, 64], 3, rid="c"),
     ]
-    writes = RowWrites.of(rows, page_size=16)
+    writes = RowWrites.of(RowColumns.of(rows), page_size=16)
     assert list(zip(writes.kv_row.tolist(), writes.kv_page.tolist(), strict=True)) == [
         (0, 2),
         (1, -1),

@@ -19,6 +19,7 @@ import numpy as np
 
 from services.scheduler.ownership.slot_pool import SlotPool
 from shared.messages.forward import Step
+from shared.messages.step_rows import RowColumns
 
 log = logging.getLogger("custody.scheduler")
 ENV = "CUSTODY_FAULT_MISROUTE_WRITE"
@@ -45,4 +46,4 @@ class MisrouteWrite:
         self.armed = False
         first = msgspec.structs.replace(step.rows[0], mamba_out=int(free[-1]))
         log.warning("test-only fault: %s writes slot %d it does not own", first.rid, free[-1])
-        return msgspec.structs.replace(step, rows=[first, *step.rows[1:]])
+        return msgspec.structs.replace(step, columns=RowColumns.of([first, *step.rows[1:]]))
