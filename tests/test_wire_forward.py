@@ -27,6 +27,7 @@ from shared.messages.forward import (
     decode_step,
     decode_step_head,
 )
+from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties, RowScores
 from tests.engine.driver import Driver
 from tests.test_scheduler_loop import plain, started
@@ -261,3 +262,40 @@ def test_a_malformed_answer_to_the_step_in_flight_takes_the_device_lost_path(
     assert req.status is Status.WAITING and req.output == [] and not service.engine.in_flight
     assert service.engine.check().ok
     loop.close()
+
+
+def test_rows_of_every_shape_come_back_from_their_columns_as_they_were():
+    """Deltas and whole contexts, seeds and none (the largest one too), penalties, a
+    grammar and input scores on some rows, empty rows: each row as it was sent."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for i in range(60):
+        n, start = int(rng.integers(0, 5)), int(rng.integers(0, 40))
+        kv_from = 0 if i % 3 == 0 else int(rng.integers(0, start + 1))
+        scored = rng.integers(0, 99, int(rng.integers(0, n + 1))) if i % 4 == 0 else []
+        rows.append(
+            StepRow.of(
+                rng.integers(0, 99, n),
+                start,
+                rng.integers(1, 999, start + n - kv_from),
+                i + 1,
+                rid=f"r{i}",
+                kv_from=kv_from,
+                row=i + 1,
+                mamba_out=i + 100,
+                sample=i % 5 != 0,
+                seed=None if i % 2 else [0, 2**64 - 1, 12345][i % 3],
+                temperature=float(rng.random()),
+                top_k=int(rng.integers(-1, 50)),
+                scored_from=start,
+                scored=scored,
+                penalties=Penalties.of(1.2, 0.1, 0.0, [3, 4], [5]) if i % 7 == 0 else None,
+                grammar=RowGrammar(key="g", accepted=2) if i % 5 == 1 else None,
+                owner=i + 1000,
+                future=bool(i % 2),
+            )
+        )
+    step = Step.of("sched", 9, "exec", rows, DeferredOps())
+    back = decode_step(encode(step))
+    assert back.rows == rows and back.columns == step.columns
+    assert back.rows is not step.rows and step.rows is rows  # the planner's own, unbuilt
