@@ -156,7 +156,9 @@ def test_slow_clients_are_cut_off_and_generation_is_not(limited):
 
     def long_generation() -> None:
         started = time.monotonic()
-        result["reply"] = post(port, "/generate", generation(600), "alpha")
+        # long enough to outlast the read timeout on any machine (600 tokens took 0.93 s
+        # once planning got faster): the point is a generation longer than it, served
+        result["reply"] = post(port, "/generate", generation(4000), "alpha")
         result["seconds"] = time.monotonic() - started
 
     served = threading.Thread(target=long_generation)
