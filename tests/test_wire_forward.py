@@ -299,3 +299,10 @@ def test_rows_of_every_shape_come_back_from_their_columns_as_they_were():
     back = decode_step(encode(step))
     assert back.rows == rows and back.columns == step.columns
     assert back.rows is not step.rows and step.rows is rows  # the planner's own, unbuilt
+
+
+def test_a_row_whose_slot_fits_no_wire_column_is_refused_at_encoding_not_wrapped():
+    """numpy narrows an array by wrapping it round: the columns check instead."""
+    row = StepRow.of([1], 0, [5], 2**31, rid="a")
+    with pytest.raises(OverflowError, match="does not fit int32"):
+        Step.of("sched", 1, "exec", [row], DeferredOps())

@@ -19,12 +19,24 @@ anyone builds its rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from shared.messages.envelope import F8, I4, I8, U1, U8, Arrays, WireError, array, empty
+from shared.messages.envelope import (
+    F8,
+    I4,
+    I8,
+    U1,
+    U8,
+    WIRE_DTYPES,
+    Arrays,
+    WireError,
+    array,
+    empty,
+)
 from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties
 
@@ -152,6 +164,24 @@ SCALARS = {
 }
 
 
+INTEGERS = tuple(name for name, kind in SCALARS.items() if kind is not F8)
+FLOATS = tuple(name for name, kind in SCALARS.items() if kind is F8)
+_LIMITS = {I4: np.iinfo(np.int32), U1: np.iinfo(np.uint8)}
+
+
+def _narrowed(column: np.ndarray, kind: type) -> np.ndarray:
+    """`column` (int64) as its wire type; OverflowError for a value that does not fit
+    (numpy's own narrowing of an array would wrap it round)."""
+    limits = _LIMITS.get(kind)
+    if (
+        limits is not None
+        and len(column)
+        and not limits.min <= column.min() <= column.max() <= limits.max
+    ):
+        raise OverflowError(f"a {kind} column of {column.tolist()} does not fit {limits.dtype}")
+    return column.astype(WIRE_DTYPES[kind])
+
+
 class RowColumns(Arrays, kw_only=True):
     rids: list[str]
     start: I8
@@ -228,7 +258,14 @@ class RowColumns(Arrays, kw_only=True):
 
     @classmethod
     def of(cls, rows: Sequence[StepRow]) -> RowColumns:
-        """The columns of `rows` (the scheduler's side)."""
+        """The columns of `rows` (the scheduler's side): the integer fields read in one
+        pass and converted as one array (an id or slot that fits no int64 raises, as
+        the encoder would), then each column checked to fit its wire type."""
+        n = len(rows)
+        table = np.array(list(map(attrgetter(*INTEGERS), rows)), np.int64).reshape(n, -1)
+        real = np.array(list(map(attrgetter(*FLOATS), rows)), np.float64).reshape(n, -1)
+        columns = {name: _narrowed(table[:, i], SCALARS[name]) for i, name in enumerate(INTEGERS)}
+        columns |= {name: real[:, i].copy() for i, name in enumerate(FLOATS)}
         seeds = [r.seed for r in rows]
 
         def joined(arrays: list[np.ndarray]) -> np.ndarray:
@@ -245,33 +282,64 @@ class RowColumns(Arrays, kw_only=True):
             scored=joined([r.scored for r in rows]),
             penalties={i: r.penalties for i, r in enumerate(rows) if r.penalties is not None},
             grammars={i: r.grammar for i, r in enumerate(rows) if r.grammar is not None},
-            **{name: array([getattr(r, name) for r in rows], k) for name, k in SCALARS.items()},
+            **columns,
         )
 
     def rows(self) -> list[StepRow]:
         """Each row as a StepRow (the executor's side); its arrays are views of the
-        columns'."""
-        n = len(self.rids)
-        scalars = {name: getattr(self, name).tolist() for name in SCALARS}
-        for name in ("sample", "future"):
-            scalars[name] = [bool(v) for v in scalars[name]]
+        columns'. Every field is named here, none through a dict: this runs for every
+        row of every step."""
+
+        def bounds(counts: np.ndarray) -> tuple[list[int], list[int]]:
+            ends = np.cumsum(counts).tolist()
+            return [0, *ends[:-1]], ends
+
+        (t0, t1), (k0, k1), (s0, s1) = map(
+            bounds, (self.token_counts, self.kv_counts, self.scored_counts)
+        )
+        tokens, kv, scored = self.tokens, self.kv, self.scored
         seeds = [s if on else None for s, on in zip(self.seed.tolist(), self.seeded, strict=True)]
-        tokens = np.split(self.tokens, np.cumsum(self.token_counts)[:-1]) if n else []
-        kv = np.split(self.kv, np.cumsum(self.kv_counts)[:-1]) if n else []
-        scored = np.split(self.scored, np.cumsum(self.scored_counts)[:-1]) if n else []
+        penalties, grammars = self.penalties.get, self.grammars.get
+        columns = zip(
+            self.rids, t0, t1, k0, k1, s0, s1, seeds,
+            *(getattr(self, name).tolist() for name in SCALARS),
+            strict=True,
+        )  # fmt: skip
         return [
             StepRow(
-                rid=self.rids[i],
-                tokens=tokens[i],
-                kv_indices=kv[i],
-                seed=seeds[i],
-                scored=scored[i],
-                penalties=self.penalties.get(i),
-                grammar=self.grammars.get(i),
-                **{name: values[i] for name, values in scalars.items()},
+                rid=rid,
+                tokens=tokens[ta:tb],
+                kv_indices=kv[ka:kb],
+                scored=scored[sa:sb],
+                seed=seed,
+                penalties=penalties(i),
+                grammar=grammars(i),
+                start=start,
+                kv_from=kv_from,
+                row=row,
+                mamba_slot=mamba_slot,
+                mamba_out=mamba_out,
+                snapshot_slot=snapshot_slot,
+                snapshot_len=snapshot_len,
+                sample=bool(sample),
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                top_logprobs=top_logprobs,
+                future=bool(future),
+                scored_from=scored_from,
+                owner=owner,
+                track_owner=track_owner,
+                session_owner=session_owner,
             )
-            for i in range(n)
-        ]
+            for i, (
+                rid, ta, tb, ka, kb, sa, sb, seed,
+                start, kv_from, row, mamba_slot, mamba_out, snapshot_slot, snapshot_len,
+                sample, temperature, top_p, top_k, min_p, top_logprobs, future, scored_from,
+                owner, track_owner, session_owner,
+            ) in enumerate(columns)
+        ]  # fmt: skip
 
     def written_kv(self) -> tuple[np.ndarray, np.ndarray]:
         """(row, KV index) of every position the rows write (each row's last `tokens`
