@@ -306,3 +306,10 @@ def test_a_row_whose_slot_fits_no_wire_column_is_refused_at_encoding_not_wrapped
     row = StepRow.of([1], 0, [5], 2**31, rid="a")
     with pytest.raises(OverflowError, match="does not fit int32"):
         Step.of("sched", 1, "exec", [row], DeferredOps())
+
+
+def test_a_step_of_no_rows_travels():
+    """A step may only move state between tiers: no rows, every column empty."""
+    step = Step.of("sched", 2, "exec", [], DeferredOps([3]))
+    back = decode_step(encode(step))
+    assert back == step and back.rows == [] and back.columns.rids == []

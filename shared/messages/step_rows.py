@@ -262,8 +262,8 @@ class RowColumns(Arrays, kw_only=True):
         pass and converted as one array (an id or slot that fits no int64 raises, as
         the encoder would), then each column checked to fit its wire type."""
         n = len(rows)
-        table = np.array(list(map(attrgetter(*INTEGERS), rows)), np.int64).reshape(n, -1)
-        real = np.array(list(map(attrgetter(*FLOATS), rows)), np.float64).reshape(n, -1)
+        table = np.array(list(map(attrgetter(*INTEGERS), rows)), np.int64).reshape(n, len(INTEGERS))
+        real = np.array(list(map(attrgetter(*FLOATS), rows)), np.float64).reshape(n, len(FLOATS))
         columns = {name: _narrowed(table[:, i], SCALARS[name]) for i, name in enumerate(INTEGERS)}
         columns |= {name: real[:, i].copy() for i, name in enumerate(FLOATS)}
         seeds = [r.seed for r in rows]
@@ -292,7 +292,7 @@ class RowColumns(Arrays, kw_only=True):
 
         def bounds(counts: np.ndarray) -> tuple[list[int], list[int]]:
             ends = np.cumsum(counts).tolist()
-            return [0, *ends[:-1]], ends
+            return [0, *ends][: len(ends)], ends
 
         (t0, t1), (k0, k1), (s0, s1) = map(
             bounds, (self.token_counts, self.kv_counts, self.scored_counts)
