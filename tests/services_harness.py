@@ -152,7 +152,7 @@ def assert_clean(stack: Stack) -> None:
     every slot free once the prefix cache is emptied (a plain request and a session's
     first turn leave their prompt there); the last events may still be on their way to
     the store, so poll for a while."""
-    assert call(stack.settings.port, "/flush_cache", {}) is True
+    assert call(stack.settings.port, "/flush_cache", {})["flushed"] is True
     capacity = capacities(stack.settings)
     deadline = time.monotonic() + 60  # a store that restarted replays on a loaded machine
     while True:

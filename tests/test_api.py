@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from services.scheduler.http.openai_routes import Reply
+from services.scheduler.http.routes import KEPT_BECAUSE
 from services.scheduler.records.finish import FinishReason
 from shared.config import SECRET_SETTINGS, Settings
 from tests.services_harness import (
@@ -70,7 +71,7 @@ def test_every_endpoint(stack):
     assert state["memory_usage"]["token_capacity"] == POOLS["kv_pages"] * POOLS["page_size"]
     assert not SECRET_SETTINGS & set(server)
     assert call(port, "/v1/models")["data"][0]["root"] == "custody"
-    assert call(port, "/reset_prefix_cache", {}) is True
+    assert call(port, "/reset_prefix_cache", {})["flushed"] is True
     sid = call(port, "/open_session", {"session_id": "api"})
     first = call(
         port,
@@ -106,7 +107,7 @@ def test_every_endpoint(stack):
     assert plain["output_ids"] == one_shot([9, 8, 7], 3)
     assert call(port, "/abort_request", {"rid": "nothing-running"}) is True
     assert call(port, "/abort_request", {"abort_all": True}) is True
-    assert call(port, "/flush_cache", {}) is True
+    assert call(port, "/flush_cache", {})["flushed"] is True
     assert call(port, "/close_session", {"session_id": sid}) is True
     status, metrics = raw_call(port, "/metrics", None, method="GET")
     assert status == 200 and b"custody_pool_capacity" in metrics
@@ -119,7 +120,7 @@ def test_a_prefill_only_request_caches_its_prompt_and_a_turn_appends_its_input(s
     a prefix): the prompt is computed and cached, nothing is generated; on a session it
     is a turn that appends its input, and the next turn resumes from there."""
     port = stack.settings.port
-    assert call(port, "/flush_cache", {}) is True
+    assert call(port, "/flush_cache", {})["flushed"] is True
     prompt = list(range(3, 83))
     warm = call(port, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}})
     assert warm["output_ids"] == [] and warm["text"] == ""
@@ -211,7 +212,13 @@ def test_the_cache_is_not_flushed_while_requests_run(stack):
     assert code == 400 and json.loads(raw)["error"]["type"] == "cache_busy"
     assert call(port, "/abort_request", {"rid": "long"}) is True
     worker.join(timeout=60)
-    assert raw_call(port, "/flush_cache", None, method="GET") == (200, b"true")
+    code, raw = raw_call(port, "/flush_cache", None, method="GET")
+    assert code == 200 and json.loads(raw) == {
+        "flushed": True,
+        "kv_pages_kept": 0,
+        "mamba_slots_kept": 0,
+        "kept_because": KEPT_BECAUSE,
+    }
 
 
 def test_the_served_model_is_named_listed_and_checked(stack):

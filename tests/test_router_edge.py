@@ -3,8 +3,9 @@ a request before any bookkeeping (a 300,000-element `rid` list made it write Red
 per element, 35 s of blocked loop), reads at most the scheduler's 8 MiB, refuses any
 nesting depth and any bad session id as JSON 4xx, times out slow clients, aborts the
 upstream request of a client that hangs up, shows replica addresses to operators only,
-and passes SGLang's incremental stream through. One stack of two replicas, with API keys
-and `--incremental-streaming-output`, for the module."""
+passes SGLang's incremental stream through, and adds up what every replica's flush kept.
+One stack of two replicas, with API keys and `--incremental-streaming-output`, for the
+module."""
 
 from __future__ import annotations
 
@@ -138,6 +139,38 @@ def test_health_shows_replica_addresses_to_an_operator_only(edge: Stack):
     assert all(r["url"].startswith("http://") for r in json.loads(raw)["replicas"].values())
     assert send(port, "GET", "/liveness", key="")[0] == 200
     assert send(port, "GET", "/health_generate", key="")[0] == 200
+
+
+def flushed(port: int) -> tuple[int, int]:
+    """What a flush at `port` kept: (KV pages, Mamba states)."""
+    code, _, raw = send(port, "POST", "/flush_cache", {}, OPERATOR)
+    assert code == 200, raw
+    reply = json.loads(raw)
+    assert reply["flushed"] is True
+    return reply["kv_pages_kept"], reply["mamba_slots_kept"]
+
+
+def test_a_flush_through_the_router_adds_up_what_every_replica_kept(edge: Stack):
+    """Sessions opened until each replica holds one (an open goes to the least loaded):
+    the router's answer to a flush counts what every replica kept for them, not the
+    first's alone; once they close, each replica keeps what it kept before."""
+    port = edge.settings.port
+    replicas = json.loads(send(port, "GET", "/health", key=OPERATOR)[2])["replicas"]
+    direct = [int(r["url"].rsplit(":", 1)[1]) for r in replicas.values()]
+    before = kept = [flushed(p) for p in direct]
+    sids: list[str] = []
+    while not all(k[1] > b[1] for k, b in zip(kept, before, strict=True)):
+        assert len(sids) < 6, f"every open went to one replica: {kept} from {before}"
+        sid = answer(port, "/open_session", {"session_id": f"kept-{len(sids)}"})
+        prompt = list(range(3 + len(sids), 67 + len(sids)))  # 64 tokens of its own
+        answer(port, "/generate", turn(prompt, session_params={"id": sid}))
+        sids.append(sid)
+        kept = [flushed(p) for p in direct]
+    assert all(k[0] > b[0] for k, b in zip(kept, before, strict=True))
+    assert flushed(port) == (sum(k[0] for k in kept), sum(k[1] for k in kept))
+    for sid in sids:
+        answer(port, "/close_session", {"session_id": sid})
+    assert [flushed(p) for p in direct] == before
 
 
 def test_a_slow_client_is_cut_off_at_the_router(edge: Stack):

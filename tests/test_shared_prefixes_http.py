@@ -85,7 +85,7 @@ def shared_stack(
 def port(shared_stack: Stack) -> Iterator[int]:
     """The stack's port, its prefix cache emptied before the test and checked clean after."""
     port = shared_stack.settings.port
-    assert call(port, "/flush_cache", {}) is True
+    assert call(port, "/flush_cache", {})["flushed"] is True
     yield port
     assert_clean(shared_stack)
 
@@ -186,3 +186,40 @@ def test_pressure_evicts_around_a_borrowed_prefix_and_never_through_it(port: int
     assert [a["output_ids"] for a in answers] == cold(flood)
     assert metric_sum(port, "custody_prefix_states_evicted_total") > evicted
     second_turns(port, sids, histories)
+
+
+def kept(port: int) -> tuple[int, int]:
+    """What a flush could not evict: (KV pages, Mamba states)."""
+    reply = call(port, "/flush_cache", {})
+    assert reply["flushed"] is True
+    return reply["kv_pages_kept"], reply["mamba_slots_kept"]
+
+
+def test_a_flush_says_what_an_open_session_kept(port: int):
+    """A session borrows its history's pages from the cache, so a flush cannot evict them:
+    it says so (the prompt's pages but its last, and the state there), and once the session
+    closes the same flush keeps nothing."""
+    assert kept(port) == (0, 0)
+    sid = call(port, "/open_session", {})
+    prompt = text(64, 7)
+    generate(port, prompt, sid)
+    pages, states = kept(port)
+    assert pages >= len(prompt) // PAGE - 1 and states == 1
+    warm = generate(port, prompt)  # what the bench measured as a recompute
+    assert warm["meta_info"]["cached_tokens"] >= len(prompt) - PAGE
+    call(port, "/close_session", {"session_id": sid})
+    assert kept(port) == (0, 0)
+
+
+def test_a_fresh_cache_salt_recomputes_what_a_session_holds(port: int):
+    """The honest recompute: a plain request on a session's very tokens, with a salt no
+    request used, matches nothing in the cache (0 cached tokens) and gives the same
+    tokens as the session's turn."""
+    sid = call(port, "/open_session", {})
+    prompt = text(64, 8)
+    turn = generate(port, prompt, sid)
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "cache_salt": "fresh-8"}
+    salted = call(port, "/generate", body)
+    assert salted["meta_info"]["cached_tokens"] == 0
+    assert salted["output_ids"] == turn["output_ids"]
+    call(port, "/close_session", {"session_id": sid})

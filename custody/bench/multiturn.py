@@ -31,6 +31,11 @@ from custody.up import Stack
 from shared.config import Settings
 
 Runs = dict[str, dict[str, list[tuple[list[Turn], float]]]]  # rate -> mode -> (turns, seconds)
+REFERENCE = (
+    "stateless mode: the same conversations, each round resending the whole history (the "
+    "prefix cache may serve part of it); both modes start from a flushed cache, checked: "
+    "every flush kept 0 pages"
+)
 
 
 def settings_for(workload: Workload) -> Settings:
@@ -56,11 +61,15 @@ async def _post(http: aiohttp.ClientSession, url: str, path: str, body: dict) ->
 
 
 async def flush_when_idle(http: aiohttp.ClientSession, url: str, timeout: float = 120) -> None:
-    """Empty the prefix cache; it is refused (400) while requests are queued or running."""
+    """Empty the prefix cache; it is refused (400) while requests are queued or running.
+    Raises if it kept any page (a session left open): the run would not start cold."""
     deadline = time.monotonic() + timeout
     while True:
         async with http.post(f"{url}/flush_cache", json={}) as resp:
             if resp.status == 200:
+                kept = (await resp.json())["kv_pages_kept"]
+                if kept:
+                    raise RuntimeError(f"/flush_cache kept {kept} pages: a session is open")
                 return
             if resp.status != 400 or time.monotonic() > deadline:
                 raise RuntimeError(f"/flush_cache answered {resp.status}: {await resp.text()}")
@@ -128,7 +137,7 @@ def report(workload: Workload, repeats: int, runs: Runs) -> dict:
         ratio = rates[rate]["sessions"]["ttft_p50_ms"] / rates[rate]["stateless"]["ttft_p50_ms"]
         rates[rate]["ttft_p50_ratio"] = round(ratio, 3)
     knobs = dataclasses.asdict(workload) | {"request_rates": list(workload.request_rates)}
-    payload = {"workload": knobs, "repeats": repeats, "rates": rates}
+    payload = {"workload": knobs, "repeats": repeats, "reference": REFERENCE, "rates": rates}
     table = markdown(workload, rates)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "multiturn.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -6,9 +6,14 @@ sessions (at least 4x what the device holds) each take a first turn and then a s
 in the same cyclic order, which is the worst case for LRU: every second turn finds its
 state evicted from the device, so only the host and disk tiers can save it. And what does
 a turn cost when its state was moved to the host or the disk tier, against recomputing
-the history (prefix cache flushed) and against a stateless client whose whole history is
-still in the prefix cache? Every turn returns one token, so a request's wall time is its
-TTFT; the two sides of each ratio alternate within one run.
+the history and against a stateless client whose whole history is still in the prefix
+cache? Every turn returns one token, so a request's wall time is its TTFT; the two sides
+of each ratio alternate within one run.
+
+A flush keeps what a session on the device borrows, so the recompute is a plain request
+under a cache salt no request used, and its reply must say it reused 0 tokens. A turn
+from the host or disk tier is timed after a flush that must say it kept nothing: the
+session left the device, so no page of its history may stay cached.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ DISK_NOTE = (
     "executor, so the timed load reads the blob from disk"
 )
 ONE_TOKEN = {"max_new_tokens": 1, "ignore_eos": True}
+RECOMPUTE = "recompute, a fresh cache_salt (checked: 0 cached tokens)"
 
 
 def _post(port: int, path: str, body: dict) -> dict:
@@ -53,8 +59,27 @@ def _turn(port: int, sid: str, tokens: list[int]) -> dict:
     return _post(port, "/generate", body)
 
 
-def _plain(port: int, tokens: list[int]) -> dict:
-    return _post(port, "/generate", {"input_ids": tokens, "sampling_params": ONE_TOKEN})
+def _plain(port: int, tokens: list[int], salt: str | None = None) -> dict:
+    body = {"input_ids": tokens, "sampling_params": ONE_TOKEN}
+    return _post(port, "/generate", body if salt is None else body | {"cache_salt": salt})
+
+
+def _flush_all(port: int, tier: str) -> None:
+    """Empty the prefix cache before a turn from `tier`: raises if the flush kept any
+    page, since then the turn could find its history cached."""
+    kept = _post(port, "/flush_cache", {})["kv_pages_kept"]
+    if kept:
+        raise RuntimeError(f"the flush before a {tier}-tier turn kept {kept} pages cached")
+
+
+def _recompute(port: int, tokens: list[int], salt: str) -> float:
+    """Seconds of `tokens` as a plain request under `salt`, a salt no request used:
+    raises if it reused any cached token, since then it recomputed nothing."""
+    seconds, out = _timed(lambda: _plain(port, tokens, salt))
+    cached = out["meta_info"]["cached_tokens"]
+    if cached:
+        raise RuntimeError(f"the recompute reused {cached} cached tokens of {len(tokens)}")
+    return seconds
 
 
 def _timed(call: Callable[[], dict]) -> tuple[float, dict]:
@@ -97,27 +122,30 @@ def _compare(
     rng: random.Random,
 ) -> dict:
     """Medians of a turn on `sid` with its state placed in `tier` before each, against a
-    plain request of its history and the same new tokens: recomputed (prefix cache
-    flushed) for the host and disk tiers, from a warm prefix cache for the device. The
-    two sides alternate which goes first. Extends `history` in place."""
-    session_s, plain_s, resumed, placed = [], [], 0, 0
+    plain request of its history and the same new tokens: recomputed (a fresh cache salt)
+    for the host and disk tiers, from a warm prefix cache for the device. The fewest tokens
+    a timed reference reused is `reference_cached_tokens` (0 for a recompute, checked).
+    The two sides alternate which goes first. Extends `history` in place."""
+    session_s, plain_s, warm_cached, resumed, placed = [], [], [], 0, 0
 
     def session_side(new: list[int]) -> dict:
         nonlocal resumed, placed
-        if tier != "device":
-            _post(port, "/flush_cache", {})  # the turn must not find its history cached
         placed += _post(port, "/place_session", {"session_id": sid, "tier": tier})["tier"] == tier
+        if tier != "device":
+            _flush_all(port, tier)
         seconds, out = _timed(lambda: _turn(port, sid, new))
         session_s.append(seconds)
         resumed += out["meta_info"]["cached_tokens"] >= len(history) - page_size
         return out
 
     def plain_side(new: list[int]) -> None:
-        if tier == "device":
-            _plain(port, history + new)  # a stateless client's history, cached
-        else:
-            _post(port, "/flush_cache", {})
-        plain_s.append(_timed(lambda: _plain(port, history + new))[0])
+        if tier != "device":
+            plain_s.append(_recompute(port, history + new, f"recompute-{tier}-{len(plain_s)}"))
+            return
+        _plain(port, history + new)  # a stateless client's history, cached
+        seconds, out = _timed(lambda: _plain(port, history + new))
+        plain_s.append(seconds)
+        warm_cached.append(out["meta_info"]["cached_tokens"])
 
     for r in range(repeats):
         new = _tokens(rng, NEW)
@@ -132,6 +160,7 @@ def _compare(
     return {
         "session_ttft_s": statistics.median(session_s),
         "reference_ttft_s": statistics.median(plain_s),
+        "reference_cached_tokens": min(warm_cached, default=0),
         "turns_placed": placed,
         "turns_resumed": resumed,
     }
@@ -220,8 +249,8 @@ def _payload(
         "new_tokens": NEW,
         "repeats": repeats,
         "pools": pools,
-        "host": sides["host"] | {"reference": "recompute, prefix cache flushed"},
-        "disk": sides["disk"] | {"reference": "recompute, prefix cache flushed"},
+        "host": sides["host"] | {"reference": RECOMPUTE},
+        "disk": sides["disk"] | {"reference": RECOMPUTE},
         "device": sides["device"] | {"reference": "plain request, prefix cache warm"},
         "disk_note": DISK_NOTE,
     }

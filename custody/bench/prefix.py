@@ -50,11 +50,15 @@ def _post(port: int, path: str, body: dict) -> object:
 
 
 def _flush(port: int, timeout: float = 120) -> None:
-    """Empty the prefix cache; refused (400) while a request is queued or running."""
+    """Empty the prefix cache; refused (400) while a request is queued or running. Raises
+    if it kept any page (a session left open): the next run, or the cold check, would
+    find a cached prefix."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _post(port, "/flush_cache", {})
+            kept = _post(port, "/flush_cache", {})["kv_pages_kept"]
+            if kept:
+                raise RuntimeError(f"/flush_cache kept {kept} pages: a session is open")
             return
         except urllib.error.HTTPError as err:
             if err.code != 400 or time.monotonic() > deadline:

@@ -68,6 +68,12 @@ PHASES = (
     ("rounds", "prefix"),
     ("rounds", "random"),
 )
+REFERENCE = (
+    "prefix hits: the same prompts through a second router choosing at random "
+    "(--router-policy random), every replica's cache flushed before each phase, checked: "
+    "each flush kept 0 pages on every replica (and straight to one replica, for context); "
+    "router overhead: the same clients sent straight to the replicas"
+)
 
 
 def capacity(settings: Settings) -> dict[str, int]:
@@ -100,16 +106,19 @@ def _wait_ready(url: str, replicas: int, timeout: float = 60) -> None:
 
 def _flush(router: str, timeout: float = 30) -> None:
     """Every replica's prefix cache emptied (retried while requests end), and the
-    router's index of them emptied too, so the next phase starts cold."""
+    router's index of them emptied too, so the next phase starts cold. Raises if any
+    replica kept a page (the router adds up what each kept): a session is still open."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            load.post(router, "/flush_cache", {})
+            kept = load.post(router, "/flush_cache", {})["kv_pages_kept"]
             break
         except urllib.error.HTTPError:  # a request still ending: the flush is refused
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+    if kept:
+        raise RuntimeError(f"the flush kept {kept} pages on the replicas: a session is open")
     while any(
         v for (n, _), v in load.scrape(router).items() if n == "custody_router_prefix_blocks"
     ):
@@ -303,5 +312,6 @@ def run(repeats: int = 7, clients: int = CLIENTS, turns: int = TURNS, rounds: in
         stack.stop()
     payload["pools"] = {k: v for k, v in POOLS.items() if k != "compile"}
     payload["compile"] = False
+    payload["reference"] = REFERENCE
     payload["wall_seconds"] = round(time.perf_counter() - start, 1)
     return write(payload)

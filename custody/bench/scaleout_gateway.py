@@ -49,6 +49,11 @@ from shared.streams import placement_key
 INPUT, OUTPUT = 32, 32
 PICKERS = {"epp": "prefix", "epp-random": "random"}
 TARGETS = {"affinity_hit_rate": 1.0, "epp_decision_p99_ms": 1.0, "rounds": 2.0}
+REFERENCE = (
+    "prefix hits: the same prompts through a second picker choosing at random "
+    "(--router-policy random), every replica's cache flushed before each phase, checked: "
+    "each flush kept 0 pages"
+)
 
 
 def _with_pickers(settings: Settings) -> dict[str, tuple[str, Settings]]:
@@ -188,17 +193,21 @@ def _epp_first(
 
 
 def _flush(urls: list[str], gates: list[Gate], timeout: float = 30) -> None:
-    """Every replica's prefix cache emptied, and each picker's index of them too."""
+    """Every replica's prefix cache emptied, and each picker's index of them too. Raises
+    if a replica kept a page: a session is still open there, the phase would not start
+    cold."""
     deadline = time.monotonic() + timeout
     for url in urls:
         while True:
             try:
-                load.post(url, "/flush_cache", {})
+                kept = load.post(url, "/flush_cache", {})["kv_pages_kept"]
                 break
             except OSError:  # a request still ending: the flush is refused
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+        if kept:
+            raise RuntimeError(f"the flush kept {kept} pages on {url}: a session is open")
     for gate in gates:
         while any(
             v for (n, _), v in load.scrape(gate.metrics).items() if n == "custody_epp_prefix_blocks"
@@ -252,6 +261,7 @@ def run(repeats: int = 7, clients: int = CLIENTS, turns: int = TURNS, rounds: in
         payload |= _prefix(stack, gates, urls, rounds)
     finally:
         stack.stop()
+    payload["reference"] = REFERENCE
     payload["wall_seconds"] = round(time.perf_counter() - start, 1)
     return _write(payload)
 

@@ -14,12 +14,14 @@ checks them (shared/tenancy.py), and passed on, so a replica still knows the cal
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from fronts.addressing import FANOUT_ROUTES
 from fronts.decision import Decision, FanOut, Pick, Refusal
 from fronts.replicas import ReplicaTable
 from services.router.errors import error
@@ -37,6 +39,14 @@ from shared.tenancy import ApiKeys, Refused
 
 log = logging.getLogger("custody.router")
 STALE = frozenset({404, 503})  # a replica's answers for a session it does not hold now
+KEPT = ("kv_pages_kept", "mamba_slots_kept")  # what a replica's flush could not evict
+
+
+def kept_by_all(answers: list[web.Response]) -> web.Response:
+    """One flush answer for the fleet, its kept counts summed over the replicas: a caller
+    that needs cold caches must hear of pages kept anywhere, not only on the first."""
+    replies = [json.loads(a.body) for a in answers]
+    return web.json_response(replies[0] | {k: sum(r[k] for r in replies) for k in KEPT})
 
 
 class Router:
@@ -128,7 +138,8 @@ class Router:
 
     async def fan_out(self, request: web.Request, body: bytes) -> web.Response:
         """The same request to every ready replica; the first refusal if any refused,
-        else the first answer."""
+        else one answer: a flush's adds up what every replica kept, any other's is the
+        first."""
         ready = self.table.ready()
         if not ready:
             return error(503, "no replica is ready", "no_replica", retry=True)
@@ -138,7 +149,9 @@ class Router:
             *(self.proxy.call(request, replica, body) for replica in ready)
         )
         refused = [a for a in answers if a.status != 200]
-        return (refused or answers)[0]
+        if refused:
+            return refused[0]
+        return kept_by_all(answers) if request.path in FANOUT_ROUTES else answers[0]
 
     def health(self, request: web.Request) -> web.Response:
         """Ready (200) with at least one ready replica, else 503 with Retry-After: a

@@ -6,6 +6,7 @@ import pytest
 import redis
 
 from custody.bench import events
+from custody.up import Stack
 
 
 def test_events_sweep_reports_entries_against_entries_of_the_same_size(
@@ -71,3 +72,18 @@ def test_over_capacity_sessions_resume_from_saved_state():
         assert detail[tier]["session_ttft_s"] > 0 and detail[tier]["reference_ttft_s"] > 0
     assert detail["pools"]["disk_slots"] > 0 and "disk_note" in detail
     assert "| disk |" in out["table"]
+
+
+def test_the_sessions_bench_stops_on_a_reference_that_reused_the_cache(stack: Stack):
+    """The timing loop's references and turns pass their checks on the real services; a
+    reference whose salt was used before finds its tokens cached, and the bench raises
+    rather than publish that ratio."""
+    from custody.bench import sessions
+
+    port = stack.settings.port
+    (row,) = sessions.measure(port, stack.settings.page_size, repeats=1, lengths=(64,))
+    assert row["history"] == 64 and row["session_ttft_s"] > 0 and row["recompute_ttft_s"] > 0
+    tokens = list(range(3, 67))
+    sessions._recompute(port, tokens, "used")
+    with pytest.raises(RuntimeError, match=r"reused [1-9]\d* cached tokens of 64"):
+        sessions._recompute(port, tokens, "used")

@@ -33,6 +33,7 @@ class Doc:
 
 
 BOOLEAN = {"type": "boolean"}
+FLUSH = "Empty the prefix cache; answers what open sessions kept (400 while requests run)"
 INTERNAL_STATE = {
     "type": "object",
     "required": [
@@ -117,9 +118,9 @@ ROUTES = {
     ("POST", "/admin/migrate_cancel"): Doc(
         "A move that failed: the session takes turns here again (router)", "migrate", BOOLEAN
     ),
-    ("GET", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
-    ("POST", "/flush_cache"): Doc("Empty the prefix cache (400 while requests run)", reply=BOOLEAN),
-    ("POST", "/reset_prefix_cache"): Doc("The same as /flush_cache (vLLM)", reply=BOOLEAN),
+    ("GET", "/flush_cache"): Doc(FLUSH, reply=replies.Flushed),
+    ("POST", "/flush_cache"): Doc(FLUSH, reply=replies.Flushed),
+    ("POST", "/reset_prefix_cache"): Doc("The same as /flush_cache (vLLM)", reply=replies.Flushed),
     ("POST", "/generate"): Doc(
         "Generate (SGLang); a list of texts or of id lists is a batch",
         "generate",

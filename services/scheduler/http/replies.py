@@ -69,6 +69,17 @@ class Placed(Struct):
     cached_tokens: int
 
 
+class Flushed(Struct):
+    """A flush's answer (200; SGLang's clients read only the status): what the prefix cache
+    kept. Entries an open session borrows stay, so a request on those tokens still hits;
+    a caller that needs them recomputed sends a fresh `cache_salt` instead."""
+
+    flushed: bool
+    kv_pages_kept: int
+    mamba_slots_kept: int
+    kept_because: str
+
+
 class ModelInfo(Struct):
     model_path: str
     tokenizer_path: str | None  # tokenizer files any `--tokenizer DIR` client can load

@@ -31,7 +31,7 @@ from services.scheduler.http.generation import Job, parallel_params, run_all, ru
 from services.scheduler.http.limits import open_session_within_limits
 from services.scheduler.http.logprobs import SglangStream, TokenTexts, check_streamed
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
-from services.scheduler.http.replies import Placed
+from services.scheduler.http.replies import Flushed, Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.tenancy import CACHE_SALT, session_id
@@ -43,6 +43,7 @@ from shared.placement import OPENED_HEADER, PLACED_HEADER
 from shared.tenancy import Refused
 
 DEFAULT_MAX_NEW_TOKENS = 16
+KEPT_BECAUSE = "borrowed by open sessions (or by a step still in flight)"
 
 
 def logprob_texts(door: FrontDoor, body: Any) -> TokenTexts | None:
@@ -205,11 +206,17 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    busy = request.app[FRONT_DOOR].flush_cache()
-    if busy:
+    """200 with what the cache kept: a flush cannot take what open sessions borrow, and a
+    caller relying on a cold cache must be told rather than measure a hit."""
+    door = request.app[FRONT_DOOR]
+    kept = door.flush_cache()
+    if kept is None:
+        busy = len(door.running_ids())
         message = f"the cache was not flushed: {busy} requests are queued or running"
         raise Refused(400, message, "cache_busy")
-    return web.json_response(True)
+    pages, states = kept
+    flushed = Flushed(True, pages, states, KEPT_BECAUSE)
+    return web.json_response(msgspec.to_builtins(flushed))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

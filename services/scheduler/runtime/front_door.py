@@ -295,12 +295,15 @@ class FrontDoor:
             self._intake.ended(self._engine.abort(rid, "aborted by request"))
         self._intake.wake.set()
 
-    def flush_cache(self) -> int:
+    def flush_cache(self) -> tuple[int, int] | None:
         """Evict every unlocked prefix-cache entry, only when no request is queued or
-        running (as SGLang does); returns how many are, 0 when it flushed."""
+        running (as SGLang does): None when some are, else the KV pages and Mamba states
+        the cache still holds, borrowed by open sessions. A caller that times a recompute
+        must learn of them: a request on those tokens would still hit."""
         if self._engine.requests:
-            return len(self._engine.requests)
+            return None
         cache, pools = self._engine.cache, self._engine.pools
         cache.evict_kv(pools.kv_pages.capacity)
         cache.evict_mamba(pools.mamba.capacity)
-        return 0
+        held = cache.sizes()
+        return held["evictable_pages"] + held["protected_pages"], held["states"]
