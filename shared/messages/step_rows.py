@@ -166,20 +166,8 @@ SCALARS = {
 
 INTEGERS = tuple(name for name, kind in SCALARS.items() if kind is not F8)
 FLOATS = tuple(name for name, kind in SCALARS.items() if kind is F8)
-_LIMITS = {I4: np.iinfo(np.int32), U1: np.iinfo(np.uint8)}
-
-
-def _narrowed(column: np.ndarray, kind: type) -> np.ndarray:
-    """`column` (int64) as its wire type; OverflowError for a value that does not fit
-    (numpy's own narrowing of an array would wrap it round)."""
-    limits = _LIMITS.get(kind)
-    if (
-        limits is not None
-        and len(column)
-        and not limits.min <= column.min() <= column.max() <= limits.max
-    ):
-        raise OverflowError(f"a {kind} column of {column.tolist()} does not fit {limits.dtype}")
-    return column.astype(WIRE_DTYPES[kind])
+NARROW = [i for i, name in enumerate(INTEGERS) if SCALARS[name] is I4]  # int32 on the wire
+INT32 = np.iinfo(np.int32)
 
 
 class RowColumns(Arrays, kw_only=True):
@@ -260,11 +248,16 @@ class RowColumns(Arrays, kw_only=True):
     def of(cls, rows: Sequence[StepRow]) -> RowColumns:
         """The columns of `rows` (the scheduler's side): the integer fields read in one
         pass and converted as one array (an id or slot that fits no int64 raises, as
-        the encoder would), then each column checked to fit its wire type."""
+        the encoder would), then the int32 columns checked to fit, all at once."""
         n = len(rows)
         table = np.array(list(map(attrgetter(*INTEGERS), rows)), np.int64).reshape(n, len(INTEGERS))
         real = np.array(list(map(attrgetter(*FLOATS), rows)), np.float64).reshape(n, len(FLOATS))
-        columns = {name: _narrowed(table[:, i], SCALARS[name]) for i, name in enumerate(INTEGERS)}
+        narrow = table[:, NARROW]  # checked at once: numpy would wrap a value round
+        if n and not INT32.min <= narrow.min() <= narrow.max() <= INT32.max:
+            raise OverflowError(f"a slot or count of {narrow.tolist()} does not fit int32")
+        columns = {
+            name: table[:, i].astype(WIRE_DTYPES[SCALARS[name]]) for i, name in enumerate(INTEGERS)
+        }
         columns |= {name: real[:, i].copy() for i, name in enumerate(FLOATS)}
         seeds = [r.seed for r in rows]
 
