@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.scheduler.http.openai_routes import Reply
+from services.scheduler.http.openai_replies import Reply
 from services.scheduler.http.routes import KEPT_BECAUSE
 from services.scheduler.records.finish import FinishReason
 from shared.config import SECRET_SETTINGS, Settings

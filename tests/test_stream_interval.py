@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.scheduler.http.events import StreamCursor
+from services.scheduler.http.stream_cursor import StreamCursor
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.text.output import OutputText

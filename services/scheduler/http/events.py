@@ -1,15 +1,14 @@
-"""Replies as server-sent events: the stream itself, and what a stream has sent of one
-request, so each chunk carries only what is new."""
+"""Replies as server-sent events: the stream, and the one function that writes a reply's
+chunks to it as its builder (sglang_replies.py, openai_replies.py) pulls them from the
+core, then `[DONE]`."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import msgspec
 from aiohttp import web
-
-from services.scheduler.records.request import Request
 
 
 class EventStream:
@@ -24,59 +23,24 @@ class EventStream:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         request[EVENT_STREAM] = self
-        self._order = asyncio.Lock()  # requests run at once (`run_all`) share one stream
 
     async def send(self, payload: dict | str) -> None:
         data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
-        async with self._order:
-            if not self.response.prepared:
-                await self.response.prepare(self.request)
-            await self.response.write(b"data: " + data + b"\n\n")
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(b"data: " + data + b"\n\n")
 
 
 EVENT_STREAM = web.RequestKey("event_stream", EventStream)
 
 
-def output_text(req: Request) -> str:
-    """The whole output text of an ended request (`records/request.py`'s `text`: cut
-    before a matched stop string unless no_stop_trim; empty when ids-only)."""
-    return "" if req.text is None else req.text.final(req.output)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed chunk of a request: its new text, the text so far, and the output
-    ids it covers (`output[start:end]`, what per-chunk extras such as logprobs cut)."""
-
-    delta: str
-    text: str
-    start: int
-    end: int
-
-
-class StreamCursor:
-    """What a stream has sent of one request, so each chunk carries only what is new
-    and the last one (at the end) the rest: streamed text joined is the final text.
-
-    `interval` (`--stream-interval`, SGLang's flag): after the first token, which goes
-    at once, a chunk waits until that many tokens are unsent, or the end. Every kind of
-    stream cuts its chunks here, so each keeps its shape, only with fewer chunks."""
-
-    def __init__(self, interval: int = 1) -> None:
-        self.interval = interval
-        self.chars = self.tokens = 0
-        self.ended = False
-
-    def next(self, req: Request) -> Chunk | None:
-        """The chunk to send now; None when nothing is new (or the end was sent)."""
-        if self.ended:
-            return None
-        if not req.done and self.tokens and len(req.output) - self.tokens < self.interval:
-            return None
-        text = "" if req.text is None else req.text.shown(req.output, req.done)
-        start, end = self.tokens, len(req.output)
-        if len(text) == self.chars and start == end and not req.done:
-            return None
-        chunk = Chunk(text[self.chars :], text, start, end)
-        self.chars, self.tokens, self.ended = len(text), end, req.done
-        return chunk
+async def send_events(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    """Stream `chunks` as events, then `[DONE]`. The builder queues its requests when
+    first pulled, so a refusal raised then is a plain 4xx (no headers went out); the
+    builder is closed however this ends, which aborts what it has not finished."""
+    sse = EventStream(request)
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            await sse.send(chunk)
+    await sse.send("[DONE]")
+    return sse.response

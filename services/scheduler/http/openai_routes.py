@@ -9,13 +9,13 @@ each turn prefills only its new tokens and has the tokens of the stateless reque
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
+from services.scheduler.http import openai_replies
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY
 from services.scheduler.http.bodies import (
     any_whitespace,
@@ -27,57 +27,25 @@ from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.chat_tools import Thinking, chat_parsing
 from services.scheduler.http.constraints import one, openai_constraint
 from services.scheduler.http.edge_sessions import named_session, own_session
-from services.scheduler.http.events import EventStream, StreamCursor, output_text
-from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
+from services.scheduler.http.events import send_events
+from services.scheduler.http.generation import parallel_params, plain_turns, session_turn
 from services.scheduler.http.header_sessions import bind, header_session_name
-from services.scheduler.http.logprobs import echoed_prompt, joined
-from services.scheduler.http.logprobs import openai as openai_logprobs
-from services.scheduler.http.tenancy import CACHE_SALT
-from services.scheduler.records.finish import FinishReason
+from services.scheduler.http.openai_replies import Choices, Reply
+from services.scheduler.http.stream_cursor import output_text
+from services.scheduler.http.tenancy import CACHE_SALT, Claim
 from services.scheduler.records.request import ChatTurn, Request
-from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
-from services.scheduler.runtime.front_door import Progress
-from services.scheduler.text.assistant_reply import ReplyParser, ReplyStream
+from services.scheduler.records.turn import Turn
+from services.scheduler.text.assistant_reply import ReplyParser
 from shared.messages.grammar import GrammarSpec
 from shared.tenancy import Refused
-from shared.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.scheduler.http.schemas_openai import OpenAIRequest
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
 ID_PREFIX = {False: "cmpl-", True: "chatcmpl-"}  # of the reply's id: its first choice's
-
-
-def usage(reqs: list[Request], n: int) -> dict:
-    """Of all choices (`n` per prompt): each prompt counted once (as OpenAI counts it),
-    the completions summed; `cached_tokens`: per prompt the fewest any of its choices
-    reused, summed."""
-    by_prompt = [reqs[i : i + n] for i in range(0, len(reqs), n)]
-    prompt = sum(len(group[0].prompt) for group in by_prompt)
-    completion = sum(len(r.output) for r in reqs)
-    cached = sum(min(r.cached_tokens for r in group) for group in by_prompt)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def sglext(cached: int) -> dict:
-    """SGLang's extension field with `cached_tokens_details`: custody counts every reused
-    token as `device` (a session's state brought back from a lower tier is on the device
-    before its turn runs)."""
-    return {"cached_tokens_details": {"device": cached, "host": 0}}
-
-
-def accounting(reqs: list[Request], n: int, details: bool) -> dict:
-    """A reply's `usage` and, with `details`, its `sglext` of the same cached count."""
-    spent = usage(reqs, n)
-    cached = spent["prompt_tokens_details"]["cached_tokens"]
-    return {"usage": spent} | ({"sglext": sglext(cached)} if details else {})
 
 
 @dataclass(frozen=True)
@@ -87,76 +55,6 @@ class Prompt:
 
     tokens: list[int]
     echo: str | None = None
-
-
-def ending(req: Request) -> FinishReason | None:
-    """Why `req` ended; None while it runs (a stream's chunk before its last)."""
-    return req.finish_reason if req.done else None
-
-
-class Reply:
-    """The envelope of one completion or chat completion, whole or as chunks."""
-
-    def __init__(
-        self, rid: str, chat: bool, stream: bool, model: str, parser: ReplyParser | None = None
-    ) -> None:
-        """`parser`: a chat reply's reasoning and tool calls (chat_tools.py); None: its
-        text is its content."""
-        self.rid, self.chat, self.stream, self.model = rid, chat, stream, model
-        self.parser = parser
-        self.kind = "chat.completion" if chat else "text_completion"
-        self.created = int(time.time())
-
-    def choice(
-        self, text: str, logprobs: dict | None, reason: FinishReason | None, index: int = 0
-    ) -> dict:
-        """`logprobs`: of the tokens the choice (or chunk) covers; None when not asked.
-        `reason`: why it ended (None: a chunk of a choice still running), given as
-        OpenAI's `finish_reason` (`stop`, `length`, or `abort` for an aborted request, as
-        vLLM reports it) and SGLang's `matched_stop` (the stop token id or string)."""
-        ended = {
-            "finish_reason": None if reason is None else reason.type,
-            "matched_stop": None if reason is None else reason.matched,
-        }
-        if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs} | ended
-        part = "message" if reason is not None and not self.stream else "delta"
-        message = {part: {"role": "assistant", "content": text}, "logprobs": logprobs}
-        return {"index": index} | ended | message
-
-    def parsed_choice(
-        self, rid: str, text: str, logprobs: dict | None, reason: FinishReason, index: int
-    ) -> dict:
-        """A whole chat choice through the parser: `finish_reason` `tool_calls` when
-        the model called tools and stopped by itself."""
-        message, called = self.parser.message(rid, text)
-        choice = self.choice(text, logprobs, reason, index)
-        if called and reason.type == "stop":
-            choice["finish_reason"] = "tool_calls"
-        return choice | {"message": message}
-
-    def delta_chunks(
-        self, stream: ReplyStream, r: Request, text: str, logprobs: dict | None, index: int
-    ) -> list[dict]:
-        """A streamed chat choice's chunks for its reply so far (`text`), through the
-        parser; the last carries the finish reason once it ended."""
-        reason = ending(r)
-        deltas = stream.deltas(text, reason is not None)
-        if reason is not None or not deltas:
-            deltas.append({})
-        chunks = []
-        for i, delta in enumerate(deltas):
-            last = i == len(deltas) - 1
-            choice = self.choice("", logprobs if i == 0 else None, reason if last else None, index)
-            if last and reason is not None and stream.called and reason.type == "stop":
-                choice["finish_reason"] = "tool_calls"
-            chunks.append(choice | {"delta": delta | ({"role": "assistant"} if i == 0 else {})})
-        return chunks
-
-    def body(self, choices: list[dict], **extra: object) -> dict:
-        kind = f"{self.kind}.chunk" if self.stream else self.kind
-        head = {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
-        return head | {"choices": choices} | extra
 
 
 async def respond(
@@ -201,113 +99,35 @@ async def respond(
     claims = [tenancy.claim(request, None, ID_PREFIX[chat])]
     claims += [tenancy.claim(request, None) for _ in planned[1:]]
     reply = Reply(claims[0].shown, chat, body.stream, served, parser)
-    jobs = [Job(c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
-    echoes = [prompt.echo for prompt, _ in planned]
-    details = bool(body.return_cached_tokens_details)
-    running = body.include_usage() and body.continuous_usage()
-    if not body.stream:
-        done = await run_choices(request, jobs, session, turn)
-        choices = []
-        for i, (r, echo) in enumerate(zip(done, echoes, strict=True)):
-            text, lps = echoed(
-                door.tokenizer, r, echo, output_text(r), chat, offset=len(echo or "")
-            )
-            if parser is None:
-                choices.append(reply.choice(text, lps, r.finish_reason, i))
-            else:
-                choices.append(reply.parsed_choice(r.rid, text, lps, r.finish_reason, i))
-        return web.json_response(reply.body(choices, **accounting(done, n, details)))
-    sse = EventStream(request)
-    jobs = [
-        replace(job, progress=streamer(request, reply, sse, i, echo, details, running))
-        for i, (job, echo) in enumerate(zip(jobs, echoes, strict=True))
-    ]
-    done = await run_choices(request, jobs, session, turn)
-    if body.include_usage():
-        await sse.send(reply.body([], **accounting(done, n, details)))
-    await sse.send("[DONE]")
-    return sse.response
+    call = Choices(
+        turns=choice_turns(request, claims, planned, session, turn),
+        reply=reply,
+        echoes=[prompt.echo for prompt, _ in planned],
+        n=n,
+        details=bool(body.return_cached_tokens_details),
+        include_usage=body.include_usage(),
+        running=body.include_usage() and body.continuous_usage(),
+    )
+    if body.stream:
+        return await send_events(request, openai_replies.chunks(door, call))
+    return web.json_response(openai_replies.whole(door.tokenizer, call, await door.run(call.turns)))
 
 
-async def run_choices(
-    request: web.Request, jobs: list[Job], session: Session | None, turn: ChatTurn | None
-) -> list[Request]:
-    """One choice: a plain request or a session's turn; more: plain requests at once."""
-    if len(jobs) > 1:
-        return await run_all(request, jobs)
-    job = jobs[0]
-    return [
-        await run_generation(
-            request, job.rid, job.tokens, job.params, session, {}, job.progress, turn
-        )
-    ]
-
-
-def echoed(
-    tokenizer: Tokenizer,
-    r: Request,
-    head: str | None,
-    text: str,
-    chat: bool,
-    start: int = 0,
-    end: int | None = None,
-    offset: int = 0,
-) -> tuple[str, dict | None]:
-    """A choice's (or chunk's) text and the logprobs of output tokens [start, end), the
-    first `offset` characters into the choice's text; with `head` (the echoed prompt),
-    the prompt's text and logprobs come first."""
-    lps = openai_logprobs(tokenizer, r, chat, start, end, offset)
-    if head is None:
-        return text, lps
-    if lps is not None:
-        lps = joined(echoed_prompt(tokenizer, r), lps, 0)
-    return head + text, lps
-
-
-def streamer(
+def choice_turns(
     request: web.Request,
-    reply: Reply,
-    sse: EventStream,
-    index: int,
-    echo: str | None,
-    details: bool = False,
-    running: bool = False,
-) -> Progress:
-    """The chunks of choice `index`: its new text, and the logprobs of the tokens that
-    arrived since its chunk before; with `echo`, the first chunk begins with the prompt
-    (its text and logprobs), as vLLM's does; with `details`, the finishing chunk carries
-    the choice's `sglext` (SGLang's); with `running` (vLLM's continuous usage stats),
-    each chunk its choice's `usage` so far."""
-    door = request.app[FRONT_DOOR]
-    tokenizer, cursor = door.tokenizer, StreamCursor(door.settings.stream_interval)
-    head = echo
-    parsed: ReplyStream | None = None
-
-    async def progress(r: Request) -> None:
-        nonlocal head, parsed
-        chunk = cursor.next(r)
-        if chunk is not None and reply.parser is not None:
-            parsed = parsed or ReplyStream(reply.parser, r.rid)
-            lps = openai_logprobs(tokenizer, r, True, chunk.start, chunk.end, 0)
-            extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
-            if running:
-                extra["usage"] = usage([r], 1)
-            for choice in reply.delta_chunks(parsed, r, chunk.text, lps, index):
-                await sse.send(reply.body([choice], **extra))
-        elif chunk is not None:
-            sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
-            offset = sent + len(echo or "")
-            text, lps = echoed(
-                tokenizer, r, head, chunk.delta, reply.chat, chunk.start, chunk.end, offset
-            )
-            head = None
-            choice = reply.choice(text, lps, ending(r), index)
-            extra = {"sglext": sglext(r.cached_tokens)} if details and r.done else {}
-            if running:
-                extra["usage"] = usage([r], 1)
-            await sse.send(reply.body([choice], **extra))
-
-    return progress
+    claims: list[Claim],
+    planned: list[tuple[Prompt, SamplingParams]],
+    session: Session | None,
+    turn: ChatTurn | None,
+) -> list[Turn]:
+    """One choice: a plain request or a session's turn; more: plain requests at once."""
+    if len(planned) > 1:
+        jobs = [
+            (c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)
+        ]
+        return plain_turns(request, jobs)
+    (prompt, params), claim = planned[0], claims[0]
+    return session_turn(request, claim.server, prompt.tokens, params, session, None, turn)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -10,7 +10,6 @@ moves; a client that disconnects aborts its request, with the abort semantics of
 from __future__ import annotations
 
 import secrets
-from dataclasses import replace
 from importlib.metadata import version
 from typing import Any
 
@@ -18,6 +17,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.scheduler.http import sglang_replies
 from services.scheduler.http.app_keys import FRONT_DOOR, SCHEMAS, TENANCY, TOKENIZER_DIR
 from services.scheduler.http.bodies import (
     any_whitespace,
@@ -26,55 +26,23 @@ from services.scheduler.http.bodies import (
     sglang_token_limit,
 )
 from services.scheduler.http.edge_sessions import named_session, own_session
-from services.scheduler.http.events import EventStream, StreamCursor, output_text
-from services.scheduler.http.generation import Job, parallel_params, run_all, run_generation
+from services.scheduler.http.events import send_events
+from services.scheduler.http.generation import parallel_params, plain_turns, session_turn
 from services.scheduler.http.limits import open_session_within_limits
-from services.scheduler.http.logprobs import SglangStream, TokenTexts, check_streamed
-from services.scheduler.http.logprobs import sglang as sglang_logprobs
+from services.scheduler.http.logprobs import TokenTexts, check_streamed
 from services.scheduler.http.replies import Flushed, Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
+from services.scheduler.http.sglang_replies import Generation
 from services.scheduler.http.tenancy import CACHE_SALT, session_id
-from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import TURN_NAME, Session
-from services.scheduler.runtime.front_door import FrontDoor, Progress
+from services.scheduler.records.turn import Turn
 from shared.placement import OPENED_HEADER, PLACED_HEADER
 from shared.tenancy import Refused
 
 DEFAULT_MAX_NEW_TOKENS = 16
 KEPT_BECAUSE = "borrowed by open sessions (or by a step still in flight)"
-
-
-def logprob_texts(door: FrontDoor, body: Any) -> TokenTexts | None:
-    """How a /generate reply names its logprobs' tokens: None without `return_logprob`
-    (no logprob fields), their texts only with `return_text_in_logprobs` (SGLang's)."""
-    if not body.return_logprob:
-        return None
-    return TokenTexts(door.tokenizer, body.return_text_in_logprobs)
-
-
-def response_of(
-    door: FrontDoor,
-    req: Request,
-    rid: str,
-    logprobs: TokenTexts | None = None,
-    text: str | None = None,
-) -> dict:
-    """The SGLang response; `rid` is the client's (the engine's is internal); `logprobs`:
-    with the logprob fields, naming their tokens so; `text`: what a stream shows so far
-    (default: the whole text of the ended request)."""
-    meta = {
-        "id": rid,
-        "finish_reason": msgspec.to_builtins(req.finish_reason),
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(req.output),
-        "cached_tokens": req.cached_tokens,
-    }
-    if logprobs is not None:
-        meta |= sglang_logprobs(logprobs, req)
-    text = output_text(req) if text is None else text
-    return {"text": text, "output_ids": list(req.output), "meta_info": meta}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -101,7 +69,7 @@ async def health_generate(request: web.Request) -> web.Response:
     if door.waiting_for():
         return await health(request)
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
-    await run_generation(request, secrets.token_hex(16), [1], params, None, {})
+    await door.run(session_turn(request, secrets.token_hex(16), [1], params, None))
     return web.json_response({"status": "ok", "executor": door.executor_epoch})
 
 
@@ -220,42 +188,53 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's /generate: a request, a session turn, a batch or parallel samples; one
+    reply, a list, or a stream of chunks."""
+    call, door = await generation_of(request), request.app[FRONT_DOOR]
+    if call.stream:
+        return await send_events(request, sglang_replies.chunks(door, call))
+    return web.json_response(sglang_replies.reply(call, await door.run(call.turns)))
+
+
+async def generation_of(request: web.Request) -> Generation:
+    """The call's body decoded and checked once: every refusal (a 4xx) comes from here,
+    before anything queues or streams."""
     raw, schemas = await request.read(), request.app[SCHEMAS]
-    body = decode_body(raw, schemas.generate_batch if is_batch(raw) else schemas.generate)
+    batch = is_batch(raw)
+    body = decode_body(raw, schemas.generate_batch if batch else schemas.generate)
     if body.cache_salt is not None:
         request[CACHE_SALT] = body.cache_salt
-    if is_batch(raw):
+    door, n = request.app[FRONT_DOOR], body.sampling().n or 1
+    logprobs = None
+    if body.return_logprob:  # their tokens' texts only with return_text_in_logprobs
+        logprobs = TokenTexts(door.tokenizer, body.return_text_in_logprobs)
+    if batch:
         inputs = body.input_ids or [prompt_tokens(request, text, None) for text in body.text]
-        return await generate_many(request, body, inputs, body.rid or [None] * len(inputs))
-    door = request.app[FRONT_DOOR]
+        turns, shown = parallel_turns(request, body, inputs, body.rid or [None] * len(inputs), n)
+        return Generation(turns, shown, body.stream, True, logprobs)
     session = named_session(request, body.session_id())  # the one lookup of its session
     tokens = body.input_ids or prompt_tokens(request, body.text, session)
-    if (body.sampling().n or 1) > 1:
+    if n > 1:
         if session is not None:
             raise InvalidRequest("n > 1 cannot continue a session: a session turn has one reply")
-        return await generate_many(request, body, [tokens], [body.rid])
+        turns, shown = parallel_turns(request, body, [tokens], [body.rid], n)
+        return Generation(turns, shown, body.stream, True, logprobs)
     rid = request.app[TENANCY].claim(request, body.rid)
-    logprobs, params = logprob_texts(door, body), engine_params(request, body, session, len(tokens))
+    params = engine_params(request, body, session, len(tokens))
+    if body.stream:
+        history = 0 if session is None else session.history.size
+        check_streamed(params, history + len(tokens))
     options = body.session_options() | {TURN_NAME: rid.shown}  # what a later turn names
-    if not body.stream:
-        done = await run_generation(request, rid.server, tokens, params, session, options)
-        return web.json_response(response_of(door, done, rid.shown, logprobs))
-    sse = EventStream(request)
-    history = 0 if session is None else session.history.size
-    progress = streamer(door, sse, rid.shown, params, history + len(tokens), logprobs)
-    await run_generation(request, rid.server, tokens, params, session, options, progress)
-    await sse.send("[DONE]")
-    return sse.response
+    turns = session_turn(request, rid.server, tokens, params, session, options)
+    return Generation(turns, [rid.shown], body.stream, False, logprobs)
 
 
-async def generate_many(
-    request: web.Request, body: Any, inputs: list[list[int]], rids: list[str | None]
-) -> web.StreamResponse:
+def parallel_turns(
+    request: web.Request, body: Any, inputs: list[list[int]], rids: list[str | None], n: int
+) -> tuple[list[Turn], list[str]]:
     """SGLang's batch and parallel samples: `n` requests per input (`rids`: the client's
-    id of each input, which names its one request; with n > 1 it is refused), run at
-    once; a list of replies, input i's sample j at i * n + j, or one stream whose
-    (cumulative) chunks carry that `index`."""
-    door, n = request.app[FRONT_DOOR], body.sampling().n or 1
+    id of each input, which names its one request; with n > 1 it is refused), input i's
+    sample j at i * n + j; and the id each request's client sees."""
     if n > 1 and any(rid is not None for rid in rids):
         raise InvalidRequest("rid names one request; with sampling_params.n > 1 leave it out")
     planned = [
@@ -264,25 +243,13 @@ async def generate_many(
         for params in parallel_params(engine_params(request, body, None, len(ids), i), n)
     ]
     claims = [request.app[TENANCY].claim(request, rid) for rid, _, _ in planned]
-    jobs = [Job(c.server, ids, params) for c, (_, ids, params) in zip(claims, planned, strict=True)]
-    logprobs = logprob_texts(door, body)
-    if not body.stream:
-        done = await run_all(request, jobs)
-        replies = [
-            response_of(door, r, c.shown, logprobs) for r, c in zip(done, claims, strict=True)
-        ]
-        return web.json_response(replies)
-    sse = EventStream(request)
-    jobs = [
-        replace(
-            job,
-            progress=streamer(door, sse, claim.shown, job.params, len(job.tokens), logprobs, i),
-        )
-        for i, (job, claim) in enumerate(zip(jobs, claims, strict=True))
-    ]
-    await run_all(request, jobs)
-    await sse.send("[DONE]")
-    return sse.response
+    if body.stream:
+        for _, ids, params in planned:
+            check_streamed(params, len(ids))
+    turns = plain_turns(
+        request, [(c.server, ids, p) for c, (_, ids, p) in zip(claims, planned, strict=True)]
+    )
+    return turns, [c.shown for c in claims]
 
 
 def engine_params(
@@ -301,39 +268,6 @@ def engine_params(
         body.logprob_start(item),
         any_whitespace(request),
     )
-
-
-def streamer(
-    door: FrontDoor,
-    sse: EventStream,
-    rid: str,
-    params: SamplingParams,
-    prompt_len: int,
-    logprobs: TokenTexts | None,
-    index: int | None = None,
-) -> Progress:
-    """A request's stream: SGLang's chunks are cumulative (text, output ids, logprobs so
-    far), or with `--incremental-streaming-output` carry only what is new, as SGLang's
-    do with that flag; a batch item's carry `index`. Refuses (400) a logprob request
-    over the cap before anything streams."""
-    check_streamed(params, prompt_len)
-    cursor = StreamCursor(door.settings.stream_interval)
-    tag = {} if index is None else {"index": index}
-    incremental = door.settings.incremental_streaming_output
-    entries = None if logprobs is None else SglangStream(logprobs, params.top_logprobs > 0)
-
-    async def progress(r: Request) -> None:
-        chunk = cursor.next(r)
-        if chunk is None:
-            return
-        start = chunk.start if incremental else 0
-        reply = response_of(door, r, rid, None, chunk.delta if incremental else chunk.text)
-        reply["output_ids"] = reply["output_ids"][start : chunk.end]
-        if entries is not None:
-            reply["meta_info"] |= entries.fields(r, start, chunk.end)
-        await sse.send(reply | tag)
-
-    return progress
 
 
 ROUTES = (

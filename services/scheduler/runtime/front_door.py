@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import numpy as np
 import redis.asyncio as aioredis
 
 from protocol.copies import may_close, settled_here, takes_arrival
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.records.request import ChatTurn, Request
-from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.request import Request
 from services.scheduler.records.session import Session, SessionError
+from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.executor_link import ExecutorLink
 from services.scheduler.runtime.grammar_checks import GrammarChecks
 from services.scheduler.runtime.intake import Intake
@@ -31,8 +32,6 @@ from shared.placement import Placement, opened_mark
 from shared.tokenizer import Tokenizer
 
 PROOF_WAIT_SECONDS = 10.0  # a move waits this long for the store to apply the records
-
-Progress = Callable[[Request], Awaitable[None]]
 
 
 class FrontDoor:
@@ -113,32 +112,52 @@ class FrontDoor:
         return await self._metrics.render(self._redis)
 
     # ---- what the edge does ----
-    async def generate(
-        self,
-        rid: str,
-        tokens: list[int],
-        params: SamplingParams,
-        session: Session | None = None,
-        session_params: dict | None = None,
-        progress: Progress | None = None,
-        chat: ChatTurn | None = None,
-        cache_namespace: str = "",
-    ) -> Request:
-        """Run a plain request, or the next turn of `session` (resolved by the edge with
-        `session`: `tokens` are then only its new input; `chat`: a chat turn's
-        conversation), to its end, matching and feeding the prefix cache of
-        `cache_namespace`; `progress` is called as tokens arrive."""
-        engine, tokens = self._engine, np.asarray(tokens, dtype=np.int64)
-        if params.grammar is not None:  # a 400 before it queues, if it cannot compile
-            await self._grammars.check(params.grammar)
-        if session is None:
-            plain = Request(rid, tokens, params, cache_namespace=cache_namespace)
-            return await self._intake.run(engine.submit(plain), progress)
-        await self._undo_stale_move(session)
-        turn = engine.submit_turn(
-            session, tokens, rid, params, session_params, chat, cache_namespace
+    async def follow(self, turns: list[Turn]) -> AsyncIterator[list[Request]]:
+        """Queue `turns` (plain requests, or one session turn), all or none: a turn that
+        cannot queue (a 400) takes back those queued before it. Then their requests,
+        each time a step brought news of any, the last time once all ended (intake.py):
+        the edge pulls its replies from here. Closing it early aborts them."""
+        for turn in turns:  # a 400 before anything queues, if a grammar cannot compile
+            if turn.params.grammar is not None:
+                await self._grammars.check(turn.params.grammar)
+            if turn.session is not None:
+                await self._undo_stale_move(turn.session)
+        submitted: list[Request] = []
+        try:
+            submitted += [self._submit(turn) for turn in turns]
+        except BaseException:
+            for req in submitted:
+                self._engine.abort(req.rid, "another request of its call was refused")
+            raise
+        async with aclosing(self._intake.follow(submitted)) as updates:
+            async for requests in updates:
+                yield requests
+
+    async def run(self, turns: list[Turn]) -> list[Request]:
+        """`turns` run to their end (`follow`, when only the end is wanted)."""
+        ended: list[Request] = []
+        async with aclosing(self.follow(turns)) as updates:
+            async for requests in updates:
+                ended = requests
+        return ended
+
+    def _submit(self, turn: Turn) -> Request:
+        """Queue a plain request, or the next turn of its session (resolved by the edge:
+        `tokens` are then only its new input), matching and feeding the prefix cache of
+        its namespace."""
+        tokens = np.asarray(turn.tokens, dtype=np.int64)
+        if turn.session is None:
+            plain = Request(turn.rid, tokens, turn.params, cache_namespace=turn.cache_namespace)
+            return self._engine.submit(plain)
+        return self._engine.submit_turn(
+            turn.session,
+            tokens,
+            turn.rid,
+            turn.params,
+            turn.session_options,
+            turn.chat,
+            turn.cache_namespace,
         )
-        return await self._intake.run(turn, progress)
 
     def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
         return self._engine.sessions.open(sid, timeout, tenant)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
@@ -32,39 +32,44 @@ class Intake:
         # rid -> (session error kind, why): its end must not be acknowledged
         self.refused: dict[str, tuple[str, str]] = {}
 
-    async def run(
-        self,
-        submitted: Request,
-        progress: Callable[[Request], Awaitable[None]] | None = None,
-    ) -> Request:
-        """Wait for the end of `submitted`, just queued in the engine (no await in
-        between), calling `progress` as tokens arrive; a cancelled wait (the client went
-        away) aborts the request."""
-        event = asyncio.Event()
-        self.waiters[submitted.rid] = (submitted, event)
-        self.timing[submitted.rid] = [time.monotonic(), None]
+    async def follow(self, submitted: list[Request]) -> AsyncIterator[list[Request]]:
+        """`submitted`, just queued in the engine (no await in between: the first step
+        of this generator registers them before anything else runs), each time a step
+        brought news of any of them, the last time once all ended and were announced. A
+        generator closed or cancelled before that (the client went away) aborts those
+        not ended; a turn refused after it ended raises `SessionError`."""
+        event, now = asyncio.Event(), time.monotonic()
+        for req in submitted:
+            self.waiters[req.rid] = (req, event)
+            self.timing[req.rid] = [now, None]
         self.wake.set()
         try:
-            while (
-                not submitted.done
-                or submitted in self.unannounced
-                or submitted in self.recorded_ends
-            ):
-                await event.wait()
-                event.clear()
-                if progress is not None:
-                    await progress(submitted)
-            refused = self.refused.get(submitted.rid)
-            if refused is not None:
-                raise SessionError(refused[1], refused[0])
-            return submitted
+            ended = False
+            while not ended:
+                if any(self._unannounced(req) for req in submitted):
+                    await event.wait()
+                    event.clear()
+                ended = not any(self._unannounced(req) for req in submitted)
+                yield submitted
+            for req in submitted:
+                refused = self.refused.get(req.rid)
+                if refused is not None:
+                    raise SessionError(refused[1], refused[0])
         finally:
-            self.refused.pop(submitted.rid, None)
-            self.waiters.pop(submitted.rid, None)
-            self.timing.pop(submitted.rid, None)
-            if not submitted.done:
-                self.ended(self.engine.abort(submitted.rid, "client disconnected"))
+            aborted = []
+            for req in submitted:
+                self.refused.pop(req.rid, None)
+                self.waiters.pop(req.rid, None)
+                self.timing.pop(req.rid, None)
+                if not req.done:
+                    aborted += self.engine.abort(req.rid, "client disconnected")
+            if aborted:
+                self.ended(aborted)
                 self.wake.set()
+
+    def _unannounced(self, req: Request) -> bool:
+        """Its client may not hear of its end yet (records not on the stream)."""
+        return not req.done or req in self.unannounced or req in self.recorded_ends
 
     def ended(self, requests: list[Request]) -> None:
         """Tell the clients of `requests` that they ended (records already shipped)."""
