@@ -18,6 +18,7 @@ The planted test shows a callback into the edge is seen."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -90,7 +91,7 @@ class CallGraph:
         return found
 
     def describe(self, cycle: list[str]) -> str:
-        steps = [f"{a} -> {b} ({self.edges[(a, b)]})" for a, b in zip(cycle, cycle[1:])]
+        steps = [f"{a} -> {b} ({self.edges[(a, b)]})" for a, b in itertools.pairwise(cycle)]
         return "\n  ".join(steps)
 
 
@@ -143,8 +144,7 @@ async def scheduler_here(settings) -> AsyncIterator[str]:
     await scheduler.start()
     runner = web.AppRunner(build_app(scheduler.front_door, scheduler.tenancy))
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", settings.port).start()  # free (ephemeral)
     tasks = [
         asyncio.create_task(scheduler.loop.run()),
         asyncio.create_task(
@@ -152,11 +152,10 @@ async def scheduler_here(settings) -> AsyncIterator[str]:
         ),
         asyncio.create_task(scheduler.finish_rebuild()),
     ]
-    port = site._server.sockets[0].getsockname()[1]
     try:
         while scheduler.front_door.waiting_for():
             await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{settings.port}"
     finally:
         for task in tasks:
             task.cancel()
