@@ -19,7 +19,19 @@ from shared.messages.grammar import RowGrammar
 from shared.messages.sampling import Penalties
 
 FUTURE_TOKEN = -1  # placeholder for a token the step in flight samples
-FUTURE_ROW = (FUTURE_TOKEN,)  # the tokens of a row fed the token the step in flight samples
+
+
+def _frozen(values: tuple[int, ...]) -> np.ndarray:
+    """An I4 array many rows share: read-only, so no row can change another's."""
+    out = array(values, I4)
+    out.flags.writeable = False
+    return out
+
+
+# the tokens of a row fed the token the step in flight samples, and a row's scored
+# positions when it scores none: most decoding rows of every step, one array each
+FUTURE_ROW = _frozen((FUTURE_TOKEN,))
+NONE_SCORED = _frozen(())
 
 
 def pages_to_grow(page_size: int, length: int, n: int) -> int:
@@ -94,7 +106,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
     # built field by field (not StepRow.of): this runs for every row of every step
     wire = StepRow(
         rid=req.rid,
-        tokens=array(FUTURE_ROW if future else req.tokens_at(start, end), I4),
+        tokens=FUTURE_ROW if future else array(req.tokens_at(start, end), I4),
         start=start,
         kv_indices=array(kv, I4),
         kv_from=kv_from,
@@ -113,7 +125,7 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
         top_logprobs=params.top_logprobs,
         future=future,
         scored_from=scored.start,
-        scored=array(req.prompt[scored.start + 1 : scored.stop + 1] if scored else (), I4),
+        scored=array(req.prompt[scored.start + 1 : scored.stop + 1], I4) if scored else NONE_SCORED,
         grammar=row_grammar(req) if sample else None,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
