@@ -34,6 +34,7 @@ from custody.soak.session_load import SessionLoad, post
 from custody.soak.verdict import disowned
 from custody.up import Backoff, Stack, layout
 from fronts.migration import MOVE_SECONDS
+from services.scheduler.runtime.placed_sweep import GRACE_SECONDS as SWEEP_GRACE_SECONDS
 from shared import streams
 from shared.config import Settings
 
@@ -52,6 +53,8 @@ WORKERS = 6
 # a replica's ownership stream keeps twice this unread: a store paused for a fault's
 # window falls further behind under the load, so trimmed_stream meets a real unread trim
 STREAM_MAXLEN = 300
+# beyond the sweep's grace: its walks (a heartbeat each) and a loaded machine's lag
+CLEANUP_MARGIN_SECONDS = 15.0
 SETTLE_SECONDS = 1.5  # after a fault, once the stack is ready again, before the next
 POOLS = {
     "page_size": 4,
@@ -220,7 +223,10 @@ class Campaign:
         router as the client would once it learned the id (`orphans`). A placement whose
         close then finds no session anywhere is left behind, as is everything else. What
         is cleaned up after the answers (a blob is deleted with its replica's next step,
-        a placement removed after its close) has 30 s, as leaked slots do."""
+        a placement removed after its close) has as long as a replica's sweep of its placed
+        list takes to drop an untrue member (`placed_sweep.GRACE_SECONDS`, from when it first
+        met it) and a margin: a shorter wait raced the sweep, and failed now and then on a
+        member the sweep was about to drop."""
         opened = {t.sid for t in self.load.turns}
         for sid in opened:
             self.load.close(sid)
@@ -230,7 +236,7 @@ class Campaign:
             status, _ = post(self.settings.port, "/close_session", {"session_id": sid})
             self.orphans += status == 200
         post(self.settings.port, "/flush_cache", {})
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + SWEEP_GRACE_SECONDS + CLEANUP_MARGIN_SECONDS
         while True:
             views = get(self.settings.store_port, "/ledger/replicas").get("replicas", {})
             leaked = {r: sum(len(s) for s in v["leaked"].values()) for r, v in views.items()}
