@@ -43,6 +43,8 @@ def cut_at_checkpoint(req: Request, start: int, n: int, interval: int) -> int:
     pass: the request's junction, a chat turn's reply start, or (`interval` > 0) a
     multiple of `interval`. A chunk snapshots its state where it ends on a page, so the
     state there can be cached (and at the reply start, for its session)."""
+    if n <= 1:  # every stop is past `start`: nothing to cut (a decoding row)
+        return n
     stops = [c for c in (req.checkpoint, req.reply_start) if start < c]
     if interval:
         stops.append(start - start % interval + interval)
@@ -59,17 +61,19 @@ def awaits_track_slot(req: Request, n: int) -> bool:
 
 def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
     """One batched KV allocation for the whole step: decodes, then chunks."""
-    kv, lens = pools.kv, pools.rows.lens
-    rows = [(r, r.slots.row.slot, n) for r, n in chosen]
-    one = np.array([row for _, row, n in rows if n == 1], dtype=np.int64)
-    more = [(row, r.planned + n) for r, row, n in rows if n > 1]
-    for req, row, _ in rows:
-        assert lens[row] == req.planned, f"{req.rid}: KV length drifted"
-    if len(one):
-        kv.decode(one)
-    if more:
-        rows, new = np.array(more, dtype=np.int64).T
-        kv.extend(rows, new)
+    count = len(chosen)
+    rows = np.fromiter((r.slots.row.slot for r, _ in chosen), np.int64, count)
+    planned = np.fromiter((r.planned for r, _ in chosen), np.int64, count)
+    ns = np.fromiter((n for _, n in chosen), np.int64, count)
+    drifted = np.flatnonzero(pools.rows.lens[rows] != planned)
+    if len(drifted):
+        raise AssertionError(f"{chosen[drifted[0]][0].rid}: KV length drifted")
+    one = ns == 1
+    if one.any():
+        pools.kv.decode(rows[one])
+    more = ns > 1
+    if more.any():
+        pools.kv.extend(rows[more], planned[more] + ns[more])
 
 
 def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int) -> RowPlan:
