@@ -404,3 +404,18 @@ def test_a_turn_routed_at_another_placement_epoch_is_refused_and_retryable(stack
         assert status == 200 and len(json.loads(raw)["output_ids"]) == 2
     finally:
         assert call(port, "/close_session", {"session_id": sid}) is True
+
+
+def test_a_batch_whose_later_item_cannot_queue_is_refused_whole(stack):
+    """The second prompt's logprob start lies past its end, which only queueing finds:
+    the first, queued a moment before, is taken back, and nothing is left running."""
+    port = stack.settings.port
+    body = {
+        "input_ids": [[1, 2, 3, 4, 5], [1, 2]],
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": [0, 10],
+    }
+    assert "logprob_start_len" in refusal(port, "/generate", body)
+    assert call(port, "/server_info")["internal_states"][0]["requests"] == 0
+    assert ledger_when_idle(stack)["counts"]["req"]["request"] == 0

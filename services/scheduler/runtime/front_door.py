@@ -124,10 +124,12 @@ class FrontDoor:
                 await self._undo_stale_move(turn.session)
         submitted: list[Request] = []
         try:
-            submitted += [self._submit(turn) for turn in turns]
+            for turn in turns:
+                submitted.append(self._submit(turn))
         except BaseException:
             for req in submitted:
                 self._engine.abort(req.rid, "another request of its call was refused")
+            self._intake.wake.set()
             raise
         async with aclosing(self._intake.follow(submitted)) as updates:
             async for requests in updates:
