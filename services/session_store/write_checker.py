@@ -52,7 +52,7 @@ from shared.messages.envelope import WireError
 from shared.messages.forward import decode_step
 from shared.messages.step_rows import RowColumns
 from shared.messages.tiers import TierMove
-from shared.owners import OwnerKind, kind_of, label
+from shared.owners import KIND_MASK, OwnerKind, kind_of, label
 
 GROUP = "write-checker"
 MAX_QUEUED = 4096  # steps waiting for their ledger point; beyond it the oldest go unchecked
@@ -130,7 +130,10 @@ class PlannedStep:
     rows: RowWrites | None = None
     writes: list[Write] = field(default_factory=list)  # the ops' and the tier moves'
     parties: set[int] = field(default_factory=set)  # owners the step's rows name
-    claims: set[tuple[int, OwnerKind, str]] = field(default_factory=set)  # owner, kind, rid
+    # the owners the rows name, each with the kind and the request it is named for
+    claim_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    claim_kinds: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    claim_rids: list[str] = field(default_factory=list)
     entry: bytes = b""  # its forward-stream entry, acknowledged once it is checked
 
     @classmethod
@@ -170,22 +173,38 @@ class PlannedStep:
 
     def _claim(self, rows: RowWrites) -> None:
         """Each row names its request and its track, and a session turn's row its
-        session: claims checked once each per step, and the step's parties."""
-        rids, sessions, n = rows.rids, rows.session.tolist(), len(rows.rids)
-        for ids, kind in ((rows.owner, OwnerKind.REQUEST), (rows.track, OwnerKind.TRACK)):
-            self.claims.update(zip(ids.tolist(), [kind] * n, rids, strict=True))
-        self.claims.update(
-            (owner, OwnerKind.SESSION, rid)
-            for owner, rid in zip(sessions, rids, strict=True)
-            if owner  # a row of no session names none
-        )
-        named = np.concatenate([rows.owner, rows.track, rows.session])
+        session: the claims `check` holds to the ledger, and the step's parties."""
+        rids, n = rows.rids, len(rows.rids)
+        turn = rows.session != 0  # a row of no session names none
+        self.claim_owners = np.concatenate([rows.owner, rows.track, rows.session[turn]])
+        kinds = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.SESSION)
+        self.claim_kinds = np.repeat(np.array(kinds, np.int64), [n, n, int(turn.sum())])
+        self.claim_rids = rids + rids + [r for r, t in zip(rids, turn.tolist(), strict=True) if t]
+        named = self.claim_owners
         self.parties.update(np.unique(named[named != 0]).tolist())
+
+    def _misnamed_claims(self, ledger: IndependentLedger) -> list[Violation]:
+        """The claims naming an owner of another kind (the kind is in the id's low bits:
+        one pass over the array), or one declared for another request (one lookup each;
+        a session's name is not checked: the row does not carry its id). Each wrong
+        claim once, in the order of (owner, kind, request)."""
+        owners, kinds, rids = self.claim_owners, self.claim_kinds, self.claim_rids
+        wrong = (owners == 0) | ((owners & KIND_MASK) != kinds)
+        names, ids, kind_list = ledger.owners.names, owners.tolist(), kinds.tolist()
+        prefix = {k: label(OwnerKind(k), "") for k in (OwnerKind.REQUEST, OwnerKind.TRACK)}
+        for i in np.flatnonzero(~wrong & (kinds != OwnerKind.SESSION)).tolist():
+            name = names.get(ids[i])
+            if name is not None and name != prefix[kind_list[i]] + rids[i]:
+                wrong[i] = True
+        claims = {
+            (ids[i], OwnerKind(kind_list[i]), rids[i]) for i in np.flatnonzero(wrong).tolist()
+        }
+        found = [self._misnamed(*claim, ledger) for claim in sorted(claims)]
+        return [v for v in found if v is not None]
 
     def check(self, ledger: IndependentLedger) -> list[Violation]:
         """Every write against the ledger, which must stand at this step's point."""
-        found = [self._misnamed(*claim, ledger) for claim in sorted(self.claims)]
-        found = [v for v in found if v is not None]
+        found = self._misnamed_claims(ledger)
         if self.rows is not None:
             found += self._check_rows(self.rows, ledger)
         for w in self.writes:

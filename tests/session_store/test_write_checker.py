@@ -351,3 +351,35 @@ def test_each_page_a_row_writes_is_listed_once_under_its_row_a_negative_one_too(
         (2, 3),
         (2, 4),
     ]
+
+
+def test_a_row_naming_another_request_or_an_owner_of_another_kind_is_named(redis_client):
+    """Claims are checked as arrays (the kind from the id's low bits, the name by one
+    lookup each): a row whose request owner is declared for another request, and one
+    whose track owner is a request, each give one misrouted write naming the owner."""
+    d = Driver(page_size=4)
+    pub = Publisher(d, redis_client)
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    a, b = d.generate(text(9, 2), max_new=20), d.generate(text(9, 3), max_new=20)
+    pub.step()
+    plan = d.engine.plan_step()
+    step = plan.message(pub.shipper.epoch, "x1", d.pools)
+    rows = list(step.rows)
+    i, j = (next(k for k, r in enumerate(rows) if r.rid == req.rid) for req in (a, b))
+    owner_a, owner_b = rows[i].owner, rows[j].owner
+    rows[i] = msgspec.structs.replace(rows[i], owner=owner_b)  # a's row names b's owner
+    rows[j] = msgspec.structs.replace(rows[j], track_owner=owner_b)  # a request as a track
+    pub.ship()
+    pub._xadd(
+        streams.SINGLE.forward, encode(msgspec.structs.replace(step, columns=RowColumns.of(rows)))
+    )
+    pub.complete_oldest()
+    d.engine.abort(a.rid)
+    d.engine.abort(b.rid)
+    pub.run()
+    drain(consumer)
+    misnamed = sorted((v.expected, v.actual) for v in consumer.ledger.violations if v.pool == "*")
+    assert misnamed == sorted(
+        [(f"request:{a.rid}", f"request:{b.rid}"), (f"track:{b.rid}", f"request:{b.rid}")]
+    ), consumer.ledger.violations
+    assert owner_a != owner_b
