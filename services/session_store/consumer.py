@@ -99,37 +99,46 @@ class OwnershipConsumer:
         self.sessions_lost = 0  # sessions lost by a decision on an unfillable gap
         self.last_entry = records_proof.NO_STREAM  # the last stream entry handled
         self._lose = False  # every recorded session is to be lost with the next write
+        self._maybe_pending = True  # entries read but not acknowledged may be there
         self._stale_fields: list[str] = []  # a whole-table checkpoint's, read once
         streams.ensure_group(client, self.stream, self.group)
         self._load_checkpoint()
 
     # ---- reading ----
     def poll(self, block_ms: int = 100, count: int = 64) -> int:
-        """Read and apply what is there (pending first); returns entries handled."""
+        """Read and apply what is there (pending first); returns entries handled. The
+        pending entries are read only while some may be there (a life's first poll, or
+        entries whose handling did not finish: their write was refused), not with every
+        poll: a round trip each time for nothing."""
         if self._writer_gone(self._fenced_by()):  # nothing more may come from it
             self._decide_lost()
             self._handle([])
-        handled = 0
-        for start in ("0", ">"):
-            reply = self.client.xreadgroup(
-                self.group,
-                self.name,
-                {self.stream: start},
-                count=count,
-                block=None if start == "0" else block_ms,
-            )
-            entries = reply[0][1] if reply else []
-            handled += self._handle(entries)
-            if start == "0" and entries:
-                return handled  # drain pending fully before taking new entries
-        return handled
+        if self._maybe_pending:
+            entries = self._read("0", count, None)
+            if entries:
+                return self._handle(entries)  # drain pending fully before taking new ones
+            self._maybe_pending = False
+        return self._handle_pending(self._read(">", count, block_ms))
 
     def claim_stale(self, min_idle_ms: int = 10_000) -> int:
         """Take over entries a dead consumer of the group read but never acknowledged."""
         _, entries, _ = self.client.xautoclaim(
             self.stream, self.group, self.name, min_idle_ms, "0-0", count=256
         )
-        return self._handle(entries)
+        return self._handle_pending(entries)
+
+    def _read(self, start: str, count: int, block_ms: int | None) -> list:
+        reply = self.client.xreadgroup(
+            self.group, self.name, {self.stream: start}, count=count, block=block_ms
+        )
+        return reply[0][1] if reply else []
+
+    def _handle_pending(self, entries: list) -> int:
+        """`entries`, now this consumer's pending ones until handling them succeeds."""
+        self._maybe_pending = True
+        handled = self._handle(entries)
+        self._maybe_pending = False
+        return handled
 
     # ---- applying ----
     def _handle(self, entries: list) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 
 import redis
@@ -34,6 +35,9 @@ log = logging.getLogger("custody.session_store")
 # every replica, as each replica's streams have their own consumer group.
 CONSUMER_NAME = "session-store-1"
 DISCOVER_SECONDS = 1.0
+# a dead consumer's entries are taken over once idle this long, looked for this often
+# (not with every poll: a round trip a step for what a restart leaves now and then)
+STALE_IDLE_MS, STALE_CLAIM_SECONDS = 10_000, 2.0
 
 
 class ReplicaConsumers:
@@ -110,10 +114,13 @@ class ReplicaConsumers:
         retry = Retry(
             "store_consume", log, self.loop_faults, labels=(replica,), about=f"replica {replica}"
         )
+        claimed = 0.0  # when it last looked for a dead consumer's entries
         while True:
             try:
                 await asyncio.to_thread(consumer.poll, 500)
-                await asyncio.to_thread(consumer.claim_stale, 10_000)
+                if time.monotonic() - claimed > STALE_CLAIM_SECONDS:
+                    await asyncio.to_thread(consumer.claim_stale, STALE_IDLE_MS)
+                    claimed = time.monotonic()
             except DEPENDENCY_FAULTS as err:
                 await retry.wait(err)
             except Exception as err:  # a bad entry must not stop the ledger: say so, go on
