@@ -311,16 +311,15 @@ class WriteChecker:
         call: a stream busier than the store must not starve the ledger; a step read
         after its point has passed is counted unchecked."""
         while most > 0:
-            reply = self.client.xreadgroup(
-                GROUP, self.name, {self.stream: self._from}, count=min(512, most)
-            )
+            want = min(512, most)
+            reply = self.client.xreadgroup(GROUP, self.name, {self.stream: self._from}, count=want)
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
                 if self._from != ">":
                     self._from = entry_id  # pending entries: go on after this one
                 self._queue(entry_id, fields.get(b"m", b"") if fields else b"")
             most -= len(entries)
-            if not entries:
+            if len(entries) < want:  # all there was: no second read to learn it
                 if self._from == ">":
                     return
                 self._from = ">"
