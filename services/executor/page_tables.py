@@ -48,15 +48,10 @@ class PageTables:
     def resolve(self, rows: list[StepRow]) -> tuple[list[StepRow], Pending]:
         """Each row with its whole context (`kv_from` 0), and the tables to keep if the
         step is accepted; BatchRefused for a delta no table here supports."""
+        self._check_range(rows)
         resolved, pending = [], []
         seen: set[int] = set()
         for row in rows:
-            new = row.kv_indices
-            if len(new) and (int(new.min()) < self.lowest or int(new.max()) >= self.limit):
-                raise BatchRefused(
-                    f"row {row.rid}: KV indices outside {self.lowest}..{self.limit - 1} "
-                    "(page 0 is the padding sink)"
-                )
             if not row.row:
                 resolved.append(row)  # a whole context, kept nowhere (StepRow.__post_init__)
                 continue
@@ -68,6 +63,23 @@ class PageTables:
             context = table.indices[: table.length]
             resolved.append(msgspec.structs.replace(row, kv_indices=context, kv_from=0))
         return resolved, pending
+
+    def _check_range(self, rows: list[StepRow]) -> None:
+        """Every KV index within the pool, page 0 (the padding sink) excluded: checked over
+        the step's indices at once (a decoding row carries one or none), the first row
+        outside named."""
+        if not rows:
+            return
+        every = np.concatenate([row.kv_indices for row in rows])
+        if not len(every) or (every.min() >= self.lowest and every.max() < self.limit):
+            return
+        for row in rows:
+            new = row.kv_indices
+            if len(new) and (int(new.min()) < self.lowest or int(new.max()) >= self.limit):
+                raise BatchRefused(
+                    f"row {row.rid}: KV indices outside {self.lowest}..{self.limit - 1} "
+                    "(page 0 is the padding sink)"
+                )
 
     def commit(self, pending: Pending) -> None:
         for slot, table in pending:
