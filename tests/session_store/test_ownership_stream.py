@@ -331,6 +331,8 @@ def test_records_a_refused_write_dropped_are_written_with_the_next_batch(redis_c
     assert len(kept.tokens()) == 9
     last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
     assert redis_client.hget(keys.checkpoint, "records_through").decode() == last
+    # the refused batch's entries stayed pending, were read again and acknowledged
+    assert redis_client.xpending(keys.ownership, streams.STORE_GROUP)["pending"] == 0
 
 
 def two_lives(redis_client) -> tuple[Driver, EventShipper, OwnershipConsumer, str]:
