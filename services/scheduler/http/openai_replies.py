@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.scheduler.http.logprobs import echoed_prompt, joined
 from services.scheduler.http.logprobs import openai as openai_logprobs
-from services.scheduler.http.stream_cursor import StreamCursor, output_text
+from services.scheduler.http.stream_cursor import new_chunks, output_text
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
@@ -174,38 +174,28 @@ async def chunks(door: FrontDoor, call: Choices) -> AsyncIterator[dict]:
     its `sglext` (SGLang's); with `running`, each chunk its choice's `usage` so far; with
     `include_usage`, a last chunk of no choices carries the reply's."""
     tokenizer, reply = door.tokenizer, call.reply
-    cursors = [StreamCursor(door.settings.stream_interval) for _ in call.turns]
     heads = list(call.echoes)
     parsed: list[ReplyStream | None] = [None] * len(call.turns)
-    done: list[Request] = []
-    async with aclosing(door.follow(call.turns)) as updates:
-        async for done in updates:
-            for index, r in enumerate(done):
-                chunk = cursors[index].next(r)
-                if chunk is None:
-                    continue
-                extra = {"sglext": sglext(r.cached_tokens)} if call.details and r.done else {}
-                if call.running:
-                    extra["usage"] = usage([r], 1)
-                if reply.parser is not None:
-                    parsed[index] = parsed[index] or ReplyStream(reply.parser, r.rid)
-                    lps = openai_logprobs(tokenizer, r, True, chunk.start, chunk.end, 0)
-                    for choice in reply.delta_chunks(parsed[index], r, chunk.text, lps, index):
-                        yield reply.body([choice], **extra)
-                    continue
-                sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
-                offset = sent + len(call.echoes[index] or "")
-                text, lps = echoed(
-                    tokenizer,
-                    r,
-                    heads[index],
-                    chunk.delta,
-                    reply.chat,
-                    chunk.start,
-                    chunk.end,
-                    offset,
-                )
-                heads[index] = None
-                yield reply.body([reply.choice(text, lps, ending(r), index)], **extra)
+    ended: list[Request | None] = [None] * len(call.turns)
+    async with aclosing(new_chunks(door, call.turns)) as news:
+        async for index, r, chunk in news:
+            ended[index] = r
+            extra = {"sglext": sglext(r.cached_tokens)} if call.details and r.done else {}
+            if call.running:
+                extra["usage"] = usage([r], 1)
+            if reply.parser is not None:
+                parsed[index] = parsed[index] or ReplyStream(reply.parser, r.rid)
+                lps = openai_logprobs(tokenizer, r, True, chunk.start, chunk.end, 0)
+                for choice in reply.delta_chunks(parsed[index], r, chunk.text, lps, index):
+                    yield reply.body([choice], **extra)
+                continue
+            sent = len(chunk.text) - len(chunk.delta)  # text_offset counts from there
+            offset = sent + len(call.echoes[index] or "")
+            text, lps = echoed(
+                tokenizer, r, heads[index], chunk.delta, reply.chat, chunk.start, chunk.end, offset
+            )
+            heads[index] = None
+            yield reply.body([reply.choice(text, lps, ending(r), index)], **extra)
     if call.include_usage:
+        done = [r for r in ended if r is not None]
         yield reply.body([], **accounting(done, call.n, call.details))

@@ -13,7 +13,7 @@ import msgspec
 
 from services.scheduler.http.logprobs import SglangStream, TokenTexts
 from services.scheduler.http.logprobs import sglang as sglang_logprobs
-from services.scheduler.http.stream_cursor import StreamCursor, output_text
+from services.scheduler.http.stream_cursor import new_chunks, output_text
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.front_door import FrontDoor
@@ -62,23 +62,17 @@ async def chunks(door: FrontDoor, call: Generation) -> AsyncIterator[dict]:
     """A stream's chunks, each request's as its tokens arrive (after the first, every
     `--stream-interval` tokens): SGLang's are cumulative (text, output ids and logprobs
     so far), or with `--incremental-streaming-output` carry only what is new."""
-    interval = door.settings.stream_interval
     incremental = door.settings.incremental_streaming_output
-    cursors = [StreamCursor(interval) for _ in call.turns]
     entries = [
         None if call.logprobs is None else SglangStream(call.logprobs, t.params.top_logprobs > 0)
         for t in call.turns
     ]
-    async with aclosing(door.follow(call.turns)) as updates:
-        async for requests in updates:
-            for i, req in enumerate(requests):
-                chunk = cursors[i].next(req)
-                if chunk is None:
-                    continue
-                start = chunk.start if incremental else 0
-                text = chunk.delta if incremental else chunk.text
-                body = response_of(req, call.shown[i], None, text)
-                body["output_ids"] = body["output_ids"][start : chunk.end]
-                if entries[i] is not None:
-                    body["meta_info"] |= entries[i].fields(req, start, chunk.end)
-                yield body | {"index": i} if call.batch else body
+    async with aclosing(new_chunks(door, call.turns)) as news:
+        async for i, req, chunk in news:
+            start = chunk.start if incremental else 0
+            text = chunk.delta if incremental else chunk.text
+            body = response_of(req, call.shown[i], None, text)
+            body["output_ids"] = body["output_ids"][start : chunk.end]
+            if entries[i] is not None:
+                body["meta_info"] |= entries[i].fields(req, start, chunk.end)
+            yield body | {"index": i} if call.batch else body

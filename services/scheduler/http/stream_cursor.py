@@ -1,11 +1,16 @@
 """What a stream has sent of one request, so each chunk carries only what is new, and the
-whole output text of an ended one: what every kind of streamed reply cuts its chunks by."""
+whole output text of an ended one: what every kind of streamed reply cuts its chunks by,
+pulled from the core (`new_chunks`)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from services.scheduler.records.request import Request
+from services.scheduler.records.turn import Turn
+from services.scheduler.runtime.front_door import FrontDoor
 
 
 def output_text(req: Request) -> str:
@@ -51,3 +56,19 @@ class StreamCursor:
         chunk = Chunk(text[self.chars :], text, start, end)
         self.chars, self.tokens, self.ended = len(text), end, req.done
         return chunk
+
+
+News = tuple[int, Request, Chunk]  # a request's index among its call's, itself, its chunk
+
+
+async def new_chunks(door: FrontDoor, turns: list[Turn]) -> AsyncIterator[News]:
+    """What is new of each of `turns`' requests as the core's steps bring it (each its own
+    cursor, `--stream-interval`), with its index among them; the last of each at its end.
+    Closing it early aborts those not ended (FrontDoor.follow)."""
+    cursors = [StreamCursor(door.settings.stream_interval) for _ in turns]
+    async with aclosing(door.follow(turns)) as updates:
+        async for requests in updates:
+            for i, req in enumerate(requests):
+                chunk = cursors[i].next(req)
+                if chunk is not None:
+                    yield i, req, chunk
