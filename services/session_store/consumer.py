@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import msgpack
 import msgspec
@@ -107,9 +108,10 @@ class OwnershipConsumer:
     # ---- reading ----
     def poll(self, block_ms: int = 100, count: int = 64) -> int:
         """Read and apply what is there (pending first); returns entries handled. The
-        pending entries are read only while some may be there (a life's first poll, or
-        entries whose handling did not finish: their write was refused), not with every
-        poll: a round trip each time for nothing."""
+        pending entries are read only while some may be there, not with every poll (a
+        round trip each time for nothing): in a life's first poll, and after any read or
+        write that did not finish, since Redis may have delivered entries whose reply was
+        lost, or kept those whose write it refused."""
         if self._writer_gone(self._fenced_by()):  # nothing more may come from it
             self._decide_lost()
             self._handle([])
@@ -118,14 +120,18 @@ class OwnershipConsumer:
             if entries:
                 return self._handle(entries)  # drain pending fully before taking new ones
             self._maybe_pending = False
-        return self._handle_pending(self._read(">", count, block_ms))
+        return self._taken(lambda: self._read(">", count, block_ms))
 
     def claim_stale(self, min_idle_ms: int = 10_000) -> int:
         """Take over entries a dead consumer of the group read but never acknowledged."""
-        _, entries, _ = self.client.xautoclaim(
-            self.stream, self.group, self.name, min_idle_ms, "0-0", count=256
-        )
-        return self._handle_pending(entries)
+
+        def claim() -> list:
+            _, entries, _ = self.client.xautoclaim(
+                self.stream, self.group, self.name, min_idle_ms, "0-0", count=256
+            )
+            return entries
+
+        return self._taken(claim)
 
     def _read(self, start: str, count: int, block_ms: int | None) -> list:
         reply = self.client.xreadgroup(
@@ -133,10 +139,11 @@ class OwnershipConsumer:
         )
         return reply[0][1] if reply else []
 
-    def _handle_pending(self, entries: list) -> int:
-        """`entries`, now this consumer's pending ones until handling them succeeds."""
+    def _taken(self, take: Callable[[], list]) -> int:
+        """Handle the entries `take` makes this consumer's own: pending from the moment
+        it is called (its reply may be lost on the way) until they are handled."""
         self._maybe_pending = True
-        handled = self._handle(entries)
+        handled = self._handle(take())
         self._maybe_pending = False
         return handled
 

@@ -438,3 +438,33 @@ def test_a_kept_session_s_records_read_in_the_batch_of_the_full_set_are_kept(red
     drain(consumer)  # one batch
     stored = RECORDS.decode(redis_client.hget(keys.session("sa"), "record"))
     assert stored.tokens().tolist() == list(range(9))
+
+
+def test_entries_whose_read_reply_was_lost_are_read_again(redis_client):
+    """Redis delivers a batch (it is now this consumer's, pending) and the reply is lost
+    on the way: the next poll reads its pending entries first, so nothing is skipped (a
+    gap) and nothing stays unacknowledged. The store reads pending entries only after
+    such a fault, not with every poll."""
+    d = Driver()
+    shipper = EventShipper(d.pools.ledger, epoch="e8")
+    consumer = OwnershipConsumer(redis_client, "store-1")
+    publish(redis_client, shipper.snapshot())
+    drain(consumer)
+    req = d.generate(text(10, 1), max_new=3)
+    d.run()
+    publish(redis_client, shipper.batch()[0])
+    real = consumer.client.xreadgroup
+
+    def lost(*args, **kwargs):
+        real(*args, **kwargs)  # delivered by Redis...
+        raise redis.exceptions.ConnectionError("the reply was lost")  # ...never received
+
+    consumer.client.xreadgroup = lost
+    with pytest.raises(redis.exceptions.ConnectionError):
+        consumer.poll(block_ms=10)
+    consumer.client.xreadgroup = real
+    drain(consumer)
+    assert consumer.ledger.violations == []
+    assert consumer.ledger.tables[1].tolist() == d.pools.mamba.owner_view.tolist()
+    assert redis_client.xpending(streams.SINGLE.ownership, streams.STORE_GROUP)["pending"] == 0
+    assert req.done
