@@ -122,6 +122,10 @@ class Settings:
     # opened with its own `timeout` keeps that. 0: never (orphans then stay for good)
     session_idle_timeout: float = 3600.0
     max_queued_requests: int = 1024  # waiting requests; beyond it a 503 (0: no limit)
+    # processes that parse, tokenize, detokenize and stream the generation routes beside
+    # the scheduling core (services/scheduler/edge/); -1: max(1, cores - 1); 0: none, the
+    # core's own process serves every route
+    api_workers: int = -1
     read_timeout_seconds: float = 30.0  # reading one request's headers and body (slowloris)
     keepalive_seconds: float = 75.0  # an idle keep-alive connection is closed after this
     served_model_name: str = ""  # the OpenAI model id; empty: the checkpoint dir's name
@@ -182,6 +186,8 @@ class Settings:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} (or empty)")
+        if self.api_workers < -1 or self.api_workers > 64:
+            raise ValueError("api_workers must be -1 (one per core but one), 0 (none) .. 64")
         if self.replica_forget_seconds < 0:
             raise ValueError("replica_forget_seconds must be >= 0 (0: never)")
         if self.session_idle_timeout < 0:
@@ -205,6 +211,13 @@ class Settings:
         """A running request's Mamba working slots, and as many track slots: one more
         than the pipeline's depth, two at least (services/scheduler/allocators/)."""
         return max(2, self.pipeline_depth + 1)
+
+    @property
+    def edge_workers(self) -> int:
+        """How many edge worker processes the scheduler starts (`api_workers`)."""
+        if self.api_workers >= 0:
+            return self.api_workers
+        return max(1, (os.cpu_count() or 1) - 1)
 
     @property
     def model_name(self) -> str:

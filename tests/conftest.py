@@ -19,7 +19,12 @@ from tests.checkpoints import (
     build_chat_checkpoint,
     reference,
 )
-from tests.services_harness import agent_settings, stack_settings, start_stack
+from tests.services_harness import (
+    agent_settings,
+    stack_settings,
+    start_stack,
+    without_scheduler,
+)
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +64,16 @@ def stack(redis_url: str, redis_client: redis.Redis) -> Iterator[Stack]:
     running = start_stack(stack_settings(redis_url))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def services_only(redis_url: str) -> Iterator[Stack]:
+    """The executor and the store as services; the scheduler is the test's to run in its
+    own process (services_harness.scheduler_here)."""
+    redis.Redis.from_url(redis_url).flushdb()
+    stack = Stack(stack_settings(redis_url), plan=without_scheduler).start_all()
+    yield stack
+    stack.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from custody.inprocess import InProcess
 from custody.soak.campaign import POOLS as CAMPAIGN_POOLS
-from custody.up import Stack
+from custody.up import SERVICES, Stack
+from services.scheduler.http.app import build_app
+from services.scheduler.main import Scheduler
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
@@ -196,3 +202,36 @@ def kill_executor_during(stack: Stack, port: int, path: str, body: dict) -> dict
     worker.join(timeout=1)
     assert stack.restarts["executor"] == 1
     return chunks[-1]
+
+
+def without_scheduler(settings: Settings) -> dict[str, tuple[str, Settings]]:
+    """A stack plan of the executor and the store only (the stack's settings: it adds
+    its private state_dir), for a test that runs the scheduler in its own process."""
+    return {name: (module, settings) for name, module in SERVICES.items() if name != "scheduler"}
+
+
+@asynccontextmanager
+async def scheduler_here(settings: Settings) -> AsyncIterator[Scheduler]:
+    """The scheduler in this process, serving on its free port until the block ends."""
+    scheduler = await Scheduler.connect(settings)
+    await scheduler.start()
+    runner = web.AppRunner(build_app(scheduler.front_door, scheduler.tenancy))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", settings.port).start()  # free (ephemeral)
+    tasks = [
+        asyncio.create_task(scheduler.loop.run()),
+        asyncio.create_task(
+            scheduler.registration.run(scheduler.redis, scheduler.loop.metrics.faults)
+        ),
+        asyncio.create_task(scheduler.finish_rebuild()),
+    ]
+    try:
+        while scheduler.front_door.waiting_for():
+            await asyncio.sleep(0.05)
+        yield scheduler
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()
+        await scheduler.redis.aclose()

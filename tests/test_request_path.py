@@ -27,14 +27,10 @@ from pathlib import Path
 from types import CodeType, FrameType
 
 import pytest
-import redis
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 
-from custody.up import SERVICES, Stack
 from services.scheduler.http import openai_routes, routes
-from services.scheduler.http.app import build_app
-from services.scheduler.main import Scheduler
-from tests.services_harness import stack_settings
+from tests.services_harness import scheduler_here
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("services", "shared", "protocol")
@@ -122,48 +118,6 @@ async def traced(roots: set[CodeType]) -> AsyncIterator[CallGraph]:
         sys.setprofile(previous)
 
 
-@pytest.fixture(scope="module")
-def services(redis_url):
-    """The executor and the store as services; the scheduler is the test's."""
-    redis.Redis.from_url(redis_url).flushdb()
-
-    def plan(settings):  # the stack's settings: it adds its private state_dir
-        return {
-            name: (module, settings) for name, module in SERVICES.items() if name != "scheduler"
-        }
-
-    stack = Stack(stack_settings(redis_url), plan=plan).start_all()
-    yield stack
-    stack.stop()
-
-
-@asynccontextmanager
-async def scheduler_here(settings) -> AsyncIterator[str]:
-    """The scheduler in this process, serving on a free port until the block ends."""
-    scheduler = await Scheduler.connect(settings)
-    await scheduler.start()
-    runner = web.AppRunner(build_app(scheduler.front_door, scheduler.tenancy))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", settings.port).start()  # free (ephemeral)
-    tasks = [
-        asyncio.create_task(scheduler.loop.run()),
-        asyncio.create_task(
-            scheduler.registration.run(scheduler.redis, scheduler.loop.metrics.faults)
-        ),
-        asyncio.create_task(scheduler.finish_rebuild()),
-    ]
-    try:
-        while scheduler.front_door.waiting_for():
-            await asyncio.sleep(0.05)
-        yield f"http://127.0.0.1:{settings.port}"
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await runner.cleanup()
-        await scheduler.redis.aclose()
-
-
 HANDLERS = {
     routes.generate.__code__,
     openai_routes.completions.__code__,
@@ -180,7 +134,8 @@ async def post(http: ClientSession, url: str, body: dict) -> list[bytes]:
 
 def run_traced(settings, requests: Callable[[ClientSession, str], object]) -> CallGraph:
     async def go() -> CallGraph:
-        async with scheduler_here(settings) as url, ClientSession() as http:
+        url = f"http://127.0.0.1:{settings.port}"
+        async with scheduler_here(settings), ClientSession() as http:
             await requests(http, url)  # once untraced: lazy imports and caches warm up
             async with traced(HANDLERS) as graph:
                 await requests(http, url)
@@ -216,8 +171,8 @@ async def openai_streams(http: ClientSession, url: str) -> None:
 
 
 @pytest.mark.parametrize("requests", [generate_three_ways, openai_streams])
-def test_a_generation_never_re_enters_a_module_it_left(services, requests):
-    graph = run_traced(services.settings, requests)
+def test_a_generation_never_re_enters_a_module_it_left(services_only, requests):
+    graph = run_traced(services_only.settings, requests)
     assert any(a.startswith(EDGE) and not b.startswith(EDGE) for a, b in graph.edges), (
         "the tracer saw no call from the edge into the core"
     )

@@ -84,7 +84,8 @@ CORES = {
     "session-store": {1},
     "redis": {2},
     "executor": {3, 4, 5, 6},
-    "clients": set(range(7, 16)),
+    "edge-0": {7},
+    "clients": set(range(8, 16)),
 }
 DEVICE_BATCHES, DEVICE_CONTEXT, DEVICE_OUTPUT = (64, 256), 1024, 512
 
@@ -182,11 +183,21 @@ async def _client(
                 times.append(time.perf_counter())
 
 
-def _snapshot(stack: Stack) -> dict[str, float]:
+def _pids(stack: Stack) -> dict[str, int]:
+    """Each process of the stack by name: its services, Redis, and the scheduler's edge
+    workers (its children: edge-0, edge-1, ...)."""
     pids = {name: child.pid for name, child in stack.children.items()}
     if stack.redis is not None and stack.redis.proc is not None:
         pids["redis"] = stack.redis.proc.pid
-    snap = {f"cpu_{name}": _cpu_seconds(pid) for name, pid in pids.items()}
+    if "scheduler" in pids:
+        listed = Path(f"/proc/{pids['scheduler']}/task/{pids['scheduler']}/children")
+        workers = sorted(int(p) for p in listed.read_text().split()) if listed.exists() else []
+        pids |= {f"edge-{i}": pid for i, pid in enumerate(workers)}
+    return pids
+
+
+def _snapshot(stack: Stack) -> dict[str, float]:
+    snap = {f"cpu_{name}": _cpu_seconds(pid) for name, pid in _pids(stack).items()}
     snap |= _metrics(stack.settings.executor_metrics_port)
     snap["cpu_clients"] = time.process_time()
     snap["wall"] = time.perf_counter()
@@ -314,10 +325,7 @@ def pin(stack: Stack, cores: dict[str, set[int]]) -> None:
     """Every thread of each process onto its cores (threads made later inherit them);
     cores the machine lacks are dropped, so a smaller machine runs unpinned."""
     have = os.sched_getaffinity(0)
-    pids = {name: child.pid for name, child in stack.children.items()}
-    if stack.redis is not None and stack.redis.proc is not None:
-        pids["redis"] = stack.redis.proc.pid
-    pids["clients"] = os.getpid()
+    pids = _pids(stack) | {"clients": os.getpid()}
     for name, pid in pids.items():
         wanted = cores.get(name, set()) & have
         if not wanted:

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from services.scheduler.edge.core_side import EdgeLink
+from services.scheduler.edge.workers import EdgeWorkers
 from services.scheduler.engine.setup import build_engine
 from services.scheduler.http.app import build_app
 from services.scheduler.http.tenancy import Tenancy
@@ -145,16 +149,39 @@ async def serve(settings: Settings) -> None:
     app = build_app(scheduler.front_door, scheduler.tenancy)
     runner = GuardedRunner(app, settings.read_timeout_seconds, settings.keepalive_seconds)
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
-    log.info("API listening on http://%s:%d", settings.host, settings.port)
-    faults = scheduler.loop.metrics.faults
-    beating = asyncio.create_task(scheduler.registration.run(scheduler.redis, faults))
-    rebuilding = asyncio.create_task(scheduler.finish_rebuild())
-    try:
-        await scheduler.loop.run()
-    finally:
-        beating.cancel()
-        rebuilding.cancel()
+    with tempfile.TemporaryDirectory(prefix="custody-edge-") as sockets:
+        edge = EdgeLink(scheduler.front_door, scheduler.tenancy)
+        workers = await serve_http(scheduler, runner, edge, Path(sockets))
+        faults = scheduler.loop.metrics.faults
+        beating = asyncio.create_task(scheduler.registration.run(scheduler.redis, faults))
+        rebuilding = asyncio.create_task(scheduler.finish_rebuild())
+        try:
+            await scheduler.loop.run()
+        finally:
+            beating.cancel()
+            rebuilding.cancel()
+            if workers is not None:
+                await workers.stop()
+
+
+async def serve_http(
+    scheduler: Scheduler, runner: web.AppRunner, edge: EdgeLink, sockets: Path
+) -> EdgeWorkers | None:
+    """The API on the public port: in this process (`--api-workers 0`), or in edge
+    worker processes that forward what is the core's to this application, served on a
+    Unix socket in `sockets` beside the edge link's."""
+    settings = scheduler.settings
+    if settings.edge_workers == 0:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+        log.info("API listening on http://%s:%d", settings.host, settings.port)
+        return None
+    core_http, link = sockets / "core.sock", sockets / "link.sock"
+    await web.UnixSite(runner, str(core_http)).start()
+    await edge.serve(link)
+    workers = EdgeWorkers(settings, settings.edge_workers, link, core_http)
+    workers.start()
+    log.info("API on http://%s:%d by %d edge workers", settings.host, settings.port, workers.count)
+    return workers
 
 
 def main(argv: list[str] | None = None) -> None:

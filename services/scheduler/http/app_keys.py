@@ -13,6 +13,8 @@ from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.runtime.front_door import FrontDoor
 from services.scheduler.text.chat_tokens import ChatEncoder
 
+# the core's front door; in an edge worker, edge/remote_door.py's stand-in for the calls
+# of the routes a worker serves
 FRONT_DOOR = web.AppKey("front_door", FrontDoor)
 SCHEMAS = web.AppKey("schemas", RequestSchemas)
 TENANCY = web.AppKey("tenancy", Tenancy)

@@ -17,6 +17,7 @@ from services.scheduler.http.events import EVENT_STREAM
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
 from services.scheduler.text.chat_template import ChatRefused
+from shared.tenancy import Refused
 from shared.tokenizer import TokenizerMissing
 
 log = logging.getLogger("custody.scheduler.http")
@@ -37,8 +38,19 @@ SESSION_STATUS = {
 RETRY_AFTER_SECONDS = 1  # on every 503: what is refused now is served soon
 
 
+class Relayed(Exception):
+    """A failure the core answered for a call an edge worker sent it (edge/), as the
+    worker raises it, so its errors middleware answers exactly as the core's would."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
 def classify(err: Exception) -> tuple[int, str, str]:
     """Status, message and type of the answer to `err`."""
+    if isinstance(err, Relayed | Refused):
+        return err.status, str(err), err.kind
     if isinstance(err, SessionError):
         return SESSION_STATUS.get(err.kind, 400), str(err), f"session_{err.kind}"
     if isinstance(err, InvalidRequest | TokenizerMissing | ChatRefused):
@@ -62,7 +74,8 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
             return stream.response  # its request was aborted; there is no one to answer
         status, message, kind = classify(err)
         request_id = None
-        if status >= 500 and not isinstance(err, SessionError):  # 503s are refusals
+        # a session's 503 is a refusal; a relayed 500 the core logged
+        if status >= 500 and not isinstance(err, SessionError | Relayed):
             request_id = secrets.token_hex(8)
             log.exception("%s %s failed (request_id %s)", request.method, request.path, request_id)
         body = error_body(message, kind, request_id)

@@ -1,7 +1,7 @@
 """The turns a handler hands the core (records/turn.py), built once its body is decoded:
-the checks that refuse a generation before it queues (a full queue, stop strings
-without a tokenizer), the tenant's cache namespace, and the parameters of parallel
-samples."""
+the check that refuses a generation before it queues (stop strings without a
+tokenizer; a full queue is the core's to refuse, FrontDoor.follow), the tenant's cache
+namespace, and the parameters of parallel samples."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from services.scheduler.http.app_keys import FRONT_DOOR
-from services.scheduler.http.limits import check_queue
-from services.scheduler.http.tenancy import cache_namespace_of
+from services.scheduler.http.tenancy import Claim, cache_namespace_of, tenant_of
 from services.scheduler.records.request import ChatTurn
 from services.scheduler.records.sampling import SEED_MAX, SamplingParams
 from services.scheduler.records.session import Session
@@ -20,23 +19,29 @@ from shared.tokenizer import NoTokenizer, Tokenizer, TokenizerMissing
 
 
 def plain_turns(
-    request: web.Request, planned: list[tuple[str, list[int], SamplingParams]]
+    request: web.Request, planned: list[tuple[Claim, list[int], SamplingParams]]
 ) -> list[Turn]:
-    """Plain requests run at once, (server rid, prompt, parameters) each: all are counted
-    against the queue limit before any queues (a 503 refuses the lot)."""
-    check_queue(request, len(planned))
+    """Plain requests run at once, (ids, prompt, parameters) each."""
     door, namespace = request.app[FRONT_DOOR], cache_namespace_of(request)
     for _, _, params in planned:
         check_text(door.tokenizer, params)
+    tenant = tenant_of(request)
     return [
-        Turn(rid=rid, tokens=tokens, params=params, cache_namespace=namespace)
-        for rid, tokens, params in planned
+        Turn(
+            rid=claim.server,
+            shown=claim.shown,
+            tenant=tenant,
+            tokens=tokens,
+            params=params,
+            cache_namespace=namespace,
+        )
+        for claim, tokens, params in planned
     ]
 
 
 def session_turn(
     request: web.Request,
-    rid: str,
+    claim: Claim,
     tokens: list[int],
     params: SamplingParams,
     session: Session | None,
@@ -45,11 +50,12 @@ def session_turn(
 ) -> list[Turn]:
     """One request, or the next turn of the caller's `session` (resolved once,
     edge_sessions.py; `options`: a /generate turn's session_params; `chat`: a chat turn's
-    conversation); refused with a 503 while the waiting queue is full."""
-    check_queue(request)
+    conversation)."""
     check_text(request.app[FRONT_DOOR].tokenizer, params)
     turn = Turn(
-        rid=rid,
+        rid=claim.server,
+        shown=claim.shown,
+        tenant=tenant_of(request),
         tokens=tokens,
         params=params,
         session=session,

@@ -122,12 +122,10 @@ def choice_turns(
 ) -> list[Turn]:
     """One choice: a plain request or a session's turn; more: plain requests at once."""
     if len(planned) > 1:
-        jobs = [
-            (c.server, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)
-        ]
+        jobs = [(c, p.tokens, params) for c, (p, params) in zip(claims, planned, strict=True)]
         return plain_turns(request, jobs)
     (prompt, params), claim = planned[0], claims[0]
-    return session_turn(request, claim.server, prompt.tokens, params, session, None, turn)
+    return session_turn(request, claim, prompt.tokens, params, session, None, turn)
 
 
 async def models(request: web.Request) -> web.Response:

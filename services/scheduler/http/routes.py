@@ -34,7 +34,7 @@ from services.scheduler.http.replies import Flushed, Placed
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.http.schemas_batch import is_batch
 from services.scheduler.http.sglang_replies import Generation
-from services.scheduler.http.tenancy import CACHE_SALT, session_id
+from services.scheduler.http.tenancy import CACHE_SALT, Claim, session_id
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import TURN_NAME, Session
 from services.scheduler.records.turn import Turn
@@ -69,7 +69,8 @@ async def health_generate(request: web.Request) -> web.Response:
     if door.waiting_for():
         return await health(request)
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
-    await door.run(session_turn(request, secrets.token_hex(16), [1], params, None))
+    rid = secrets.token_hex(16)
+    await door.run(session_turn(request, Claim(rid, rid), [1], params, None))
     return web.json_response({"status": "ok", "executor": door.executor_epoch})
 
 
@@ -225,7 +226,7 @@ async def generation_of(request: web.Request) -> Generation:
         history = 0 if session is None else session.history.size
         check_streamed(params, history + len(tokens))
     options = body.session_options() | {TURN_NAME: rid.shown}  # what a later turn names
-    turns = session_turn(request, rid.server, tokens, params, session, options)
+    turns = session_turn(request, rid, tokens, params, session, options)
     return Generation(turns, [rid.shown], body.stream, False, logprobs)
 
 
@@ -247,7 +248,7 @@ def parallel_turns(
         for _, ids, params in planned:
             check_streamed(params, len(ids))
     turns = plain_turns(
-        request, [(c.server, ids, p) for c, (_, ids, p) in zip(claims, planned, strict=True)]
+        request, [(c, ids, p) for c, (_, ids, p) in zip(claims, planned, strict=True)]
     )
     return turns, [c.shown for c in claims]
 

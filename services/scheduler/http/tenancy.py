@@ -53,18 +53,28 @@ class Tenancy(ApiKeys):
             raise InvalidRequest(f"rid must be a string of at most {MAX_RID} characters")
         server = secrets.token_hex(16)
         shown = rid or f"{prefix}{server}"
-        key = (request[CALLER].tenant, shown)
+        key = self.hold(request[CALLER].tenant, shown, server)
+        request.setdefault(CLAIMS, []).append(key)
+        return Claim(server, shown)
+
+    def hold(self, tenant: str | None, shown: str, server: str) -> tuple[str | None, str]:
+        """Record that `tenant`'s request `shown` runs as `server` (409 while that rid
+        runs for the same key): what a claim, and an edge worker's call in the core
+        (edge/core_side.py), hold until `drop`."""
+        key = (tenant, shown)
         if key in self._rids:
             raise Refused(
                 409, f"rid {shown!r} is already in use by a request of yours", "rid_in_use"
             )
         self._rids[key] = server
-        request.setdefault(CLAIMS, []).append(key)
-        return Claim(server, shown)
+        return key
+
+    def drop(self, keys: Iterable[tuple[str | None, str]]) -> None:
+        for key in keys:
+            self._rids.pop(key, None)
 
     def release(self, request: web.Request) -> None:
-        for key in request.get(CLAIMS, ()):
-            self._rids.pop(key, None)
+        self.drop(request.get(CLAIMS, ()))
 
     def abort_targets(
         self, request: web.Request, rid: object, abort_all: bool, running: Iterable[str]
@@ -89,9 +99,14 @@ def session_id(request: web.Request, name: object) -> str:
     return scoped_session_id(request[CALLER].tenant, name)
 
 
+def tenant_of(request: web.Request) -> str | None:
+    """The key the request runs for (None: keys off, or an open path)."""
+    return request.get(CALLER, ANONYMOUS).tenant
+
+
 def cache_namespace_of(request: web.Request) -> str:
     """The prefix cache the caller's requests may match and feed (shared/messages/cache.py)."""
-    return cache_namespace(request.get(CALLER, ANONYMOUS).tenant, request.get(CACHE_SALT))
+    return cache_namespace(tenant_of(request), request.get(CACHE_SALT))
 
 
 def middleware(tenancy: Tenancy):

@@ -1,5 +1,5 @@
 """A generation as the HTTP edge hands it to the core: decoded and checked once, in one
-typed value (its input, sampling, session, chat conversation and the tenant's cache
+typed value (its ids and tenant, input, sampling, session, chat conversation and cache
 namespace), so the core never reads a request body and the edge never passes a turn in
 loose pieces."""
 
@@ -13,7 +13,9 @@ from services.scheduler.records.session import Session
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):
-    rid: str  # the server's id (tenancy.py scopes the client's)
+    rid: str  # the server's id
+    shown: str  # the id its client knows it by (tenancy.py `Claim`)
+    tenant: str | None = None  # the API key it runs for (None: keys off)
     tokens: list[int]  # the prompt; a session turn's new input only
     params: SamplingParams
     # the session it continues, resolved once at the edge (edge_sessions.py)

@@ -29,9 +29,11 @@ from shared.config import Settings
 from shared.messages.envelope import WireError
 from shared.messages.ownership import RECORDS
 from shared.placement import Placement, opened_mark
+from shared.tenancy import Refused
 from shared.tokenizer import Tokenizer
 
 PROOF_WAIT_SECONDS = 10.0  # a move waits this long for the store to apply the records
+RETRY_AFTER_SECONDS = 1  # a waiting request usually starts within a few steps
 
 
 class FrontDoor:
@@ -117,6 +119,7 @@ class FrontDoor:
         cannot queue (a 400) takes back those queued before it. Then their requests,
         each time a step brought news of any, the last time once all ended (intake.py):
         the edge pulls its replies from here. Closing it early aborts them."""
+        self._check_queue(len(turns))
         for turn in turns:  # a 400 before anything queues, if a grammar cannot compile
             if turn.params.grammar is not None:
                 await self._grammars.check(turn.params.grammar)
@@ -142,6 +145,21 @@ class FrontDoor:
             async for requests in updates:
                 ended = requests
         return ended
+
+    def _check_queue(self, count: int) -> None:
+        """503 with Retry-After when `count` more requests (OpenAI's `n` choices, a batch's
+        items: each is a request) would not fit in the waiting queue (0: no limit), so a
+        call is refused whole; decided here, as every edge worker's requests share it."""
+        limit, waiting = self.settings.max_queued_requests, self.queued
+        if limit and waiting + count > limit:
+            asked = "" if count == 1 else f"; this asks for {count} requests"
+            raise Refused(
+                503,
+                f"{waiting} requests are waiting and this server queues {limit}{asked}; "
+                f"retry in {RETRY_AFTER_SECONDS} s",
+                "overloaded",
+                {"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
 
     def _submit(self, turn: Turn) -> Request:
         """Queue a plain request, or the next turn of its session (resolved by the edge:

@@ -1,0 +1,159 @@
+"""What an edge worker's handlers call instead of the core's front door: the same reads
+(settings, tokenizer, the model's sizes) and the same `follow` and `run`, the turns sent
+to the core over the edge link and their requests mirrored here from its news, so the
+reply builders (sglang_replies.py, openai_replies.py) run unchanged in the worker.
+Anything about sessions is the core's: asking for one raises `InCore`, and the worker
+hands the whole HTTP request to the core (worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import msgspec
+import numpy as np
+
+from services.scheduler.edge.messages import (
+    Close,
+    Failure,
+    News,
+    Step,
+    Submit,
+    ToEdge,
+    WireTurn,
+    frame,
+    read_frame,
+)
+from services.scheduler.http.errors import Relayed
+from services.scheduler.records.request import Request, Status
+from services.scheduler.records.session import Session
+from services.scheduler.records.turn import Turn
+from services.scheduler.text.output import OutputText
+from shared.config import Settings
+from shared.model_config import ModelConfig
+from shared.tokenizer import Tokenizer
+
+
+class InCore(Exception):
+    """This request is the core's to serve (it names a session): forward it whole."""
+
+
+class Call:
+    """One call's requests as the worker mirrors them, and what the core said last."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests = requests
+        self.news = asyncio.Event()
+        self.ended = False
+        self.failure: Failure | None = None
+
+    def apply(self, news: News) -> None:
+        req = self.requests[news.index]
+        req.output += news.tokens
+        req.logprobs += news.logprobs
+        req.top_logprobs += news.top
+        req.cached_tokens = news.cached_tokens
+        req.status = Status(news.status)
+        req.finish_reason = news.finish_reason
+        if req.text is not None:
+            req.text.stop_at = news.stop_at
+        if news.inputs is not None:
+            req.scored_from = news.inputs.scored_from
+            req.input_logprobs = news.inputs.logprobs
+            req.input_top = news.inputs.top
+        self.news.set()
+
+
+class RemoteDoor:
+    def __init__(
+        self,
+        settings: Settings,
+        tokenizer: Tokenizer,
+        model: ModelConfig,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._model = model
+        self._reader, self._writer = reader, writer
+        self._calls: dict[int, Call] = {}
+        self._numbers = itertools.count()
+        self._decoder = msgspec.msgpack.Decoder(ToEdge)
+
+    @property
+    def context_len(self) -> int:
+        return self.settings.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size
+
+    def session(self, sid: str) -> Session:
+        raise InCore(sid)
+
+    async def listen(self) -> None:
+        """Apply the core's news until it closes the link (then every call still
+        waiting fails: the core that had its requests is gone)."""
+        try:
+            while (body := await read_frame(self._reader)) is not None:
+                self._apply(self._decoder.decode(body))
+        finally:
+            gone = Failure(-1, 503, "the scheduling core went away; retry", "core_gone")
+            for call in self._calls.values():
+                call.failure = call.failure or gone
+                call.news.set()
+
+    def _apply(self, step: Step) -> None:
+        for news in step.news:
+            call = self._calls.get(news.call)
+            if call is not None:
+                call.apply(news)
+        for number in step.ended:
+            call = self._calls.get(number)
+            if call is not None:
+                call.ended = True
+                call.news.set()
+        for failure in step.failed:
+            call = self._calls.get(failure.call)
+            if call is not None:
+                call.failure = failure
+                call.news.set()
+
+    async def follow(self, turns: list[Turn]) -> AsyncIterator[list[Request]]:
+        """As FrontDoor.follow: the call's requests each time the core's news of any
+        arrives, the last time once all ended; closing it early closes the call (the
+        core aborts what has not ended)."""
+        number = next(self._numbers)
+        requests = [self._mirror(t) for t in turns]
+        call = self._calls[number] = Call(requests)
+        wire = [WireTurn(t.rid, t.shown, t.tokens, t.params, t.cache_namespace) for t in turns]
+        self._writer.write(frame(Submit(number, turns[0].tenant, wire)))
+        try:
+            while True:
+                await call.news.wait()
+                call.news.clear()
+                if call.failure is not None:
+                    f = call.failure
+                    raise Relayed(f.status, f.message, f.kind)
+                yield requests
+                if call.ended:
+                    return
+        finally:
+            del self._calls[number]
+            if not call.ended and call.failure is None and not self._writer.is_closing():
+                self._writer.write(frame(Close(number)))
+
+    async def run(self, turns: list[Turn]) -> list[Request]:
+        ended: list[Request] = []
+        async with aclosing(self.follow(turns)) as updates:
+            async for requests in updates:
+                ended = requests
+        return ended
+
+    def _mirror(self, turn: Turn) -> Request:
+        req = Request(turn.rid, np.asarray(turn.tokens, dtype=np.int64), turn.params)
+        req.text = OutputText(self.tokenizer, turn.params.stop, not turn.params.no_stop_trim)
+        return req
