@@ -217,7 +217,7 @@ class Settings:
         """How many edge worker processes the scheduler starts (`api_workers`)."""
         if self.api_workers >= 0:
             return self.api_workers
-        return max(1, (os.cpu_count() or 1) - 1)
+        return max(1, len(os.sched_getaffinity(0)) - 1)  # the cores it may run on
 
     @property
     def model_name(self) -> str:

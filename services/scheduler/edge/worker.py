@@ -35,9 +35,8 @@ log = logging.getLogger("custody.edge")
 
 LINK_ENV = "CUSTODY_EDGE_LINK"  # the core's edge-link socket
 CORE_ENV = "CUSTODY_EDGE_CORE"  # the core's HTTP socket, where forwarded requests go
-SERVED_HERE = frozenset(
-    {"/generate", "/liveness", "/v1/models", "/v1/completions", "/v1/chat/completions"}
-)
+# (/liveness is the core's: a hung core must fail its probe, whatever its workers do)
+SERVED_HERE = frozenset({"/generate", "/v1/models", "/v1/completions", "/v1/chat/completions"})
 # what a proxy must not pass on: they describe one connection, not the message
 HOP_HEADERS = frozenset(
     {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "upgrade"}
