@@ -6,8 +6,9 @@ real services, test_request_path.py), its EdgeLink serves a Unix socket, and eac
 What it shows: a call through the link yields requests equal to the core's own (tokens,
 log probabilities, finish, cached tokens); a rid is held for its key across workers
 (the second worker's call gets the 409); a worker that closes a call early, or drops
-its link, leaves nothing running in the core; a frame that does not decode closes only
-that link. What it cannot show: a worker process's HTTP side (test_edge_workers.py)."""
+its link, leaves nothing running in the core (and that worker's later calls get a 503);
+a frame that does not decode closes only that link. What it cannot show: a worker
+process's HTTP side (test_edge_workers.py)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,9 @@ def test_a_dropped_link_or_a_bad_frame_aborts_only_its_own_calls(services_only, 
         dropped._writer.close()  # the worker process died
         await until_idle(scheduler)
         assert in_core.finish_reason.type == "abort"
+        with pytest.raises(Relayed) as gone:  # that worker can send the core nothing more
+            await dropped.run([turn("d2", [4, 4, 4])])
+        assert gone.value.status == 503 and gone.value.kind == "core_gone"
         reader, writer = await asyncio.open_unix_connection(tmp_path / "link.sock")
         writer.write(b"\x00\x00\x00\x03abc")  # a length, then bytes that are no message
         assert await reader.read() == b""  # the core closed that link

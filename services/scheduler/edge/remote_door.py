@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 import msgspec
 import numpy as np
@@ -30,10 +29,13 @@ from services.scheduler.http.errors import Relayed
 from services.scheduler.records.request import Request, Status
 from services.scheduler.records.session import Session
 from services.scheduler.records.turn import Turn
+from services.scheduler.runtime.front_door import last_of
 from services.scheduler.text.output import OutputText
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.tokenizer import Tokenizer
+
+CORE_GONE = (503, "the scheduling core is not answering; retry", "core_gone")
 
 
 class InCore(Exception):
@@ -82,6 +84,7 @@ class RemoteDoor:
         self._calls: dict[int, Call] = {}
         self._numbers = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(ToEdge)
+        self._gone = False  # the core closed the link: no call can be sent
 
     @property
     def context_len(self) -> int:
@@ -101,9 +104,9 @@ class RemoteDoor:
             while (body := await read_frame(self._reader)) is not None:
                 self._apply(self._decoder.decode(body))
         finally:
-            gone = Failure(-1, 503, "the scheduling core went away; retry", "core_gone")
+            self._gone = True
             for call in self._calls.values():
-                call.failure = call.failure or gone
+                call.failure = call.failure or Failure(-1, *CORE_GONE)
                 call.news.set()
 
     def _apply(self, step: Step) -> None:
@@ -126,6 +129,8 @@ class RemoteDoor:
         """As FrontDoor.follow: the call's requests each time the core's news of any
         arrives, the last time once all ended; closing it early closes the call (the
         core aborts what has not ended)."""
+        if self._gone:
+            raise Relayed(*CORE_GONE)
         number = next(self._numbers)
         requests = [self._mirror(t) for t in turns]
         call = self._calls[number] = Call(requests)
@@ -147,11 +152,7 @@ class RemoteDoor:
                 self._writer.write(frame(Close(number)))
 
     async def run(self, turns: list[Turn]) -> list[Request]:
-        ended: list[Request] = []
-        async with aclosing(self.follow(turns)) as updates:
-            async for requests in updates:
-                ended = requests
-        return ended
+        return await last_of(self.follow(turns))
 
     def _mirror(self, turn: Turn) -> Request:
         req = Request(turn.rid, np.asarray(turn.tokens, dtype=np.int64), turn.params)

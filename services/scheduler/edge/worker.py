@@ -20,9 +20,10 @@ from typing import cast
 import aiohttp
 from aiohttp import web
 
-from services.scheduler.edge.remote_door import InCore, RemoteDoor
+from services.scheduler.edge.remote_door import CORE_GONE, InCore, RemoteDoor
 from services.scheduler.http import openai_routes, routes
 from services.scheduler.http.app import edge_app
+from services.scheduler.http.errors import Relayed
 from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.runtime.front_door import FrontDoor
 from shared.config import Settings
@@ -50,9 +51,13 @@ async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     core = request.app[CORE]
-    async with core.request(
-        request.method, request.rel_url, data=body, headers=headers, allow_redirects=False
-    ) as answer:
+    try:
+        answer = await core.request(
+            request.method, request.rel_url, data=body, headers=headers, allow_redirects=False
+        )
+    except aiohttp.ClientConnectionError:
+        raise Relayed(*CORE_GONE) from None  # restarting, or gone with this worker soon
+    async with answer:
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
         response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=kept)
         await response.prepare(request)

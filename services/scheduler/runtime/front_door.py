@@ -140,11 +140,7 @@ class FrontDoor:
 
     async def run(self, turns: list[Turn]) -> list[Request]:
         """`turns` run to their end (`follow`, when only the end is wanted)."""
-        ended: list[Request] = []
-        async with aclosing(self.follow(turns)) as updates:
-            async for requests in updates:
-                ended = requests
-        return ended
+        return await last_of(self.follow(turns))
 
     def _check_queue(self, count: int) -> None:
         """503 with Retry-After when `count` more requests (OpenAI's `n` choices, a batch's
@@ -346,3 +342,12 @@ class FrontDoor:
         cache.evict_mamba(pools.mamba.capacity)
         held = cache.sizes()
         return held["evictable_pages"] + held["protected_pages"], held["states"]
+
+
+async def last_of(updates: AsyncIterator[list[Request]]) -> list[Request]:
+    """A door's `follow` to its end: the requests as they ended."""
+    ended: list[Request] = []
+    async with aclosing(updates):
+        async for requests in updates:
+            ended = requests
+    return ended
