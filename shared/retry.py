@@ -137,14 +137,30 @@ class Retry:
         return base * random.uniform(0.5, 1.0)
 
     def ok(self) -> None:
-        """An iteration succeeded: the next fault waits `first` again."""
+        """An iteration succeeded: the next fault waits `first` again. A loop cancelled
+        during it ends here (`honour_cancellation`)."""
+        honour_cancellation()
         self.streak = 0
 
     async def wait(self, err: Exception) -> None:
+        honour_cancellation()
         await asyncio.sleep(self.failed(err))
 
     def wait_sync(self, err: Exception) -> None:
         time.sleep(self.failed(err))
+
+
+def honour_cancellation() -> None:
+    """Raise the cancellation of the running task if a library swallowed it: redis-py
+    can, when it arrives mid-command, and so can Python 3.11's `asyncio.wait_for` when
+    what it waits for completes at the same moment. A background loop cancelled then
+    would run on for ever (a shutdown that awaits it hangs: one did, in a CI run)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop: a thread's loop (wait_sync)
+        return
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def when_up(action: Callable[[], T], retry: Retry) -> T:

@@ -11,6 +11,7 @@ and the faults counted on /metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import urllib.request
@@ -336,3 +337,24 @@ def test_a_stack_started_before_its_redis_waits_for_it_without_a_restart() -> No
     finally:
         stack.stop()
         later.close()
+
+
+def test_a_loop_whose_cancellation_a_library_swallowed_still_ends():
+    """redis-py can swallow a CancelledError that arrives mid-command; the loop's next
+    `Retry.ok()` (or `wait`) raises it again, so a shutdown awaiting the loop ends. Without
+    `honour_cancellation` this loop would run until the wait below gave up."""
+
+    async def swallowing_loop(retry: Retry) -> None:
+        for _ in range(300):  # bounded, so without the guard this test fails, not hangs
+            with contextlib.suppress(asyncio.CancelledError):  # a library that swallows it
+                await asyncio.sleep(0.01)
+            retry.ok()
+
+    async def go() -> None:
+        task = asyncio.create_task(swallowing_loop(Retry("test", logging.getLogger("t"))))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1)
+        assert task in done and task.cancelled()
+
+    asyncio.run(go())
