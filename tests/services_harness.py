@@ -217,7 +217,8 @@ READY_SECONDS = 60.0  # a scheduler here starts, or ends, within this; else it s
 async def scheduler_here(settings: Settings) -> AsyncIterator[Scheduler]:
     """The scheduler in this process, serving on its free port until the block ends. A
     start that never gets ready, or a task that ignores its cancellation, fails naming
-    what it waits for (a CI run once hung in here, the cause not found: stop 58's note)."""
+    what it waits for (a CI run once hung in here: Registration.run ran on after its cancel,
+    which shared/retry.py's honour_cancellation now ends)."""
     scheduler = await Scheduler.connect(settings)
     await scheduler.start()
     runner = web.AppRunner(build_app(scheduler.front_door, scheduler.tenancy))
