@@ -59,7 +59,7 @@ class Sent:
             index,
             req.output[self.tokens :],
             req.logprobs[self.logprobs :],
-            [(list(ids), list(lps)) for ids, lps in req.top_logprobs[self.top :]],
+            req.top_logprobs[self.top :],  # lists already (Request.record)
             req.cached_tokens,
             req.status.value,
             req.finish_reason,
