@@ -6,9 +6,10 @@ real services, test_request_path.py), its EdgeLink serves a Unix socket, and eac
 What it shows: a call through the link yields requests equal to the core's own (tokens,
 log probabilities, finish, cached tokens); a rid is held for its key across workers
 (the second worker's call gets the 409); a worker that closes a call early, or drops
-its link, leaves nothing running in the core (and that worker's later calls get a 503);
-a frame that does not decode closes only that link. What it cannot show: a worker
-process's HTTP side (test_edge_workers.py)."""
+its link, leaves nothing running in the core (the call it had sent fails 502
+`core_lost`, a later one 503 `core_gone`); a frame that does not decode closes only that
+link; a forward says whether the core got it (503 if not, 502 if it died under it).
+What it cannot show: a worker process's whole HTTP side (test_edge_workers.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,15 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
 
 from services.scheduler.edge.core_side import EdgeLink
 from services.scheduler.edge.remote_door import RemoteDoor
+from services.scheduler.edge.worker import worker_app
 from services.scheduler.http.errors import Relayed
+from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.main import Scheduler
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.turn import Turn
@@ -125,7 +130,11 @@ def test_a_dropped_link_or_a_bad_frame_aborts_only_its_own_calls(services_only, 
         dropped._writer.close()  # the worker process died
         await until_idle(scheduler)
         assert in_core.finish_reason.type == "abort"
-        with pytest.raises(Relayed) as gone:  # that worker can send the core nothing more
+        with pytest.raises(Relayed) as lost:  # it was sent: it may have run
+            async for _ in updates:
+                pass
+        assert lost.value.status == 502 and lost.value.kind == "core_lost"
+        with pytest.raises(Relayed) as gone:  # not sent: that worker's core link is gone
             await dropped.run([turn("d2", [4, 4, 4])])
         assert gone.value.status == 503 and gone.value.kind == "core_gone"
         reader, writer = await asyncio.open_unix_connection(tmp_path / "link.sock")
@@ -135,3 +144,28 @@ def test_a_dropped_link_or_a_bad_frame_aborts_only_its_own_calls(services_only, 
         assert fine.done and len(fine.output) == 6
 
     run(services_only.settings, tmp_path, body)
+
+
+def test_a_forward_says_whether_the_core_got_it(services_only, tmp_path):
+    settings = services_only.settings
+
+    async def die_after_reading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        await reader.readuntil(b"\r\n\r\n")  # the request reached the core, which dies
+        writer.transport.abort()
+
+    async def body(scheduler: Scheduler, worker: Workers) -> None:
+        door = await worker()
+        dying = await asyncio.start_unix_server(die_after_reading, tmp_path / "dying.sock")
+        answers = {}
+        for name, path in (("never_got", "absent.sock"), ("died_under", "dying.sock")):
+            connector = aiohttp.UnixConnector(path=str(tmp_path / path))
+            async with aiohttp.ClientSession("http://core", connector=connector) as core:
+                app = worker_app(door, Tenancy(settings.api_keys, settings.admin_api_keys), core)
+                async with TestServer(app) as server, aiohttp.ClientSession() as client:
+                    url = server.make_url("/close_session")
+                    async with client.post(url, json={"session_id": "s"}) as reply:
+                        answers[name] = reply.status, (await reply.json())["error"]["type"]
+        dying.close()
+        assert answers == {"never_got": (503, "core_gone"), "died_under": (502, "core_lost")}
+
+    run(settings, tmp_path, body)

@@ -9,9 +9,11 @@ fault-free greedy continuation, every reply must carry its expected status, and 
 restart must follow an injected kill (a blob file left on disk is reported; see below).
 CUSTODY_SOAK_SECONDS sets the load's length (CI: 120; the tier drill runs inside it)."""
 
+import json
 import os
 
 from custody.soak import Soak
+from custody.soak.client import NO_ANSWER, Reply
 from custody.soak.tiers import MoveCount, TierWatch
 from custody.soak.verdict import MUST_HIT, failures
 from shared import streams
@@ -102,3 +104,13 @@ def test_moves_are_summed_over_executor_lives(monkeypatch):
     for _ in range(4):
         count.sample()
     assert count.total() == {"hibernate": 0, "spill": 8, "load": 0, "restore": 0}
+
+
+def test_an_edge_worker_saying_its_core_died_counts_as_no_answer():
+    def edge(status: int, kind: str) -> Reply:
+        body = {"error": {"message": "...", "type": kind}}
+        return Reply(status, body, json.dumps(body))
+
+    assert edge(502, "core_lost").outcome == NO_ANSWER  # sent: it may have run
+    assert edge(503, "core_gone").outcome == NO_ANSWER  # not sent; no answer is weaker
+    assert edge(503, "queue_full").outcome == "503"  # any other 5xx stays a failure

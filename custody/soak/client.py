@@ -12,6 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 NO_ANSWER = "connection"  # the outcome of a call that got no HTTP status
+# An edge worker's own word that the scheduling core died under the call (503 before
+# sending it, 502 after): to a client, the same as no answer from the core. Counting
+# both as no answer is the conservative reading (the call may have run).
+CORE_DIED = frozenset({"core_gone", "core_lost"})
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,18 @@ class Reply:
         return isinstance(reason, dict) and reason.get("type") == "abort"
 
     @property
+    def error_type(self) -> str | None:
+        error = self.body.get("error") if self.is_dict else None
+        return error.get("type") if isinstance(error, dict) else None
+
+    @property
     def is_dict(self) -> bool:
         return isinstance(self.body, dict)
 
     @property
     def outcome(self) -> str:
         """What status counts are kept by: "200", "200/abort", "200/cut", "404", "connection"."""
-        if self.status is None:
+        if self.status is None or self.error_type in CORE_DIED:
             return NO_ANSWER
         if self.cut:
             return f"{self.status}/cut"

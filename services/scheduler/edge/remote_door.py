@@ -35,7 +35,11 @@ from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.tokenizer import Tokenizer
 
-CORE_GONE = (503, "the scheduling core is not answering; retry", "core_gone")
+# A call that never reached the core ran nothing: a retry is safe. One sent to a core
+# that then ended may have run (a session's turn may be committed): the client must
+# treat it as a call that got no answer, never as a clean refusal.
+CORE_GONE = (503, "the scheduling core is not answering; nothing ran; retry", "core_gone")
+CORE_LOST = (502, "the scheduling core ended during this request; it may have run", "core_lost")
 
 
 class InCore(Exception):
@@ -99,14 +103,14 @@ class RemoteDoor:
 
     async def listen(self) -> None:
         """Apply the core's news until it closes the link (then every call still
-        waiting fails: the core that had its requests is gone)."""
+        waiting fails as lost: the core that had its requests is gone)."""
         try:
             while (body := await read_frame(self._reader)) is not None:
                 self._apply(self._decoder.decode(body))
         finally:
             self._gone = True
             for call in self._calls.values():
-                call.failure = call.failure or Failure(-1, *CORE_GONE)
+                call.failure = call.failure or Failure(-1, *CORE_LOST)
                 call.news.set()
 
     def _apply(self, step: Step) -> None:

@@ -20,7 +20,7 @@ from typing import cast
 import aiohttp
 from aiohttp import web
 
-from services.scheduler.edge.remote_door import CORE_GONE, InCore, RemoteDoor
+from services.scheduler.edge.remote_door import CORE_GONE, CORE_LOST, InCore, RemoteDoor
 from services.scheduler.http import openai_routes, routes
 from services.scheduler.http.app import edge_app
 from services.scheduler.http.errors import Relayed
@@ -55,8 +55,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
         answer = await core.request(
             request.method, request.rel_url, data=body, headers=headers, allow_redirects=False
         )
+    except aiohttp.ClientConnectorError:
+        raise Relayed(*CORE_GONE) from None  # not sent: restarting, or gone with this worker
     except aiohttp.ClientConnectionError:
-        raise Relayed(*CORE_GONE) from None  # restarting, or gone with this worker soon
+        raise Relayed(*CORE_LOST) from None  # sent, and the core ended before its answer
     async with answer:
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
         response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=kept)
