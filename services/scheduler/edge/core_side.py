@@ -1,4 +1,4 @@
-"""The scheduling core's end of the edge link: it runs each call a worker sends through
+"""The scheduling core's end of the edge link: it queues each call a worker sends through
 the front door, as an in-process handler would (the same checks, queue and end), holds
 its rids for the caller's key (tenancy.py: 409s and aborts are decided here, across
 workers), and sends each worker, once per step, one frame with what its requests have
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing
 from pathlib import Path
 
 import msgspec
@@ -75,16 +74,99 @@ class Sent:
         return news
 
 
-class Outgoing:
-    """One worker's news of this step, sent as one frame when the step's wake-ups have
-    run (`call_soon` after the first)."""
+class EdgeCall:
+    """One worker's call, queued in the core: its requests, their rids held for its key,
+    and how much of each the worker has been sent."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    __slots__ = ("held", "number", "requests", "sent")
+
+    def __init__(self, number: int, requests: list[Request], held: list) -> None:
+        self.number, self.requests, self.held = number, requests, held
+        self.sent = [Sent() for _ in requests]
+
+    def news(self) -> list[News]:
+        return [
+            news
+            for i, req in enumerate(self.requests)
+            if (news := self.sent[i].news(self.number, i, req)) is not None
+        ]
+
+
+class WorkerLink:
+    """One edge worker's link, in the core: its calls, and their news sent as one frame
+    per step. A call costs a task only while it is queued (a grammar check or a session's
+    stale move may wait); once queued, the front door calls back when a step brings news
+    of it, and one callback (`call_soon` after the step's first) builds the whole frame."""
+
+    def __init__(self, door: FrontDoor, tenancy: Tenancy, writer: asyncio.StreamWriter) -> None:
+        self.door, self.tenancy, self.writer = door, tenancy, writer
+        self.queuing: dict[int, asyncio.Task] = {}
+        self.calls: dict[int, EdgeCall] = {}
+        self.touched: dict[int, EdgeCall] = {}  # calls a step brought news of
         self.news: list[News] = []
         self.ended: list[int] = []
         self.failed: list[Failure] = []
         self._queued = False
+
+    def submit(self, submit: Submit) -> None:
+        if submit.call in self.queuing or submit.call in self.calls:
+            return  # a number already in use: the worker's bug, not the core's
+        task = asyncio.create_task(self._queue(submit))
+        task.add_done_callback(lambda _: self.queuing.pop(submit.call, None))
+        self.queuing[submit.call] = task
+
+    async def _queue(self, submit: Submit) -> None:
+        """Hold the call's rids for its key and queue its turns through the front door,
+        as an in-process handler's call is."""
+        held: list = []
+        try:
+            for t in submit.turns:
+                held.append(self.tenancy.hold(submit.tenant, t.shown, t.rid))
+            turns = [
+                Turn(
+                    rid=t.rid,
+                    shown=t.shown,
+                    tenant=submit.tenant,
+                    tokens=t.tokens,
+                    params=t.params,
+                    cache_namespace=t.cache_namespace,
+                )
+                for t in submit.turns
+            ]
+            requests = await self.door.queue(turns)
+        except Exception as err:
+            self.tenancy.drop(held)
+            self._fail(submit.call, err)
+            return
+        except BaseException:
+            self.tenancy.drop(held)
+            raise
+        call = self.calls[submit.call] = EdgeCall(submit.call, requests, held)
+        self.door.watch(requests, lambda: self._touch(call))
+        self._touch(call)  # what is already true of it (a request may have ended at once)
+
+    def close(self, number: int) -> None:
+        """The worker's client left: abort what the call has not finished."""
+        if number in self.queuing:
+            self.queuing[number].cancel()
+        elif number in self.calls:
+            self._end(self.calls[number])
+
+    def close_all(self) -> None:
+        for task in list(self.queuing.values()):
+            task.cancel()
+        for call in list(self.calls.values()):
+            self._end(call)
+
+    def _end(self, call: EdgeCall) -> None:
+        del self.calls[call.number]
+        self.touched.pop(call.number, None)
+        self.door.release(call.requests)  # aborts any not ended
+        self.tenancy.drop(call.held)
+
+    def _touch(self, call: EdgeCall) -> None:
+        self.touched[call.number] = call
+        self._flush_soon()
 
     def _flush_soon(self) -> None:
         if not self._queued:
@@ -93,6 +175,19 @@ class Outgoing:
 
     def _flush(self) -> None:
         self._queued = False
+        touched, self.touched = self.touched, {}
+        for call in touched.values():
+            try:
+                self.news += call.news()
+                settled = self.door.settled(call.requests)
+            except Exception as err:  # a refused turn (SessionError), or a bug here
+                self._fail(call.number, err)
+                settled = True
+            else:
+                if settled:
+                    self.ended.append(call.number)
+            if settled:
+                self._end(call)
         step = Step(self.news, self.ended, self.failed)
         self.news, self.ended, self.failed = [], [], []
         if self.writer.is_closing():
@@ -103,16 +198,7 @@ class Outgoing:
             return
         self.writer.write(frame(step))
 
-    def add(self, news: list[News]) -> None:
-        if news:
-            self.news += news
-            self._flush_soon()
-
-    def end(self, call: int) -> None:
-        self.ended.append(call)
-        self._flush_soon()
-
-    def fail(self, call: int, err: Exception) -> None:
+    def _fail(self, call: int, err: Exception) -> None:
         status, message, kind = classify(err)
         if status == 500:
             log.error("an edge worker's call failed", exc_info=err)
@@ -133,53 +219,16 @@ class EdgeLink:
         self.server = await asyncio.start_unix_server(self._connection, path)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        out, calls = Outgoing(writer), dict[int, asyncio.Task]()
+        link = WorkerLink(self.door, self.tenancy, writer)
         try:
             while (body := await read_frame(reader)) is not None:
                 message = self._decoder.decode(body)
-                if isinstance(message, Submit) and message.call not in calls:
-                    task = asyncio.create_task(self._run(out, message))
-                    task.add_done_callback(lambda _, call=message.call: calls.pop(call, None))
-                    calls[message.call] = task
-                elif isinstance(message, Close) and message.call in calls:
-                    calls[message.call].cancel()
+                if isinstance(message, Submit):
+                    link.submit(message)
+                elif isinstance(message, Close):
+                    link.close(message.call)
         except (msgspec.DecodeError, ValueError) as err:
             log.warning("an edge worker sent a frame that does not decode (%s): closing", err)
         finally:
-            for task in list(calls.values()):
-                task.cancel()  # each aborts what it had not finished (Intake.follow)
+            link.close_all()  # each call aborts what it had not finished
             writer.close()
-
-    async def _run(self, out: Outgoing, submit: Submit) -> None:
-        """One call: its rids held for its key, its turns through the front door, its
-        news after each step that brought any."""
-        held = []
-        try:
-            for t in submit.turns:
-                held.append(self.tenancy.hold(submit.tenant, t.shown, t.rid))
-            turns = [
-                Turn(
-                    rid=t.rid,
-                    shown=t.shown,
-                    tenant=submit.tenant,
-                    tokens=t.tokens,
-                    params=t.params,
-                    cache_namespace=t.cache_namespace,
-                )
-                for t in submit.turns
-            ]
-            sent = [Sent() for _ in turns]
-            async with aclosing(self.door.follow(turns)) as updates:
-                async for requests in updates:
-                    out.add(
-                        [
-                            news
-                            for i, req in enumerate(requests)
-                            if (news := sent[i].news(submit.call, i, req)) is not None
-                        ]
-                    )
-            out.end(submit.call)
-        except Exception as err:
-            out.fail(submit.call, err)
-        finally:
-            self.tenancy.drop(held)

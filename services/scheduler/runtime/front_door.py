@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import numpy as np
@@ -115,10 +115,18 @@ class FrontDoor:
 
     # ---- what the edge does ----
     async def follow(self, turns: list[Turn]) -> AsyncIterator[list[Request]]:
+        """`queue` `turns`, then their requests each time a step brought news of any,
+        the last time once all ended (intake.py): the edge pulls its replies from here.
+        Closing it early aborts them."""
+        submitted = await self.queue(turns)  # no await after the submit: none is missed
+        async with aclosing(self._intake.follow(submitted)) as updates:
+            async for requests in updates:
+                yield requests
+
+    async def queue(self, turns: list[Turn]) -> list[Request]:
         """Queue `turns` (plain requests, or one session turn), all or none: a turn that
-        cannot queue (a 400) takes back those queued before it. Then their requests,
-        each time a step brought news of any, the last time once all ended (intake.py):
-        the edge pulls its replies from here. Closing it early aborts them."""
+        cannot queue (a 400) takes back those queued before it. The caller then `watch`es
+        them at once (no await in between), or they run with nobody to hear of them."""
         self._check_queue(len(turns))
         for turn in turns:  # a 400 before anything queues, if a grammar cannot compile
             if turn.params.grammar is not None:
@@ -134,9 +142,22 @@ class FrontDoor:
                 self._engine.abort(req.rid, "another request of its call was refused")
             self._intake.wake.set()
             raise
-        async with aclosing(self._intake.follow(submitted)) as updates:
-            async for requests in updates:
-                yield requests
+        return submitted
+
+    def watch(self, requests: list[Request], notify: Callable[[], None]) -> None:
+        """`notify` after each step that brought news of any of `requests` (`queue`d),
+        until `release`: what `follow` is built on, for a caller that serves many calls
+        without a task each (edge/core_side.py)."""
+        self._intake.watch(requests, notify)
+
+    def settled(self, requests: list[Request]) -> bool:
+        """All `requests` ended and their clients may hear it (`SessionError` if a turn
+        among them was refused after it ended)."""
+        return self._intake.settled(requests)
+
+    def release(self, requests: list[Request]) -> None:
+        """Stop watching `requests`, aborting those not ended."""
+        self._intake.release(requests)
 
     async def run(self, turns: list[Turn]) -> list[Request]:
         """`turns` run to their end (`follow`, when only the end is wanted)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
@@ -24,48 +24,66 @@ class Intake:
         self.engine = engine
         self.metrics = metrics
         self.wake = wake  # set whenever the step loop has something new to do
-        self.waiters: dict[str, tuple[Request, asyncio.Event]] = {}
+        self.waiters: dict[str, Callable[[], None]] = {}  # rid -> what tells its caller
         self.timing: dict[str, list] = {}  # rid -> [arrival, time of the last token]
         self.throughput = RecentThroughput()  # of the last steps (/server_info)
         self.unannounced: list[Request] = []  # ended, records not yet taken
-        self.recorded_ends: list[Request] = []  # ended, records taken, not yet flushed
+        self.recorded_ends: list[Request] = []  # ended, records not yet flushed
         # rid -> (session error kind, why): its end must not be acknowledged
         self.refused: dict[str, tuple[str, str]] = {}
 
-    async def follow(self, submitted: list[Request]) -> AsyncIterator[list[Request]]:
-        """`submitted`, just queued in the engine (no await in between: the first step
-        of this generator registers them before anything else runs), each time a step
-        brought news of any of them, the last time once all ended and were announced. A
-        generator closed or cancelled before that (the client went away) aborts those
-        not ended; a turn refused after it ended raises `SessionError`."""
-        event, now = asyncio.Event(), time.monotonic()
+    def watch(self, submitted: list[Request], notify: Callable[[], None]) -> None:
+        """Call `notify` each time a step brings news of any of `submitted` (just queued
+        in the engine), until `release`; a caller checks `settled` on each. A callback,
+        not a task: a step's news reaches every caller without a task switch per call."""
+        now = time.monotonic()
         for req in submitted:
-            self.waiters[req.rid] = (req, event)
+            self.waiters[req.rid] = notify
             self.timing[req.rid] = [now, None]
         self.wake.set()
+
+    def settled(self, submitted: list[Request]) -> bool:
+        """Whether all of `submitted` ended and were announced; `SessionError` if a turn
+        among them was refused after it ended (its end must not be acknowledged)."""
+        if any(self._unannounced(req) for req in submitted):
+            return False
+        for req in submitted:
+            refused = self.refused.get(req.rid)
+            if refused is not None:
+                raise SessionError(refused[1], refused[0])
+        return True
+
+    def release(self, submitted: list[Request]) -> None:
+        """Stop watching `submitted`, aborting those not ended (their caller left)."""
+        aborted = []
+        for req in submitted:
+            self.refused.pop(req.rid, None)
+            self.waiters.pop(req.rid, None)
+            self.timing.pop(req.rid, None)
+            if not req.done:
+                aborted += self.engine.abort(req.rid, "client disconnected")
+        if aborted:
+            self.ended(aborted)
+            self.wake.set()
+
+    async def follow(self, submitted: list[Request]) -> AsyncIterator[list[Request]]:
+        """`submitted` (`watch`), each time a step brought news of any of them, the last
+        time once all are `settled`. A generator closed or cancelled before that (the
+        client went away) aborts those not ended."""
+        event = asyncio.Event()
+        self.watch(submitted, event.set)
         try:
-            ended = False
-            while not ended:
-                if any(self._unannounced(req) for req in submitted):
+            while True:
+                settled = self.settled(submitted)
+                if not settled:
                     await event.wait()
                     event.clear()
-                ended = not any(self._unannounced(req) for req in submitted)
+                    settled = self.settled(submitted)
                 yield submitted
-            for req in submitted:
-                refused = self.refused.get(req.rid)
-                if refused is not None:
-                    raise SessionError(refused[1], refused[0])
+                if settled:
+                    return
         finally:
-            aborted = []
-            for req in submitted:
-                self.refused.pop(req.rid, None)
-                self.waiters.pop(req.rid, None)
-                self.timing.pop(req.rid, None)
-                if not req.done:
-                    aborted += self.engine.abort(req.rid, "client disconnected")
-            if aborted:
-                self.ended(aborted)
-                self.wake.set()
+            self.release(submitted)
 
     def _unannounced(self, req: Request) -> bool:
         """Its client may not hear of its end yet (records not on the stream)."""
@@ -136,6 +154,6 @@ class Intake:
         self.metrics.itl.observe_many(gaps)
 
     def _notify(self, rid: str) -> None:
-        waiter = self.waiters.get(rid)
-        if waiter is not None:
-            waiter[1].set()
+        notify = self.waiters.get(rid)
+        if notify is not None:
+            notify()
