@@ -557,10 +557,10 @@ def _plot_cpu(payload: dict) -> None:
         if "baseline" in payload
         else {}
     )
-    series = {
+    series = {  # each side's own processes (a baseline before edge workers has none)
         f"{process}{suffix}": [side["cells"][k]["cpu_us_per_row_step"][process] for k in cells]
         for suffix, side in sides.items()
-        for process in next(iter(cells.values()))["cpu_us_per_row_step"]
+        for process in side["cells"][next(iter(cells))]["cpu_us_per_row_step"]
     }
     plot(
         "orchestration-cpu",

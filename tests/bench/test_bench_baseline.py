@@ -6,6 +6,7 @@ side under the keys the results files already have."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 from pathlib import Path
 
@@ -202,9 +203,12 @@ def test_the_cpu_plot_has_each_process_of_each_side_by_batch(monkeypatch):
     runs = {Cell(b, 8192, 10): [_cell_run(0.1, 10.0 * b)] for b in (8, 256)}
     runs[Cell(8, 1024, 10)] = [_cell_run(0.1, 1.0)]  # another context: not plotted
     payload = orchestration.summary(runs, {})
-    payload["baseline"] = {"revision": "5000829" + "0" * 33, **payload}
+    payload["baseline"] = {"revision": "5000829" + "0" * 33, **copy.deepcopy(payload)}
+    for cell in payload["cells"].values():  # an edge worker this side has, the baseline not
+        cell["cpu_us_per_row_step"]["edge_0"] = 5.0
     orchestration._plot_cpu(payload)
     _, labels, series, _ = drawn["orchestration-cpu"]
     assert labels == ["b8", "b256"]
     assert series["scheduler"] == [80.0, 2560.0] and series["store"] == [20.0, 20.0]
     assert series["scheduler @ 5000829"] == [80.0, 2560.0]
+    assert series["edge_0"] == [5.0, 5.0] and "edge_0 @ 5000829" not in series
