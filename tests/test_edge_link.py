@@ -8,7 +8,8 @@ log probabilities, finish, cached tokens); a rid is held for its key across work
 (the second worker's call gets the 409); a worker that closes a call early, or drops
 its link, leaves nothing running in the core (the call it had sent fails 502
 `core_lost`, a later one 503 `core_gone`); a frame that does not decode closes only that
-link; a forward says whether the core got it (503 if not, 502 if it died under it).
+link (counted by reason); a forward says whether the core got it (503 if not, 502 if it
+died under it); the core's gauge of worker calls.
 What it cannot show: a worker process's whole HTTP side (test_edge_workers.py)."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def turn(rid: str, tokens: list[int], shown: str = "", max_new: int = 6, cache: 
 async def linked(settings, tmp: Path) -> AsyncIterator[tuple[Scheduler, Workers]]:
     """The core here, its edge link on a socket in `tmp`, and a way to connect workers."""
     async with scheduler_here(settings) as scheduler:
-        link = EdgeLink(scheduler.front_door, scheduler.tenancy)
+        link = EdgeLink(scheduler.front_door, scheduler.tenancy, scheduler.loop.metrics)
         await link.serve(tmp / "link.sock")
         listening: list[asyncio.Task] = []
         doors: list[RemoteDoor] = []
@@ -76,6 +77,10 @@ async def until_idle(scheduler: Scheduler) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"still running: {scheduler.front_door.running_ids()}")
+
+
+def sample(scheduler: Scheduler, name: str, **labels: str) -> float | None:
+    return scheduler.loop.metrics.registry.get_sample_value(name, labels)
 
 
 def run(settings, tmp: Path, body: Callable[[Scheduler, Workers], Awaitable[None]]) -> None:
@@ -110,6 +115,7 @@ def test_a_rid_is_held_for_its_key_across_workers(services_only, tmp_path):
         async with aclosing(long_one) as updates:
             await anext(updates)  # queued and running in the core
             in_core = scheduler.engine.requests["a1"]
+            assert sample(scheduler, "custody_edge_calls") == 1
             with pytest.raises(Relayed) as refused:
                 await second.run([turn("b1", [1, 2, 3], shown="mine")])
             assert refused.value.status == 409 and refused.value.kind == "rid_in_use"
@@ -117,6 +123,7 @@ def test_a_rid_is_held_for_its_key_across_workers(services_only, tmp_path):
         assert in_core.finish_reason.type == "abort"  # closing it early aborted it
         (later,) = await second.run([turn("b2", [1, 2, 3], shown="mine")])
         assert later.done  # the rid was released with its call
+        assert sample(scheduler, "custody_edge_calls") == 0
 
     run(services_only.settings, tmp_path, body)
 
@@ -140,6 +147,7 @@ def test_a_dropped_link_or_a_bad_frame_aborts_only_its_own_calls(services_only, 
         reader, writer = await asyncio.open_unix_connection(tmp_path / "link.sock")
         writer.write(b"\x00\x00\x00\x03abc")  # a length, then bytes that are no message
         assert await reader.read() == b""  # the core closed that link
+        assert sample(scheduler, "custody_edge_links_closed_total", reason="bad_frame") == 1
         (fine,) = await healthy.run([turn("h1", [4, 4, 4])])
         assert fine.done and len(fine.output) == 6
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from custody.up import Stack
-from tests.services_harness import assert_clean, call, stack_settings, start_stack
+from tests.services_harness import assert_clean, call, metric_sum, stack_settings, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -103,4 +103,5 @@ def test_a_killed_worker_is_replaced_and_its_requests_end(two_workers):
     for conn in streams:
         conn.close()
     assert generate(port, 1)["meta_info"]["completion_tokens"] == 5
+    assert metric_sum(port, "custody_edge_worker_exits_total") == len(before)  # each counted
     assert_clean(two_workers)

@@ -150,7 +150,7 @@ async def serve(settings: Settings) -> None:
     runner = GuardedRunner(app, settings.read_timeout_seconds, settings.keepalive_seconds)
     await runner.setup()
     with tempfile.TemporaryDirectory(prefix="custody-edge-") as sockets:
-        edge = EdgeLink(scheduler.front_door, scheduler.tenancy)
+        edge = EdgeLink(scheduler.front_door, scheduler.tenancy, scheduler.loop.metrics)
         workers = await serve_http(scheduler, runner, edge, Path(sockets))
         faults = scheduler.loop.metrics.faults
         beating = asyncio.create_task(scheduler.registration.run(scheduler.redis, faults))
@@ -178,7 +178,8 @@ async def serve_http(
     core_http, link = sockets / "core.sock", sockets / "link.sock"
     await web.UnixSite(runner, str(core_http)).start()
     await edge.serve(link)
-    workers = EdgeWorkers(settings, settings.edge_workers, link, core_http)
+    exits = scheduler.loop.metrics.edge_worker_exits
+    workers = EdgeWorkers(settings, settings.edge_workers, link, core_http, exits)
     workers.start()
     log.info("API on http://%s:%d by %d edge workers", settings.host, settings.port, workers.count)
     return workers

@@ -29,6 +29,7 @@ from services.scheduler.http.tenancy import Tenancy
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.runtime.metrics import SchedulerMetrics
 
 log = logging.getLogger("custody.scheduler.edge")
 
@@ -98,8 +99,14 @@ class WorkerLink:
     stale move may wait); once queued, the front door calls back when a step brings news
     of it, and one callback (`call_soon` after the step's first) builds the whole frame."""
 
-    def __init__(self, door: FrontDoor, tenancy: Tenancy, writer: asyncio.StreamWriter) -> None:
-        self.door, self.tenancy, self.writer = door, tenancy, writer
+    def __init__(
+        self,
+        door: FrontDoor,
+        tenancy: Tenancy,
+        metrics: SchedulerMetrics,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.door, self.tenancy, self.metrics, self.writer = door, tenancy, metrics, writer
         self.queuing: dict[int, asyncio.Task] = {}
         self.calls: dict[int, EdgeCall] = {}
         self.touched: dict[int, EdgeCall] = {}  # calls a step brought news of
@@ -142,6 +149,7 @@ class WorkerLink:
             self.tenancy.drop(held)
             raise
         call = self.calls[submit.call] = EdgeCall(submit.call, requests, held)
+        self.metrics.edge_calls.inc()
         self.door.watch(requests, lambda: self._touch(call))
         self._touch(call)  # what is already true of it (a request may have ended at once)
 
@@ -160,6 +168,7 @@ class WorkerLink:
 
     def _end(self, call: EdgeCall) -> None:
         del self.calls[call.number]
+        self.metrics.edge_calls.dec()
         self.touched.pop(call.number, None)
         self.door.release(call.requests)  # aborts any not ended
         self.tenancy.drop(call.held)
@@ -194,6 +203,7 @@ class WorkerLink:
             return
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             log.warning("an edge worker stopped reading its news: its link is closed")
+            self.metrics.edge_links_closed.labels("unread").inc()
             self.writer.close()
             return
         self.writer.write(frame(step))
@@ -209,9 +219,10 @@ class WorkerLink:
 class EdgeLink:
     """The core's server for its edge workers' links."""
 
-    def __init__(self, door: FrontDoor, tenancy: Tenancy) -> None:
+    def __init__(self, door: FrontDoor, tenancy: Tenancy, metrics: SchedulerMetrics) -> None:
         self.door = door
         self.tenancy = tenancy
+        self.metrics = metrics
         self._decoder = msgspec.msgpack.Decoder(ToCore)
         self.server: asyncio.Server | None = None
 
@@ -219,7 +230,7 @@ class EdgeLink:
         self.server = await asyncio.start_unix_server(self._connection, path)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = WorkerLink(self.door, self.tenancy, writer)
+        link = WorkerLink(self.door, self.tenancy, self.metrics, writer)
         try:
             while (body := await read_frame(reader)) is not None:
                 message = self._decoder.decode(body)
@@ -229,6 +240,7 @@ class EdgeLink:
                     link.close(message.call)
         except (msgspec.DecodeError, ValueError) as err:
             log.warning("an edge worker sent a frame that does not decode (%s): closing", err)
+            self.metrics.edge_links_closed.labels("bad_frame").inc()
         finally:
             link.close_all()  # each call aborts what it had not finished
             writer.close()

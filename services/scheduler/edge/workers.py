@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from prometheus_client import Counter
+
 from services.scheduler.edge.worker import CORE_ENV, LINK_ENV
 from shared.config import Settings
 
@@ -19,8 +21,11 @@ RESTART_DELAY_SECONDS = 0.5  # a worker that exits at once is not restarted in a
 
 
 class EdgeWorkers:
-    def __init__(self, settings: Settings, count: int, link: Path, core_http: Path) -> None:
+    def __init__(
+        self, settings: Settings, count: int, link: Path, core_http: Path, exits: Counter
+    ) -> None:
         self.count = count
+        self.exits = exits  # custody_edge_worker_exits_total
         sockets = {LINK_ENV: str(link), CORE_ENV: str(core_http)}
         self.env = {**os.environ, **settings.to_env(), **sockets}
         self.processes: list[asyncio.subprocess.Process] = []
@@ -37,6 +42,7 @@ class EdgeWorkers:
             self.processes.append(proc)
             code = await proc.wait()
             self.processes.remove(proc)
+            self.exits.inc()
             log.warning("edge worker %d (pid %d) exited with %s: restarting", index, proc.pid, code)
             await asyncio.sleep(RESTART_DELAY_SECONDS)
 

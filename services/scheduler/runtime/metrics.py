@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -274,6 +274,26 @@ class SchedulerMetrics:
             "chat requests bound to a session by --session-header, by outcome: opened, "
             "resumed, reseeded (another conversation), stateless (a turn in flight)",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.edge_worker_exits = Counter(
+            "custody_edge_worker_exits",
+            "edge worker processes that exited while the core ran (a crash, a kill, an OOM); "
+            "each is started again",
+            registry=self.registry,
+        )
+        self.edge_links_closed = Counter(
+            "custody_edge_links_closed",
+            "edge worker links the core closed, by reason: bad_frame (a frame that does not "
+            "decode), unread (the worker stopped reading its news); their calls are aborted",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("bad_frame", "unread"):  # exported at 0 before the first
+            self.edge_links_closed.labels(reason)
+        self.edge_calls = Gauge(
+            "custody_edge_calls",
+            "calls of edge workers the core is serving (queued or running)",
             registry=self.registry,
         )
         self.faults = background_faults(self.registry)  # the registration and step loops'
