@@ -14,10 +14,11 @@ from pathlib import Path
 import msgspec
 
 from services.scheduler.edge.messages import (
+    STATUSES,
     Close,
+    Extra,
     Failure,
     Inputs,
-    News,
     Step,
     Submit,
     ToCore,
@@ -37,6 +38,39 @@ log = logging.getLogger("custody.scheduler.edge")
 MAX_UNREAD_BYTES = 64 << 20
 
 
+STATUS_CODES = {status: code for code, status in enumerate(STATUSES)}
+
+
+class StepNews:
+    """One worker's news of this step, gathered as the columns of its `Step` frame."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.indexes: list[int] = []
+        self.token_counts: list[int] = []
+        self.tokens: list[int] = []
+        self.logprob_counts: list[int] = []
+        self.logprobs: list[float] = []
+        self.cached: list[int] = []
+        self.statuses: list[int] = []
+        self.extras: list[Extra] = []
+
+    def frame(self, ended: list[int], failed: list[Failure]) -> Step:
+        return Step(
+            self.calls,
+            self.indexes,
+            self.token_counts,
+            self.tokens,
+            self.logprob_counts,
+            self.logprobs,
+            self.cached,
+            self.statuses,
+            self.extras,
+            ended,
+            failed,
+        )
+
+
 class Sent:
     """How much of one request a worker has been sent."""
 
@@ -46,33 +80,34 @@ class Sent:
         self.tokens = self.logprobs = self.top = 0
         self.ended = False
 
-    def news(self, call: int, index: int, req: Request) -> News | None:
-        """What `req` has new since the last news; None if nothing."""
-        if self.ended or (len(req.output) == self.tokens and not req.done):
-            return None
+    def gather(self, out: StepNews, call: int, index: int, req: Request) -> None:
+        """What `req` has new since the last news, as a row of `out` (none if nothing).
+        Everything is read before the row is added, so a fault leaves no half a row."""
+        output, logprobs = req.output, req.logprobs
+        if self.ended or (len(output) == self.tokens and not req.done):
+            return
         inputs = None
         if self.tokens == 0 and req.scored_from >= 0:  # complete once it samples
             top = [None if t is None else (list(t[0]), list(t[1])) for t in req.input_top]
             inputs = Inputs(req.scored_from, list(req.input_logprobs), top)
-        news = News(
-            call,
-            index,
-            req.output[self.tokens :],
-            req.logprobs[self.logprobs :],
-            req.top_logprobs[self.top :],  # lists already (Request.record)
-            req.cached_tokens,
-            req.status.value,
-            req.finish_reason,
-            None if req.text is None else req.text.stop_at,
-            inputs,
-        )
-        self.tokens, self.logprobs, self.top = (
-            len(req.output),
-            len(req.logprobs),
-            len(req.top_logprobs),
-        )
+        stop_at = None if req.text is None else req.text.stop_at
+        top = req.top_logprobs[self.top :]  # lists already (Request.record)
+        extra = None
+        if top or inputs is not None or req.finish_reason is not None or stop_at is not None:
+            extra = Extra(len(out.calls), top, req.finish_reason, stop_at, inputs)
+        status = STATUS_CODES[req.status]
+        out.calls.append(call)
+        out.indexes.append(index)
+        out.token_counts.append(len(output) - self.tokens)
+        out.tokens += output[self.tokens :]
+        out.logprob_counts.append(len(logprobs) - self.logprobs)
+        out.logprobs += logprobs[self.logprobs :]
+        out.cached.append(req.cached_tokens)
+        out.statuses.append(status)
+        if extra is not None:
+            out.extras.append(extra)
+        self.tokens, self.logprobs, self.top = len(output), len(logprobs), len(req.top_logprobs)
         self.ended = req.done
-        return news
 
 
 class EdgeCall:
@@ -85,12 +120,9 @@ class EdgeCall:
         self.number, self.requests, self.held = number, requests, held
         self.sent = [Sent() for _ in requests]
 
-    def news(self) -> list[News]:
-        return [
-            news
-            for i, req in enumerate(self.requests)
-            if (news := self.sent[i].news(self.number, i, req)) is not None
-        ]
+    def gather(self, out: StepNews) -> None:
+        for i, req in enumerate(self.requests):
+            self.sent[i].gather(out, self.number, i, req)
 
 
 class WorkerLink:
@@ -110,7 +142,7 @@ class WorkerLink:
         self.queuing: dict[int, asyncio.Task] = {}
         self.calls: dict[int, EdgeCall] = {}
         self.touched: dict[int, EdgeCall] = {}  # calls a step brought news of
-        self.news: list[News] = []
+        self.news = StepNews()
         self.ended: list[int] = []
         self.failed: list[Failure] = []
         self._queued = False
@@ -187,7 +219,7 @@ class WorkerLink:
         touched, self.touched = self.touched, {}
         for call in touched.values():
             try:
-                self.news += call.news()
+                call.gather(self.news)
                 settled = self.door.settled(call.requests)
             except Exception as err:  # a refused turn (SessionError), or a bug here
                 self._fail(call.number, err)
@@ -197,8 +229,8 @@ class WorkerLink:
                     self.ended.append(call.number)
             if settled:
                 self._end(call)
-        step = Step(self.news, self.ended, self.failed)
-        self.news, self.ended, self.failed = [], [], []
+        step = self.news.frame(self.ended, self.failed)
+        self.news, self.ended, self.failed = StepNews(), [], []
         if self.writer.is_closing():
             return
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:

@@ -1,7 +1,8 @@
 """The link between an edge worker and the scheduling core (docs/edge-workers.md): typed,
 length-prefixed msgpack frames over a Unix socket. A worker sends each call's turns
 whole and, if its client leaves, a close; the core sends, once per step, one frame with
-the news of every request of that worker that changed, and the calls that ended."""
+the news of every request of that worker that changed (as columns), and the calls that
+ended."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import struct
 import msgspec
 
 from services.scheduler.records.finish import FinishReason
+from services.scheduler.records.request import Status
 from services.scheduler.records.sampling import SamplingParams
 
 MAX_FRAME = 1 << 30  # a frame longer than this is a broken peer, not a message
@@ -49,16 +51,13 @@ class Inputs(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[list[int], list[float]] | None]
 
 
-class News(msgspec.Struct, frozen=True, array_like=True):
-    """What one request of a call has new since the last news of it."""
+class Extra(msgspec.Struct, frozen=True, array_like=True):
+    """What only some rows of a step carry: the new tokens' top alternatives (when asked
+    for), and at its end a request's finish reason and where a stop string matched; its
+    input log probabilities once."""
 
-    call: int
-    index: int  # among the call's turns
-    tokens: list[int]
-    logprobs: list[float]
+    row: int  # the row of the step's columns it belongs to
     top: list[tuple[list[int], list[float]]]
-    cached_tokens: int
-    status: str  # records/request.py Status's value
     finish_reason: FinishReason | None = None
     stop_at: int | None = None  # where a matched stop string starts in the text
     inputs: Inputs | None = None
@@ -75,13 +74,28 @@ class Failure(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Step(msgspec.Struct, frozen=True, tag="step"):
-    """The core's news for one worker, once per step: every call in `ended` has had its
-    last news (in this frame or before); every call in `failed` ends with that answer."""
+    """The core's news for one worker, once per step, as columns: row i is request
+    `indexes[i]` of call `calls[i]`, which has `token_counts[i]` new tokens (the next of
+    `tokens`) and `logprob_counts[i]` new log probabilities (the next of `logprobs`), its
+    cached tokens and status (an index into STATUSES); a row's `Extra`, if any, is in
+    `extras`. One frame decodes into a few lists, not an object per request. Every call
+    in `ended` has had its last news (in this frame or before); every call in `failed`
+    ends with that answer."""
 
-    news: list[News]
+    calls: list[int]
+    indexes: list[int]  # among the call's turns
+    token_counts: list[int]
+    tokens: list[int]
+    logprob_counts: list[int]
+    logprobs: list[float]
+    cached: list[int]
+    statuses: list[int]
+    extras: list[Extra]
     ended: list[int]
     failed: list[Failure]
 
+
+STATUSES = tuple(Status)  # a row's status, by its index here
 
 ToCore = Submit | Close
 ToEdge = Step

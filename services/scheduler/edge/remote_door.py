@@ -15,9 +15,10 @@ import msgspec
 import numpy as np
 
 from services.scheduler.edge.messages import (
+    STATUSES,
     Close,
+    Extra,
     Failure,
-    News,
     Step,
     Submit,
     ToEdge,
@@ -55,20 +56,30 @@ class Call:
         self.ended = False
         self.failure: Failure | None = None
 
-    def apply(self, news: News) -> None:
-        req = self.requests[news.index]
-        req.output += news.tokens
-        req.logprobs += news.logprobs
-        req.top_logprobs += news.top
-        req.cached_tokens = news.cached_tokens
-        req.status = Status(news.status)
-        req.finish_reason = news.finish_reason
+    def apply(
+        self,
+        index: int,
+        tokens: list[int],
+        logprobs: list[float],
+        cached: int,
+        status: Status,
+        extra: Extra | None,
+    ) -> None:
+        """One row of a step's news: request `index` of this call has these new."""
+        req = self.requests[index]
+        req.output += tokens
+        req.logprobs += logprobs
+        req.cached_tokens = cached
+        req.status = status
+        req.finish_reason = None if extra is None else extra.finish_reason
         if req.text is not None:
-            req.text.stop_at = news.stop_at
-        if news.inputs is not None:
-            req.scored_from = news.inputs.scored_from
-            req.input_logprobs = news.inputs.logprobs
-            req.input_top = news.inputs.top
+            req.text.stop_at = None if extra is None else extra.stop_at
+        if extra is not None:
+            req.top_logprobs += extra.top
+            if extra.inputs is not None:
+                req.scored_from = extra.inputs.scored_from
+                req.input_logprobs = extra.inputs.logprobs
+                req.input_top = extra.inputs.top
         self.news.set()
 
 
@@ -114,10 +125,21 @@ class RemoteDoor:
                 call.news.set()
 
     def _apply(self, step: Step) -> None:
-        for news in step.news:
-            call = self._calls.get(news.call)
+        extras = {extra.row: extra for extra in step.extras}
+        t = lp = 0
+        rows = zip(step.calls, step.indexes, step.token_counts, step.logprob_counts, strict=True)
+        for row, (number, index, n_tokens, n_logprobs) in enumerate(rows):
+            call = self._calls.get(number)
             if call is not None:
-                call.apply(news)
+                call.apply(
+                    index,
+                    step.tokens[t : t + n_tokens],
+                    step.logprobs[lp : lp + n_logprobs],
+                    step.cached[row],
+                    STATUSES[step.statuses[row]],
+                    extras.get(row),
+                )
+            t, lp = t + n_tokens, lp + n_logprobs
         for number in step.ended:
             call = self._calls.get(number)
             if call is not None:
