@@ -41,34 +41,9 @@ MAX_UNREAD_BYTES = 64 << 20
 STATUS_CODES = {status: code for code, status in enumerate(STATUSES)}
 
 
-class StepNews:
-    """One worker's news of this step, gathered as the columns of its `Step` frame."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-        self.indexes: list[int] = []
-        self.token_counts: list[int] = []
-        self.tokens: list[int] = []
-        self.logprob_counts: list[int] = []
-        self.logprobs: list[float] = []
-        self.cached: list[int] = []
-        self.statuses: list[int] = []
-        self.extras: list[Extra] = []
-
-    def frame(self, ended: list[int], failed: list[Failure]) -> Step:
-        return Step(
-            self.calls,
-            self.indexes,
-            self.token_counts,
-            self.tokens,
-            self.logprob_counts,
-            self.logprobs,
-            self.cached,
-            self.statuses,
-            self.extras,
-            ended,
-            failed,
-        )
+def new_step() -> Step:
+    """An empty frame, its columns filled as a step's news is gathered."""
+    return Step([], [], [], [], [], [], [], [], [], [], [])
 
 
 class Sent:
@@ -80,7 +55,7 @@ class Sent:
         self.tokens = self.logprobs = self.top = 0
         self.ended = False
 
-    def gather(self, out: StepNews, call: int, index: int, req: Request) -> None:
+    def gather(self, out: Step, call: int, index: int, req: Request) -> None:
         """What `req` has new since the last news, as a row of `out` (none if nothing).
         Everything is read before the row is added, so a fault leaves no half a row."""
         output, logprobs = req.output, req.logprobs
@@ -99,9 +74,9 @@ class Sent:
         out.calls.append(call)
         out.indexes.append(index)
         out.token_counts.append(len(output) - self.tokens)
-        out.tokens += output[self.tokens :]
+        out.tokens.extend(output[self.tokens :])
         out.logprob_counts.append(len(logprobs) - self.logprobs)
-        out.logprobs += logprobs[self.logprobs :]
+        out.logprobs.extend(logprobs[self.logprobs :])
         out.cached.append(req.cached_tokens)
         out.statuses.append(status)
         if extra is not None:
@@ -120,7 +95,7 @@ class EdgeCall:
         self.number, self.requests, self.held = number, requests, held
         self.sent = [Sent() for _ in requests]
 
-    def gather(self, out: StepNews) -> None:
+    def gather(self, out: Step) -> None:
         for i, req in enumerate(self.requests):
             self.sent[i].gather(out, self.number, i, req)
 
@@ -142,9 +117,7 @@ class WorkerLink:
         self.queuing: dict[int, asyncio.Task] = {}
         self.calls: dict[int, EdgeCall] = {}
         self.touched: dict[int, EdgeCall] = {}  # calls a step brought news of
-        self.news = StepNews()
-        self.ended: list[int] = []
-        self.failed: list[Failure] = []
+        self.news = new_step()  # this step's, being gathered
         self._queued = False
 
     def submit(self, submit: Submit) -> None:
@@ -226,11 +199,10 @@ class WorkerLink:
                 settled = True
             else:
                 if settled:
-                    self.ended.append(call.number)
+                    self.news.ended.append(call.number)
             if settled:
                 self._end(call)
-        step = self.news.frame(self.ended, self.failed)
-        self.news, self.ended, self.failed = StepNews(), [], []
+        step, self.news = self.news, new_step()
         if self.writer.is_closing():
             return
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
@@ -244,7 +216,7 @@ class WorkerLink:
         status, message, kind = classify(err)
         if status == 500:
             log.error("an edge worker's call failed", exc_info=err)
-        self.failed.append(Failure(call, status, message, kind))
+        self.news.failed.append(Failure(call, status, message, kind))
         self._flush_soon()
 
 
