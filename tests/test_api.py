@@ -367,7 +367,7 @@ def bad_inputs() -> list[tuple[str, bytes]]:
 
 def test_200_bad_inputs_get_4xx_and_change_nothing(stack):
     port = stack.settings.port
-    call(port, "/open_session", {"session_id": "s-ok"})
+    call(port, "/open_session", {"session_id": "s-ok", "streaming": True})  # never branches
     cases = bad_inputs()
     assert len(cases) >= 200
     for path, data in cases:

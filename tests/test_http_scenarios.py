@@ -52,7 +52,7 @@ def stream_first_chunk_then_disconnect(port: int, body: dict) -> None:
 
 def test_s1_s2_s9_inheritance_rejections_and_append_only(stack):
     port = stack.settings.port
-    sid = call(port, "/open_session", {"session_id": "s1"})
+    sid = call(port, "/open_session", {"session_id": "s1", "streaming": True})  # S9: append-only
     t1 = gen(port, [1, 2, 3, 4, 5], sid, 12)
     assert t1["meta_info"]["cached_tokens"] == 0
     code, message = refused(

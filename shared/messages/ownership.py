@@ -129,6 +129,20 @@ class ChatEntry(msgspec.Struct, array_like=True, frozen=True):
     end: int
 
 
+class TurnEntry(Arrays, array_like=True):
+    """One finished `/generate` turn of a session, as its turn tree keeps it
+    (services/scheduler/sessions/turn_tree.py): its tokens are the first `base` tokens
+    of its parent's (none for a root), then its own `input`, then its `output`. `id`
+    numbers it within its session (a client may reuse a `rid`); `parent` 0: a root."""
+
+    id: int
+    rid: str
+    parent: int
+    base: int
+    input: I4
+    output: I4
+
+
 class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     """A session's durable record: the history always, and its row, working Mamba slot
     and KV pages only while the session itself holds them (then a restarted scheduler
@@ -159,13 +173,22 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     # the move attempt that brought it, until the directory confirmed it here: a life
     # started meanwhile takes it back only for that attempt (protocol/lives.py)
     arrival: str = ""
+    turns: list[TurnEntry] = msgspec.field(default_factory=list)  # its turn tree, oldest first
+    streaming: bool = False  # append-only: its turns never branch
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)
         if self.closed:
             rest = (self.timeout, self.tenant, self.history, self.disk, self.chat, *slots)
             rest += (self.epoch,)
-            if self.cached_len or self.shared_pages or self.cache_namespace or self.last_rid:
+            if (
+                self.cached_len
+                or self.shared_pages
+                or self.cache_namespace
+                or self.last_rid
+                or self.turns
+                or self.streaming
+            ):
                 raise WireError(f"the record of closed session {self.sid} carries more")
             if any(x is not None for x in rest):
                 raise WireError(f"the record of closed session {self.sid} carries more")

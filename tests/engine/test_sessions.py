@@ -215,7 +215,7 @@ def test_s8_close_during_a_turn():
 
 def test_s9_history_cannot_be_rewritten():
     d = Driver()
-    sid = d.engine.sessions.open().sid
+    sid = d.engine.sessions.open(streaming=True).sid
     d.run_turn(sid, text(10, 1))
     session = d.engine.sessions.get(sid)
     before = session.history.copy()

@@ -17,10 +17,10 @@ from shared.tenancy import Refused
 
 
 def open_session_within_limits(
-    request: web.Request, name: str | None, timeout: float | None
+    request: web.Request, name: str | None, timeout: float | None, streaming: bool = False
 ) -> Session:
     """A new session of the caller, named `name` (or a random name), within the per-key
-    and the global limits."""
+    and the global limits; append-only if `streaming`."""
     tenant, door = request[CALLER].tenant, request.app[FRONT_DOOR]
     per_key = door.settings.max_sessions_per_key
     if tenant is not None and per_key:
@@ -34,7 +34,7 @@ def open_session_within_limits(
             )
     name = secrets.token_hex(16) if name is None else name
     try:
-        return door.open_session(session_id(request, name), timeout, tenant)
+        return door.open_session(session_id(request, name), timeout, tenant, streaming)
     except SessionError as err:
         if err.kind != "limit":
             raise

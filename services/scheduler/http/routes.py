@@ -141,7 +141,9 @@ async def idle_sessions(request: web.Request) -> web.Response:
 
 async def open_session(request: web.Request) -> web.Response:
     body = await read_body(request, request.app[SCHEMAS].open_session)
-    session = open_session_within_limits(request, body.session_id, body.timeout)
+    session = open_session_within_limits(
+        request, body.session_id, body.timeout, bool(body.streaming)
+    )
     session.routed = request.headers.get(PLACED_HEADER) == "1"
     mark = request.app[FRONT_DOOR].opened_mark  # read before anything else can open
     await request.app[FRONT_DOOR].durable()

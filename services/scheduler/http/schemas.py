@@ -69,9 +69,11 @@ class RequestSchemas:
 
 
 class SessionParams(Struct):
-    """The session a turn continues. Its history is append-only: a `rid` other than its
-    latest turn's, an `offset` that cuts it, `replace` and `drop_previous_output` are
-    refused with a 400 that names them (records/session.py `check_session_params`)."""
+    """The session a turn continues, and where in its turn tree (records/turn_tree.py):
+    `rid` names the turn it follows (absent: the latest), `offset` cuts what it keeps,
+    `drop_previous_output` keeps that turn's prompt alone, `replace` forgets the named
+    turn's other branches. A session opened with `streaming: true` is append-only, as
+    SGLang's streaming sessions are (records/session.py `check_session_params`)."""
 
     id: str | None = None
     rid: Annotated[str, Meta(max_length=256)] | None = None
@@ -81,10 +83,12 @@ class SessionParams(Struct):
 
 
 class OpenSessionRequest(Struct):
-    """A new streaming session, its id chosen by the caller or by custody."""
+    """A new session, its id chosen by the caller or by custody; `streaming: true` makes
+    it append-only (SGLang's streaming session), else its turns may branch."""
 
     session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
     timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
+    streaming: bool | None = None
 
 
 class CloseSessionRequest(Struct):

@@ -25,6 +25,7 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.records.finish import FinishReason
 from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.session import Session, TurnStart
+from services.scheduler.records.turn_tree import Branch
 from services.scheduler.text.output import OutputText
 from shared.messages.ownership import ChatEntry
 from shared.messages.sampling import Top
@@ -81,6 +82,7 @@ class Request:
     abort_reason: str | None = None
     turn_start: TurnStart | None = None
     chat: ChatTurn | None = None  # a chat turn's conversation
+    branch: Branch | None = None  # a /generate turn's place in its session's turn tree
     cache_namespace: str = ""  # whose cached prefixes it may match and feed (radix_cache.py)
     logprobs: list[float] = field(default_factory=list)  # the model's, per output token
     top_logprobs: list[Top] = field(default_factory=list)  # per output token, when asked

@@ -15,6 +15,7 @@ from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.lease import Lease
 from services.scheduler.ownership.owners import Owner
 from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.turn_tree import TurnTree
 from shared.messages.ownership import ChatEntry
 from shared.placement import FIRST_EPOCH
 from shared.session_ids import session_name
@@ -36,11 +37,12 @@ TURN_NAME = "turn_rid"  # set by the route, never by a client: the turn's own sh
 
 
 def check_session_params(params: dict, session: Session) -> None:
-    """History is append-only (scenario S9, docs/scenarios.md): a turn continues from the
-    session's latest turn (`rid` absent, null or that turn's id) with nothing cut
-    (`offset` absent, 0 or the history's length, as SGLang reads 0: no cut). Naming an
-    earlier turn, cutting, replacing or dropping output is refused, naming the field,
-    never silently appended to the latest history."""
+    """A streaming session's history is append-only (scenario S9, docs/scenarios.md), as
+    SGLang's streaming sessions are: a turn continues from the session's latest turn
+    (`rid` absent, null or that turn's id) with nothing cut (`offset` absent, 0 or the
+    history's length, as SGLang reads 0: no cut). Naming an earlier turn, cutting,
+    replacing or dropping output is refused, naming the field, never silently appended
+    to the latest history."""
     rid = params.get("rid")
     if rid is not None and rid != session.last_rid:
         latest = repr(session.last_rid) if session.last_rid else "none yet"
@@ -103,6 +105,8 @@ class Session:
     # it here, until the directory shows it placed here (directory_check.py `settle`)
     arrival: str = ""
     last_rid: str = ""  # the id of its latest finished turn (session_params.rid names it)
+    turns: TurnTree = field(default_factory=TurnTree)  # its /generate turns (turn_tree.py)
+    streaming: bool = False  # opened append-only (`check_session_params`): never branches
 
     @property
     def in_doubt(self) -> bool:

@@ -196,8 +196,10 @@ class FrontDoor:
             turn.cache_namespace,
         )
 
-    def open_session(self, sid: str | None, timeout: float | None, tenant: str | None) -> Session:
-        return self._engine.sessions.open(sid, timeout, tenant)
+    def open_session(
+        self, sid: str | None, timeout: float | None, tenant: str | None, streaming: bool = False
+    ) -> Session:
+        return self._engine.sessions.open(sid, timeout, tenant, streaming=streaming)
 
     @property
     def opened_mark(self) -> str:

@@ -38,6 +38,7 @@ from services.scheduler.records.session import (
     TurnStart,
     check_session_params,
 )
+from services.scheduler.records.turn_tree import TurnTree
 from services.scheduler.sessions.chat_log import settle, turn_history
 from services.scheduler.sessions.expiry import Deadlines
 from services.scheduler.sessions.lost import LostSessions
@@ -53,6 +54,12 @@ REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 
 
 IDLE_SECONDS = 60.0  # a session unused this long counts as idle in a refusal's message
+
+
+def continues(kept: np.ndarray, history: np.ndarray, cached_len: int) -> bool:
+    """Whether a turn that starts from `kept` may start from the session's state, which
+    holds `history`'s first `cached_len` positions."""
+    return len(kept) >= cached_len and np.array_equal(kept[:cached_len], history[:cached_len])
 
 
 class SessionManager:
@@ -103,9 +110,11 @@ class SessionManager:
         timeout: float | None = None,
         tenant: str | None = None,
         limited: bool = True,
+        streaming: bool = False,
     ) -> Session:
-        """A new session of `tenant` (a key's hash). Refused ("limit") when `limit` are
-        open, unless not `limited`: a rebuild takes back sessions that already exist."""
+        """A new session of `tenant` (a key's hash), append-only if `streaming`. Refused
+        ("limit") when `limit` are open, unless not `limited`: a rebuild takes back
+        sessions that already exist."""
         if limited and self.limit is not None and len(self.sessions) >= self.limit:
             idle = self.idle_sessions(IDLE_SECONDS)
             oldest = f", the longest for {idle[0][1]:.0f} s" if idle else ""
@@ -125,7 +134,7 @@ class SessionManager:
         if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
             raise SessionError(f"timeout must lie in (0, 604800] seconds, got {timeout}", "invalid")
         owner = self.pools.ledger.new_owner(OwnerKind.SESSION, sid)
-        session = Session(sid, owner, timeout, self.clock(), tenant=tenant)
+        session = Session(sid, owner, timeout, self.clock(), tenant=tenant, streaming=streaming)
         self.sessions[sid] = session
         self.opened += 1
         self.dirty.add(sid)
@@ -176,34 +185,50 @@ class SessionManager:
         chat: ChatTurn | None = None,
         cache_namespace: str = "",
     ) -> Request:
-        """A turn of `session` (resolved by `get`) extends the history with `new_tokens`;
-        checked before anything moves."""
+        """A turn of `session` (resolved by `get`): a chat turn extends the history with
+        `new_tokens`; a /generate turn follows its `session_params` through the session's
+        turn tree (records/turn_tree.py). Checked before anything moves. A turn that does
+        not continue the session's own state drops it and resumes from the deepest state
+        the prefix cache kept on its path (`Endings.keep_boundary`)."""
         self._still_open(session)
         sid = session.sid
-        check_session_params(session_params or {}, session)
         if session.turn is not None:
             raise SessionError(f"session {session_name(sid)} already has a turn in flight", "busy")
         if session.moving:
             raise SessionError(
                 f"session {session_name(sid)} is moving to another replica; retry", "moving"
             )
-        if chat is not None and (
-            chat.seen != len(session.history) or not session.cached_len <= chat.base
-        ):
-            raise SessionError(
-                f"session {session_name(sid)} changed while this turn was prepared", "busy"
-            )
-        kept = session.history if chat is None else session.history[: chat.base]
+        options = session_params or {}
+        if session.streaming:
+            check_session_params(options, session)
+        branch = None
+        if chat is not None:
+            if chat.seen != len(session.history) or not session.cached_len <= chat.base:
+                raise SessionError(
+                    f"session {session_name(sid)} changed while this turn was prepared", "busy"
+                )
+            kept = session.history[: chat.base]
+        else:
+            branch = session.turns.resolve(options, session.history, session.last_rid)
+            kept = branch.base
         prompt = np.concatenate([kept, np.asarray(new_tokens, dtype=np.int64)])
         if len(prompt) >= context_len:
             raise InvalidRequest(
-                f"session {session_name(sid)}: history ({len(session.history)}) plus input "
+                f"session {session_name(sid)}: history ({len(kept)}) plus input "
                 f"({len(new_tokens)}) tokens reach the context length {context_len}"
             )
-        name = (session_params or {}).get(TURN_NAME, "")
+        if not len(prompt):
+            raise InvalidRequest(
+                f"session {session_name(sid)}: the turn has no tokens (no input, and "
+                "session_params keep no history)"
+            )
+        if not continues(kept, session.history, session.cached_len):
+            self._drop_state(session)  # a branch: the cache holds what it resumes from
+        name = options.get(TURN_NAME, "")
         req = Request(
             rid, prompt, params, session, name=name, chat=chat, cache_namespace=cache_namespace
         )
+        req.branch = branch
         if chat is not None and session.cached_len < chat.reply_start <= len(prompt):
             req.reply_start = chat.reply_start
         session.turn = req
@@ -368,6 +393,9 @@ class SessionManager:
         session.cache_node, req.cache_node = req.cache_node, None
         session.history = turn_history(req)
         session.cached_len = req.computed
+        if req.branch is not None:
+            new_input = req.prompt[len(req.branch.base) :]
+            session.turns.commit(req.branch, req.name or req.rid, new_input, req.committed_output())
         self.dirty.add(session.sid)
         self._end_turn(req)
         return True
@@ -568,6 +596,7 @@ class SessionManager:
         self._drop_state(session)
         session.history = np.zeros(0, dtype=np.int64)
         session.chat, session.cached_len, session.last_rid = None, 0, ""
+        session.turns = TurnTree()
         return session
 
     def _drop_state(self, session: Session, keep_disk: bool = False) -> None:

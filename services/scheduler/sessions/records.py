@@ -27,6 +27,7 @@ from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.records.session import Session
+from services.scheduler.records.turn_tree import TurnTree
 from shared.messages.envelope import I4, I8, array
 from shared.messages.ownership import SessionRecord
 from shared.owners import OwnerKind, kind_of
@@ -71,6 +72,8 @@ class DurableRecords:
             cached_len=s.cached_len,
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
             last_rid=s.last_rid,
+            turns=s.turns.entries(),
+            streaming=s.streaming,
             epoch=s.epoch if s.routed else None,
             arrival=s.arrival,
         )
@@ -239,8 +242,14 @@ def trusted_records(
 
 def take_conversation(session: Session, rec: SessionRecord) -> None:
     """What every copy of a session carries from its record, whatever became of its
-    state (a restart, a move): its history, its conversation, and the latest turn a
-    client may name (`session_params.rid`)."""
+    state (a restart, a move): its history, its conversation, the latest turn a client
+    may name (`session_params.rid`) and the turns it may branch from. A tree that does
+    not hold together costs the session its branches, never its history."""
     session.history = rec.tokens().astype(np.int64)
     session.chat = None if rec.chat is None else tuple(rec.chat)
     session.last_rid = rec.last_rid
+    session.streaming = rec.streaming
+    try:
+        session.turns = TurnTree.of(rec.turns, rec.last_rid)
+    except ValueError as err:
+        log.error("session %s: its turn tree is not taken back (%s)", rec.sid, err)
