@@ -90,7 +90,7 @@ def test_replace_forgets_the_named_turn_s_other_branches():
     for gone in (t2, t3):
         with pytest.raises(InvalidRequest, match="names no turn"):
             d.turn(sid, [1], session_params={"rid": gone.rid})
-    t5, prompt = branch(d, sid, text(2, 5), rid=t1.rid)  # t1 itself stays
+    _, prompt = branch(d, sid, text(2, 5), rid=t1.rid)  # t1 itself stays
     assert prompt == history(t1) + text(2, 5)
     d.engine.sessions.close(sid)
     d.assert_idle_clean()
@@ -122,7 +122,7 @@ def test_a_streaming_session_never_branches_and_keeps_nothing_in_the_cache():
     sid = d.engine.sessions.open(streaming=True).sid
     t1, _ = branch(d, sid, text(12, 1))
     branch(d, sid, text(5, 2))
-    with pytest.raises(SessionError, match="session_params.rid"):
+    with pytest.raises(SessionError, match=r"session_params\.rid"):
         d.turn(sid, [1], session_params={"rid": t1.rid})
     assert not any(n.mamba for n in d.engine.cache.nodes() if n.end > 16)
     d.engine.sessions.close(sid)

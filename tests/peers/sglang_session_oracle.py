@@ -1,7 +1,7 @@
 """sglang 0.5.23's session controller, run as an oracle of the history a session turn
 continues from: the wheel's own `SessionReqNode` and `Session` classes, taken from its
 `srt/session/session_controller.py` and run unmodified, with the names they import
-(a request type, an abort marker) given here, so none of SGLang's server is imported.
+(a request type, an abort marker; its annotations are never evaluated) given here, so none of SGLang's server is imported.
 
 `SGLangSession.turn` builds one request as SGLang's non-streaming session does and
 returns its `origin_input_ids`; the caller then finishes it with its output, as SGLang's
@@ -14,9 +14,7 @@ import logging
 import time
 import uuid
 from array import array
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Dict, Optional  # noqa: UP035: the wheel's annotations name them
 
 from custody.bench.sglang_reference import sglang_root
 
@@ -72,9 +70,6 @@ def _controller_classes() -> dict:
         "time": time,
         "uuid": uuid,
         "array": array,
-        "Callable": Callable,
-        "Dict": Dict,
-        "Optional": Optional,
         "Req": OracleReq,
         "FINISH_ABORT": lambda: "abort",
     }
