@@ -1,7 +1,8 @@
 """sglang 0.5.23's session controller, run as an oracle of the history a session turn
 continues from: the wheel's own `SessionReqNode` and `Session` classes, taken from its
-`srt/session/session_controller.py` and run unmodified, with the names they import
-(a request type, an abort marker; its annotations are never evaluated) given here, so none of SGLang's server is imported.
+`srt/session/session_controller.py` and run unmodified, with the names they use (a
+request type, an abort marker; their annotations are never evaluated) given here, so
+none of SGLang's server is imported.
 
 `SGLangSession.turn` builds one request as SGLang's non-streaming session does and
 returns its `origin_input_ids`; the caller then finishes it with its output, as SGLang's
