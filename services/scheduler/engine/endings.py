@@ -41,9 +41,7 @@ class Endings:
         session could not keep it) its latest snapshot to the cache and the rest back."""
         req.status = Status.FINISHED
         self._stop(req)
-        if req.session is not None and req.branch is not None and not req.session.streaming:
-            self.cache_prefix(req)  # a kept boundary: a later branch may resume there
-        if req.session is None or not self.sessions.save(req):  # save: True if it kept them
+        if req.session is None or not self.sessions.save(req, self.cache_prefix):
             self.cache_prefix(req)
             req.release(self.pools, self.cache)
         req.slots = None

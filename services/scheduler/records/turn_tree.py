@@ -1,5 +1,5 @@
 """A session's turns as a tree, and SGLang's rule for the history a turn continues from
-(docs/sessions.md, "Branches").
+(docs/api.md, "Sessions").
 
 Each finished `/generate` turn is a node: the first `base` tokens of its parent's tokens,
 then its own input, then its output; a turn that names no earlier turn continues the

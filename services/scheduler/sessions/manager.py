@@ -24,7 +24,6 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
-from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
 from services.scheduler.ownership.owners import OwnerKind
@@ -45,6 +44,7 @@ from services.scheduler.sessions.lost import LostSessions
 from services.scheduler.sessions.records import DurableRecords, take_conversation, trusted_records
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
+from services.scheduler.sessions.turn_return import back_to_start, keep_finished, keep_reply_start
 from shared.deferred_ops import DeferredOps
 from shared.messages.ownership import SessionRecord
 from shared.session_ids import session_name, valid_session_id
@@ -374,23 +374,33 @@ class SessionManager:
         req.computed = req.cached_tokens = session.cached_len
         return slots
 
-    def save(self, req: Request) -> bool:
-        """The turn finished: its state and history become the session's. False when a
-        chat reply was re-encoded and the turn had no state to return to: the caller
-        releases its slots."""
+    def save(self, req: Request, keep_boundary: Callable[[Request], None]) -> bool:
+        """The turn finished: its state and history become the session's, and a turn of a
+        session that may branch first gives `keep_boundary` its latest snapshot (the
+        prefix cache's, docs/ownership.md "Kept boundaries"). A chat reply the session
+        cannot keep as generated is re-encoded (chat_log.py): the session keeps the state
+        at the reply's start, else at the turn's start. False when it keeps no state: the
+        caller releases the turn's slots."""
         session, settled = req.session, settle(req)
         if settled is not None:
             canonical, at_reply_start = settled
-            if at_reply_start and self._keep_reply_start(req, canonical):
-                return True
-            return self._reencode(req, canonical)
-        row = req.slots.row.slot
-        # an over-allocated tail (scenario S5, docs/scenarios.md)
-        self.pools.kv.free_tail(row, req.computed, "trim")
-        if req.turn_start is not None and req.turn_start.rollback is not None:
-            req.turn_start.rollback.release("turn_done")
-        session.slots = handover.save(self.pools, req.slots, session.owner)
-        session.cache_node, req.cache_node = req.cache_node, None
+            kept = at_reply_start and keep_reply_start(self.pools, self.cache, req)
+            self.reencoded += 1
+            if kept:
+                self.reply_starts += 1
+                session.cached_len = kept
+            elif req.turn_start is not None and req.turn_start.rollback is not None:
+                back_to_start(self.pools, req)
+                session.cached_len = req.turn_start.cached_len
+            else:
+                session.cached_len = 0
+            session.history = canonical
+            self.dirty.add(session.sid)
+            self._end_turn(req)
+            return session.slots is not None
+        if not session.streaming:
+            keep_boundary(req)
+        keep_finished(self.pools, req)
         session.history = turn_history(req)
         session.cached_len = req.computed
         if req.branch is not None:
@@ -409,63 +419,11 @@ class SessionManager:
             if start is None or start.rollback is None:
                 req.release(self.pools, self.cache)  # the session had no state: it stays empty
             else:
-                self._back_to_start(req)
+                back_to_start(self.pools, req)
         req.slots, req.turn_start = None, None
         req.computed = 0
         if not keep_turn:
             self._end_turn(req)
-
-    def _reencode(self, req: Request, canonical: np.ndarray) -> bool:
-        """A chat reply's ids were not the canonical encoding of its text (chat_log.py):
-        back to the turn's start with the canonical history. False when the turn had no
-        state to return to: the caller releases its slots (as a plain request's)."""
-        self.reencoded += 1
-        session, start = req.session, req.turn_start
-        kept = start is not None and start.rollback is not None
-        if kept:
-            self._back_to_start(req)
-        session.history = canonical
-        session.cached_len = start.cached_len if kept else 0
-        self.dirty.add(session.sid)
-        self._end_turn(req)
-        return kept
-
-    def _keep_reply_start(self, req: Request, canonical: np.ndarray) -> bool:
-        """A reply the session cannot keep as generated: the session keeps the turn's
-        state at the reply's start instead (its track snapshot there, which moves to the
-        session; the turn's working state and the KV past it are freed), so the next turn
-        prefills only the reply as rendered then. False, nothing moved, when the snapshot
-        is not there (not taken, or not the latest) or no slot can refill the track."""
-        session, start, track = req.session, req.turn_start, req.slots.track
-        snap = track.latest_snapshot()
-        if snap is None or snap.seq_len != req.reply_start:
-            return False
-        if not self.pools.mamba.free_count:  # the track refills the slot it gives
-            self.cache.evict_mamba(1)  # the cache gives way, as for a donation to it
-        try:
-            kept = track.donate_latest(session.owner, "reply_start")
-        except PoolExhausted:
-            return False
-        self.reencoded += 1
-        self.reply_starts += 1
-        if start is not None and start.rollback is not None:
-            start.rollback.release("turn_done")
-        self.pools.kv.free_tail(req.slots.row.slot, kept.seq_len, "reply_start")
-        state = new_lease(self.pools.mamba, session.owner, kept.slot)
-        session.slots = handover.save(self.pools, req.slots, session.owner, state)
-        session.cache_node, req.cache_node = req.cache_node, None
-        session.history, session.cached_len = canonical, kept.seq_len
-        self.dirty.add(session.sid)
-        self._end_turn(req)
-        return True
-
-    def _back_to_start(self, req: Request) -> None:
-        """The session takes back its state copied at the turn's start (the turn's state
-        and KV past that point are freed)."""
-        session, start = req.session, req.turn_start
-        self.pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
-        session.slots = handover.save(self.pools, req.slots, session.owner, start.rollback)
-        session.cache_node, req.cache_node = req.cache_node, None
 
     def claims(self) -> list[Claim]:
         out: list[Claim] = []

@@ -1,0 +1,57 @@
+"""How a turn's state returns to its session, the three ways it can: as the turn left it
+(`keep_finished`), as it was when the turn began (`back_to_start`: the rollback copy every
+turn takes), or at a chat reply's start (`keep_reply_start`, docs/ownership.md). Each
+moves slots only; `SessionManager` decides which, and records what the session holds."""
+
+from __future__ import annotations
+
+from services.scheduler.allocators import handover
+from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.radix_cache import RadixCache
+from services.scheduler.ownership.errors import PoolExhausted
+from services.scheduler.ownership.lease import new_lease
+from services.scheduler.records.request import Request
+
+
+def keep_finished(pools: Pools, req: Request) -> None:
+    """The session takes the finished turn's state, its KV trimmed to what was computed
+    (an over-allocated tail: scenario S5, docs/scenarios.md)."""
+    session, start = req.session, req.turn_start
+    pools.kv.free_tail(req.slots.row.slot, req.computed, "trim")
+    if start is not None and start.rollback is not None:
+        start.rollback.release("turn_done")
+    session.slots = handover.save(pools, req.slots, session.owner)
+    session.cache_node, req.cache_node = req.cache_node, None
+
+
+def back_to_start(pools: Pools, req: Request) -> None:
+    """The session takes back its state copied at the turn's start (the turn's state and
+    KV past that point are freed)."""
+    session, start = req.session, req.turn_start
+    pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
+    session.slots = handover.save(pools, req.slots, session.owner, start.rollback)
+    session.cache_node, req.cache_node = req.cache_node, None
+
+
+def keep_reply_start(pools: Pools, cache: RadixCache, req: Request) -> int | None:
+    """The session keeps the turn's state at its chat reply's start: its track snapshot
+    there moves to the session, the turn's working state and the KV past it are freed.
+    Returns the positions kept; None, nothing moved, when the snapshot is not there (not
+    taken, or not the latest) or no slot can refill the track."""
+    session, start, track = req.session, req.turn_start, req.slots.track
+    snap = track.latest_snapshot()
+    if snap is None or snap.seq_len != req.reply_start:
+        return None
+    if not pools.mamba.free_count:  # the track refills the slot it gives
+        cache.evict_mamba(1)  # the cache gives way, as for a donation to it
+    try:
+        kept = track.donate_latest(session.owner, "reply_start")
+    except PoolExhausted:
+        return None
+    if start is not None and start.rollback is not None:
+        start.rollback.release("turn_done")
+    pools.kv.free_tail(req.slots.row.slot, kept.seq_len, "reply_start")
+    state = new_lease(pools.mamba, session.owner, kept.slot)
+    session.slots = handover.save(pools, req.slots, session.owner, state)
+    session.cache_node, req.cache_node = req.cache_node, None
+    return kept.seq_len
