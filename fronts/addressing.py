@@ -12,7 +12,7 @@ from multidict import MultiMapping
 from shared.session_header import read_session_header
 from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
 
-SESSION_ROUTES = frozenset({"/close_session", "/place_session"})
+SESSION_ROUTES = frozenset({"/close_session", "/place_session", "/fork_session"})
 FANOUT_ROUTES = frozenset({"/flush_cache", "/reset_prefix_cache"})
 
 

@@ -20,6 +20,8 @@ or raises a `Refusal` the front answers itself:
   and one whose answer never came leaves no copy either.
 - The first turn of a session only the header names is placed the same way (its
   replica opens the session as it runs the turn).
+- `/fork_session` is placed the same way on its parent's replica, whose prefix cache
+  holds the states the fork resumes from (the new name is `new_session_id`).
 - Anything else goes by the prefix index within a load bound (fronts/choice.py), shed
   (429) while every allowed replica's queue is full when `max_queued` is set.
 - `/flush_cache`, `/reset_prefix_cache`, an `abort_all` and an abort by a rid no front
@@ -176,7 +178,9 @@ class Decision:
         if path == "/abort_request":
             return await self._abort(parsed, tenant, only)
         if path == "/open_session":
-            return await self._open(parsed, tenant, only)
+            return await self._open(self._least_loaded(only), "session_id", parsed, tenant, only)
+        if path == "/fork_session":
+            return await self._fork(parsed, tenant, only)
         try:
             implied = header_session(path, parsed, headers, self.session_header, tenant)
         except RepeatedHeader as err:
@@ -263,15 +267,34 @@ class Decision:
             return self._placed("", sid, home, only, remembered=False)
         return Pick(replica, "affinity", "turn", placing=True)
 
-    async def _open(self, parsed: dict | None, tenant: str | None, only: set[str] | None) -> Pick:
-        """Placed, then sent where placed (see the module's doc)."""
-        replica = self._least_loaded(only)
-        name = parsed.get("session_id") if parsed is not None else None
+    async def _fork(self, parsed: dict | None, tenant: str | None, only: set[str] | None) -> Pick:
+        """A fork opens on its parent's replica; a parent placed nowhere goes by load (its
+        replica answers that it does not know it)."""
+        parent = session_of("/fork_session", parsed, tenant)
+        if parent is not None:
+            await self.mover.settled(parent)
+        home = None if parent is None else await self.directory.session(parent)
+        if home is None:
+            return Pick(self._least_loaded(only), "load", "open")
+        replica = self._placed("/fork_session", parent, home, only, remembered=False).replica
+        return await self._open(replica, "new_session_id", parsed, tenant, only)
+
+    async def _open(
+        self,
+        replica: Replica,
+        field: str,
+        parsed: dict | None,
+        tenant: str | None,
+        only: set[str] | None,
+    ) -> Pick:
+        """Placed on `replica` (the session's name in `field`), then sent where placed
+        (see the module's doc)."""
+        name = parsed.get(field) if parsed is not None else None
         if parsed is None or (name is not None and not isinstance(name, str)):
             return Pick(replica, "load", "open")  # the replica answers it with its 400
         rewritten = None
         if name is None:
-            name = parsed["session_id"] = secrets.token_hex(16)
+            name = parsed[field] = secrets.token_hex(16)
             rewritten = json.dumps(parsed).encode()
         if not valid_session_name(name):  # refused before it can name a Redis key
             raise Refusal(400, f"session_id must match {SESSION_ID.pattern}", "session_invalid")

@@ -91,7 +91,12 @@ ROUTES = {
     ("GET", "/server_info"): Doc("The same as /get_server_info (SGLang)", reply=SERVER_INFO),
     ("GET", "/openapi.json"): Doc("This document", reply={"type": "object"}),
     ("POST", "/open_session"): Doc(
-        "Open a streaming session; answers its id", "open_session", {"type": "string"}
+        "Open a session; answers its id", "open_session", {"type": "string"}
+    ),
+    ("POST", "/fork_session"): Doc(
+        "Open a session that starts from another's history; answers its id",
+        "fork_session",
+        {"type": "string"},
     ),
     ("POST", "/close_session"): Doc("Close a session", "close_session", BOOLEAN),
     ("POST", "/place_session"): Doc(

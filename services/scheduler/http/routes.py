@@ -150,6 +150,26 @@ async def open_session(request: web.Request) -> web.Response:
     return web.json_response(session.name, headers={OPENED_HEADER: mark})
 
 
+async def fork_session(request: web.Request) -> web.Response:
+    """A session of the caller's, forked from one of its own (a key forks only its own
+    sessions: `own_session` resolves the name within the caller's scope)."""
+    body = await read_body(request, request.app[SCHEMAS].fork_session)
+    parent = own_session(request, body.session_id)
+    options = {"rid": body.rid, "offset": body.offset}
+    options["drop_previous_output"] = body.drop_previous_output
+    door = request.app[FRONT_DOOR]
+    timeout = parent.timeout if body.timeout is None else body.timeout
+
+    def open_child() -> Session:
+        return open_session_within_limits(request, body.new_session_id, timeout)
+
+    child = door.fork_session(parent, options, open_child)
+    child.routed = request.headers.get(PLACED_HEADER) == "1"
+    mark = door.opened_mark
+    await door.durable()
+    return web.json_response(child.name, headers={OPENED_HEADER: mark})
+
+
 async def close_session(request: web.Request) -> web.Response:
     name = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
     door = request.app[FRONT_DOOR]
@@ -283,6 +303,7 @@ ROUTES = (
     ("GET", "/get_server_info", server_info),
     ("GET", "/server_info", server_info),
     ("POST", "/open_session", open_session),
+    ("POST", "/fork_session", fork_session),
     ("POST", "/close_session", close_session),
     ("POST", "/place_session", place_session),
     ("POST", "/abort_request", abort_request),

@@ -55,6 +55,7 @@ class RequestSchemas:
     generate: Any
     generate_batch: Any
     open_session: type
+    fork_session: type
     close_session: type
     place_session: type
     abort_request: type
@@ -89,6 +90,19 @@ class OpenSessionRequest(Struct):
     session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
     timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
     streaming: bool | None = None
+
+
+class ForkSessionRequest(Struct):
+    """A new session that starts from another's history: at its latest turn, or where
+    `rid`, `offset` and `drop_previous_output` say, as a turn's `session_params` would
+    (records/turn_tree.py); named by the caller (`new_session_id`) or by custody."""
+
+    session_id: str
+    rid: Annotated[str, Meta(max_length=256)] | None = None
+    offset: int | None = None
+    drop_previous_output: bool | None = None
+    new_session_id: Annotated[str, Meta(pattern=SESSION_ID.pattern)] | None = None
+    timeout: Annotated[float, Meta(gt=0, le=MAX_SESSION_TIMEOUT)] | None = None
 
 
 class CloseSessionRequest(Struct):
@@ -130,6 +144,7 @@ def request_schemas(vocab_size: int, context_len: int) -> RequestSchemas:
         Annotated[generate, Meta(extra_json_schema=ONE_INPUT)],
         Annotated[batch_schema(generate, limits), Meta(extra_json_schema=ONE_BATCH)],
         OpenSessionRequest,
+        ForkSessionRequest,
         CloseSessionRequest,
         PlaceSessionRequest,
         AbortRequest,

@@ -206,6 +206,12 @@ class FrontDoor:
         """The last open's number, for the router (shared/placement.py `OPENED_HEADER`)."""
         return opened_mark(self._link.scheduler_epoch, self._engine.sessions.opened)
 
+    def fork_session(
+        self, parent: Session, options: dict, open_child: Callable[[], Session]
+    ) -> Session:
+        """A session forked from `parent` (SessionManager.fork)."""
+        return self._engine.sessions.fork(parent, options, open_child)
+
     def reseed_session(self, session: Session) -> Session:
         """`session` empty again (SessionManager.reseed)."""
         reseeded = self._engine.sessions.reseed(session.sid)

@@ -235,6 +235,21 @@ class SessionManager:
         self._touch(session, self.clock())
         return req
 
+    def fork(self, parent: Session, options: dict, open_child: Callable[[], Session]) -> Session:
+        """A new session (`open_child` opens it) whose history is `parent`'s as a turn
+        with `options` (`rid`, `offset`, `drop_previous_output`) would continue it; checked
+        before the child opens. It holds no state: its first turn resumes from the
+        deepest state the prefix cache kept on that history (the parent's kept
+        boundaries), which both then borrow, one copy of each page."""
+        self._still_open(parent)
+        base = parent.turns.resolve(options, parent.history, parent.last_rid).base
+        child = open_child()
+        child.history = base.copy()
+        if parent.chat is not None and len(base) == len(parent.history):
+            child.chat = parent.chat  # forked at its latest turn: the conversation goes too
+        self.dirty.add(child.sid)
+        return child
+
     def close(self, sid: str) -> None:
         """Close now, or when the turn in flight ends; later turns are refused. Refused
         while the session moves: the replica it goes to would keep it open."""
