@@ -8,7 +8,9 @@ that a session turn equals the stateless request): when the messages extend the
 session's stored conversation, the turn resumes from the session's state; when they do
 not (another branch, an edited message, a retry of the same turn), the session is
 re-seeded (its state and conversation dropped, its identity and placement kept) and
-the turn runs from the start as its first. A session with
+the turn runs as its first, resuming from the deepest state the prefix cache holds on
+the prompt it shares with the conversation before (docs/ownership.md, "Kept
+boundaries"). A session with
 a turn in flight, or a conversation a first turn cannot take at once (more than
 `MAX_NEW_MESSAGES` messages), runs stateless and leaves the session as it was.
 """
