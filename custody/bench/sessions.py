@@ -21,7 +21,7 @@ import statistics
 import time
 import urllib.request
 
-from custody.bench import over_capacity
+from custody.bench import branching, over_capacity
 from custody.bench.harness import RESULTS_DIR, plot, progress
 from custody.up import Stack
 from shared.config import Settings
@@ -29,6 +29,13 @@ from shared.config import Settings
 LENGTHS = (256, 1024, 4096, 8192)
 NEW = 8
 ONE_TOKEN = {"max_new_tokens": 1, "ignore_eos": True}
+BRANCHING_REFERENCE = (
+    "agents that retry their last step one time in four and fork two sub-agents from turn "
+    "3 (custody/bench/branching.py); a request's reusable tokens are the longest prefix of "
+    "its prompt equal to an earlier request's tokens of the same agent, page-aligned down, "
+    "counted from the workload; without branching, each retry and sub-agent opens an "
+    "append-only session and sends its whole history"
+)
 REFERENCE = (
     "the same history and new tokens as a plain /generate with a fresh cache_salt, so "
     "nothing cached matches; checked: every reference reply reported 0 cached tokens, "
@@ -120,6 +127,7 @@ def run(repeats: int = 5) -> dict:
     try:
         stack.wait_healthy()
         rows = measure(settings.port, settings.page_size, repeats)
+        branches = branching.measure(settings.port, settings.page_size)
     finally:
         stack.stop()
     over = over_capacity.run(repeats)
@@ -131,6 +139,10 @@ def run(repeats: int = 5) -> dict:
         "reference": REFERENCE,
         "rows": rows,
         "repeats": repeats,
+        "branch_reuse_share": branches["on"]["branch_reuse_share"],
+        "branch_reuse_share_without_branching": branches["off"]["branch_reuse_share"],
+        "branching": branches,
+        "branching_reference": BRANCHING_REFERENCE,
     }
     lines = ["| history | session TTFT | recompute TTFT | ratio |", "|---|---|---|---|"]
     lines += [
@@ -142,6 +154,14 @@ def run(repeats: int = 5) -> dict:
         f"\nttft_ratio_at_4k = {at_4k:.3f} (target <= 0.1: {'met' if at_4k <= 0.1 else 'NOT met'})"
     )
     lines.append(f"\nrecompute: {REFERENCE}.")
+    on, off = branches["on"], branches["off"]
+    lines.append(
+        f"\nbranch_reuse_share = {on['branch_reuse_share']:.3f} over {on['branch_requests']} "
+        f"retries and sub-agent first turns (target >= 0.9: "
+        f"{'met' if on['branch_reuse_share'] >= 0.9 else 'NOT met'}); without branching "
+        f"{off['branch_reuse_share']:.3f}; appends {on['append_reuse_share']:.3f} and "
+        f"{off['append_reuse_share']:.3f}.\nbranching: {BRANCHING_REFERENCE}."
+    )
     lines += ["", over.pop("table")]
     payload.update(over)
     RESULTS_DIR.mkdir(exist_ok=True)
