@@ -2,9 +2,13 @@
 disconnects mid-stream, over-long inputs, closes, idle timeouts, and plain requests that
 share a prefix, and sessions whose first turn starts with one of a few system prompts
 (an agent fleet: those sessions borrow the prompt from the prefix cache, docs/ownership.md
-"Shared prefixes"). Each finished output is kept with its exact prompt for the teacher-forced
-replay; a session whose turn did not finish normally is abandoned (closed), so a replay
-never has to guess a history."""
+"Shared prefixes"). Sessions branch too (docs/api.md, "Sessions"): a turn may name an
+earlier turn of its session (`rid`, alone or with `drop_previous_output` or an `offset`),
+and a lane may start as a `/fork_session` of another lane's turn; the client computes
+the prompt each should run on. Each finished output is kept with that exact prompt for
+the teacher-forced replay, which disowns an output run on any other history; a session
+whose turn did not finish normally is abandoned (closed), so a replay never has to guess
+a history."""
 
 from __future__ import annotations
 
@@ -24,6 +28,18 @@ CLOSE_PATIENCE = 30.0  # seconds a client keeps retrying a close whose answer wa
 CLOSED = frozenset({"200", "404"})  # a close of what already ended (expiry, a fault) is a 404
 
 
+class Lane:
+    """One session a worker takes turns on: its id, its latest history, and each
+    finished turn's id, prompt and tokens (prompt and output), which a branch names."""
+
+    def __init__(self) -> None:
+        self.reset(None, [])
+
+    def reset(self, sid: str | None, history: list[int]) -> None:
+        self.sid, self.history = sid, history
+        self.turns: list[tuple[str, list[int], list[int]]] = []
+
+
 class Greedy:
     def __init__(
         self, port: int, context_len: int, tally: Tally, key: str | None, lanes: int = 1
@@ -41,29 +57,68 @@ class Greedy:
     def worker(self, k: int, deadline: float) -> None:
         rng = random.Random(k)
         key = self.key
-        lanes: list[tuple[str | None, list[int]]] = [(None, [])] * self.lanes
+        lanes = [Lane() for _ in range(self.lanes)]
         while time.monotonic() < deadline:
             if rng.random() < 0.25:
                 self.plain(rng, key)
                 continue
-            lane = rng.randrange(self.lanes)
-            sid, history = lanes[lane]
-            if sid is None:
-                lanes[lane] = (self.open(rng, key), [])
+            lane = lanes[rng.randrange(self.lanes)]
+            if lane.sid is None:
+                parent = rng.choice(lanes)
+                if parent.turns and rng.random() < 0.3:
+                    lane.reset(*self.fork(rng, parent, key))
+                else:
+                    lane.reset(self.open(rng, key), [])
                 continue
-            history = self.turn(rng, sid, history, key)
-            if history is None or len(history) > 700 or rng.random() < 0.1:
-                lanes[lane] = (self.close(sid, key), [])
+            if lane.turns and rng.random() < 0.15:
+                history = self.branch(rng, lane, key)
             else:
-                lanes[lane] = (sid, history)
-        for sid, _ in lanes:
-            self.close(sid, key)
+                history = self.turn(rng, lane, lane.history, {}, key)
+            if history is None or len(history) > 700 or rng.random() < 0.1:
+                lane.reset(self.close(lane.sid, key), [])
+            else:
+                lane.history = history
+        for lane in lanes:
+            self.close(lane.sid, key)
+
+    def branch(self, rng: random.Random, lane: Lane, key: str | None) -> list[int] | None:
+        """A turn naming an earlier turn of the lane's session: after its output, after
+        its prompt alone, or cut at a random offset of that."""
+        rid, prompt, tokens = rng.choice(lane.turns)
+        roll = rng.random()
+        if roll < 0.4:
+            options, base = {"rid": rid}, tokens
+        elif roll < 0.7:
+            options, base = {"rid": rid, "drop_previous_output": True}, prompt
+        else:
+            cut = rng.randint(1, len(tokens))
+            options, base = {"rid": rid, "offset": cut}, tokens[:cut]
+        self.tally.note("branch_turn")
+        return self.turn(rng, lane, base, options, key)
+
+    def fork(self, rng: random.Random, parent: Lane, key: str | None) -> tuple[str | None, list]:
+        """A new session forked from a turn of `parent`'s: its id and its history (None
+        and nothing when the fork did not answer 200: it may have opened, and close_all
+        closes every id handed out)."""
+        rid, _, tokens = rng.choice(parent.turns)
+        name = f"fork-{rng.getrandbits(64):016x}"
+        with self.lock:
+            self.opened[name] = key
+        body = {"session_id": parent.sid, "rid": rid, "new_session_id": name}
+        reply = self.call("/fork_session", body, key)
+        self.tally.judge("fork_session", reply, OK)
+        if reply.status != 200 or reply.body != name:
+            return None, []
+        self.tally.note("fork")
+        return name, list(tokens)
 
     def turn(
-        self, rng: random.Random, sid: str, history: list[int], key: str | None
+        self, rng: random.Random, lane: Lane, history: list[int], options: dict, key: str | None
     ) -> list[int] | None:
-        """One turn of session `sid`: its history after it, or None when the session's
-        history is now uncertain (an abort, a disconnect) and it must be abandoned."""
+        """One turn of the lane's session continuing `history` (its session_params
+        `options` say where that is in its tree): the history after it, or None when the
+        session's history is now uncertain (an abort, a disconnect) and it must be
+        abandoned."""
         new = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
         if not history and rng.random() < 0.5:
             new = [*rng.choice(SYSTEMS), *new]
@@ -71,14 +126,14 @@ class Greedy:
         n = rng.randint(1, 24)
         body = {
             "input_ids": new,
-            "session_params": {"id": sid},
+            "session_params": {"id": lane.sid, **options},
             "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
         }
         roll = rng.random()
         if roll < 0.05:  # over-long whatever `new` is: a clean 400 that changes nothing
             body["input_ids"] = new * (self.context_len // len(new) + 1)
             self.tally.judge("over_long", self.call("/generate", body, key), REFUSED)
-            return history
+            return lane.history  # the session's, not the branch's it did not take
         if roll < 0.15:
             self.disconnect_midway(body, key)
             return None
@@ -89,6 +144,7 @@ class Greedy:
             return None
         with self.lock:
             self.turns += 1
+        lane.turns.append((reply.body["meta_info"]["id"], history + new, history + new + output))
         return history + new + output
 
     def plain(self, rng: random.Random, key: str | None) -> None:
