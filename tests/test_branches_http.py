@@ -15,7 +15,15 @@ from __future__ import annotations
 import time
 import urllib.error
 
-from tests.services_harness import POOLS, assert_clean, call, one_shot, stack_settings, start_stack
+from tests.services_harness import (
+    POOLS,
+    assert_clean,
+    call,
+    metric_sum,
+    one_shot,
+    stack_settings,
+    start_stack,
+)
 from tests.test_migration import ledgers_clean
 from tests.test_replicas import home
 
@@ -96,6 +104,8 @@ def test_branches_and_forks_answer_as_one_shots(stack):
         port, "/generate", {"input_ids": [1], "session_params": {"id": flat, "rid": first}}
     )
     assert code == 400 and "latest turn" in message
+    assert metric_sum(port, "custody_session_forks_total") == 1
+    assert metric_sum(port, "custody_session_branch_turns_total") >= 5
     for name in (sid, child, flat):
         call(port, "/close_session", {"session_id": name})
     assert_clean(stack)

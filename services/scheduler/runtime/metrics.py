@@ -172,6 +172,9 @@ class LiveState(Collector):
         yield _counter("custody_session_reencodes", redo, sessions.reencoded)
         kept = "of them, the session resuming at the reply's start, not the turn's"
         yield _counter("custody_session_reply_starts", kept, sessions.reply_starts)
+        branched = "turns that left their session's state to resume from the prefix cache"
+        yield _counter("custody_session_branch_turns", branched, sessions.branch_turns)
+        yield _counter("custody_session_forks", "sessions opened by /fork_session", sessions.forks)
 
     def _tiers(self) -> Iterator:
         """Session state below the device: where it is, what moved, what was given up."""

@@ -97,7 +97,9 @@ class SessionManager:
         self.unplaced: list[tuple[str, int]] = []
         self.states_dropped = 0
         self.reencoded = 0  # chat replies the session could not keep (chat_log.py)
-        self.reply_starts = 0  # of them, resumed at the reply's start (_keep_reply_start)
+        self.reply_starts = 0  # of them, resumed at the reply's start (turn_return.py)
+        self.branch_turns = 0  # turns that gave the session's state up for a branch
+        self.forks = 0
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
         self.tiers = TierPolicy(self.moves, self.sessions)
@@ -199,8 +201,6 @@ class SessionManager:
                 f"session {session_name(sid)} is moving to another replica; retry", "moving"
             )
         options = session_params or {}
-        if session.streaming:
-            check_session_params(options, session)
         branch = None
         if chat is not None:
             if chat.seen != len(session.history) or not session.cached_len <= chat.base:
@@ -208,6 +208,9 @@ class SessionManager:
                     f"session {session_name(sid)} changed while this turn was prepared", "busy"
                 )
             kept = session.history[: chat.base]
+        elif session.streaming:  # append-only: no tree to keep
+            check_session_params(options, session)
+            kept = session.history
         else:
             branch = session.turns.resolve(options, session.history, session.last_rid)
             kept = branch.base
@@ -224,6 +227,7 @@ class SessionManager:
             )
         if not continues(kept, session.history, session.cached_len):
             self._drop_state(session)  # a branch: the cache holds what it resumes from
+            self.branch_turns += 1
         name = options.get(TURN_NAME, "")
         req = Request(
             rid, prompt, params, session, name=name, chat=chat, cache_namespace=cache_namespace
@@ -244,6 +248,7 @@ class SessionManager:
         self._still_open(parent)
         base = parent.turns.resolve(options, parent.history, parent.last_rid).base
         child = open_child()
+        self.forks += 1
         child.history = base.copy()
         if parent.chat is not None and len(base) == len(parent.history):
             child.chat = parent.chat  # forked at its latest turn: the conversation goes too
