@@ -19,6 +19,7 @@ from tests.services_harness import (
     POOLS,
     assert_clean,
     call,
+    kill_executor_during,
     metric_sum,
     one_shot,
     stack_settings,
@@ -83,7 +84,7 @@ def test_branches_and_forks_answer_as_one_shots(stack):
     assert t7["meta_info"]["cached_tokens"] == len(after) - 1
     assert t7["output_ids"] == one_shot([*after, 7], N)
     # replace forgets the named turn's other branches
-    checked(port, sid, [*h1, 9], [9], rid=r1, replace=True)
+    t8 = checked(port, sid, [*h1, 9], [9], rid=r1, replace=True)
     code, message = refused(
         port, "/generate", {"input_ids": [1], "session_params": {"id": sid, "rid": r2}}
     )
@@ -106,6 +107,20 @@ def test_branches_and_forks_answer_as_one_shots(stack):
     assert code == 400 and "latest turn" in message
     assert metric_sum(port, "custody_session_forks_total") == 1
     assert metric_sum(port, "custody_session_branch_turns_total") >= 5
+    # the latest turn named while its state is on disk: it continues from there
+    assert call(port, "/place_session", {"session_id": sid, "tier": "disk"})["tier"] == "disk"
+    h8 = tokens(t8, [*h1, 9])
+    t9 = checked(port, sid, [*h8, 5], [5], rid=t8["meta_info"]["id"])
+    assert t9["meta_info"]["cached_tokens"] >= len(h8) - PAGE
+    # an executor killed under a branch turn: run again after the loss, still exact
+    body = {
+        "input_ids": [3],
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True},
+        "session_params": {"id": sid, "rid": r1},
+    }
+    last = kill_executor_during(stack, port, "/generate", body)
+    assert last["output_ids"] == one_shot([*h1, 3], 24)
+    assert turn(port, sid, [2])["output_ids"] == one_shot([*h1, 3, *last["output_ids"], 2], N)
     for name in (sid, child, flat):
         call(port, "/close_session", {"session_id": name})
     assert_clean(stack)
