@@ -1,15 +1,17 @@
-"""Random interleavings of session turns (finished, aborted, disconnected, retracted,
-over-long, prefill-only), sessions forking from a shared system prompt (borrowing the
-cache's prefix, donating junctions), plain requests sharing prefixes, prompts that need
-nearly the whole pool, evictions under pressure (of junction states too), closes,
-session expiry, and faults (a refused step with or without its deferred ops run, an
-executor lost with its device state, a scheduler restarted from the session records
+"""Random interleavings of session turns (finished, aborted, disconnected, retracted, over-
+long, prefill-only), sessions forking from a shared system prompt (borrowing the cache's
+prefix, donating junctions), turns that branch from an earlier turn of their session
+(`rid`, `drop_previous_output`, `offset`: resumed from a kept boundary), sessions forked
+from another's turn (`SessionManager.fork`), plain requests sharing prefixes, prompts
+that need nearly the whole pool, evictions under pressure (of junction states too),
+closes, session expiry, and faults (a refused step with or without its deferred ops run,
+an executor lost with its device state, a scheduler restarted from the session records
 with the same executor or a new one), over page sizes 1 and 16, one step at a time and
 pipelined (the next step planned while one is in flight), with periodic checkpoints or
 without, with a host tier below the device or without, on pools small enough that
-retracts, evictions, hibernations and dropped session states are routine. Where a
-request asks for them, stop tokens end a sixth of the tokens, so requests often end
-while their next step is already in flight.
+retracts, evictions, hibernations and dropped session states are routine. Where a request
+asks for them, stop tokens end a sixth of the tokens, so requests often end while their
+next step is already in flight.
 
 After every step: the busy invariant. At the end: the idle invariant. Throughout: the
 data model checks that every row starts from the state of exactly its own prefix, and
@@ -46,6 +48,8 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.d = self.new_driver()
         self.histories: dict[str, list[int]] = {}
+        # per session, its finished turns a branch may name: (rid, prompt, tokens)
+        self.named: dict[str, list[tuple[str, list[int], list[int]]]] = {}
         self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
         self.plain: dict[str, Request] = {}
         self.opened = 0
@@ -80,7 +84,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _open(self) -> str:
         self.opened += 1  # client-chosen ids keep generated data reproducible
         sid = self.d.engine.sessions.open(f"s{self.opened}", timeout=100).sid
-        self.histories[sid] = []
+        self.histories[sid], self.named[sid] = [], []
         return sid
 
     @precondition(lambda self: self.histories)
@@ -116,6 +120,51 @@ class EngineMachine(RuleBasedStateMachine):
         sid = self._open()
         req = self.d.turn(sid, system + own[:8], max_new=max_new)
         self.turns[req.rid] = (req, system + own[:8])
+
+    def _named(self, data) -> tuple[str, str, list[int], list[int]]:
+        sid = data.draw(st.sampled_from(sorted(s for s in self.histories if self.named[s])))
+        rid, prompt, tokens = data.draw(st.sampled_from(self.named[sid]))
+        return sid, rid, prompt, tokens
+
+    @precondition(lambda self: any(self.named.get(s) for s in self.histories))
+    @rule(data=st.data(), new=tokens, max_new=st.integers(0, 6), how=st.integers(0, 2))
+    def branch(self, data, new, max_new, how):
+        """A turn naming an earlier turn of its session: after its output, after its
+        prompt alone, or cut at an offset (negative ones too; 0 cuts nothing)."""
+        sid, rid, prompt, toks = self._named(data)
+        if how == 0:
+            options, base = {"rid": rid}, toks
+        elif how == 1:
+            options, base = {"rid": rid, "drop_previous_output": True}, prompt
+        else:
+            cut = data.draw(st.integers(-4, 40))
+            options, base = {"rid": rid, "offset": cut}, toks[:cut] if cut else toks
+        session = self.d.engine.sessions.sessions[sid]
+        busy = session.turn is not None
+        too_long = len(base) + len(new) >= self.d.engine.config.context_len
+        try:
+            req = self.d.turn(sid, new, max_new=max_new, session_params=options)
+        except InvalidRequest as err:
+            assert busy or too_long, err
+            return
+        assert not busy and not too_long
+        self.turns[req.rid] = (req, base + new)
+
+    @precondition(
+        lambda self: len(self.histories) < 4 and any(self.named.get(s) for s in self.histories)
+    )
+    @rule(data=st.data(), drop=st.booleans())
+    def fork_turn(self, data, drop):
+        """A session forked from another's turn: its history is that turn's tokens (its
+        prompt, with drop), and its first turn resumes from what the cache kept."""
+        parent, rid, prompt, toks = self._named(data)
+        options = {"rid": rid, "drop_previous_output": drop}
+        sessions = self.d.engine.sessions
+        child = sessions.fork(
+            sessions.sessions[parent], options, lambda: sessions.get(self._open())
+        )
+        assert child.history.tolist() == (prompt if drop else toks)
+        self.histories[child.sid] = prompt if drop else toks
 
     @precondition(lambda self: self.histories)
     @rule(data=st.data())
@@ -241,6 +290,9 @@ class EngineMachine(RuleBasedStateMachine):
                     assert req.output == self.expected(req, prompt)
                     if sid in self.histories:
                         self.histories[sid] = prompt + req.committed_output()
+                        # a rid names its newest turn (a restarted driver counts rids anew)
+                        named = [t for t in self.named[sid] if t[0] != req.rid]
+                        self.named[sid] = [*named, (req.rid, prompt, self.histories[sid])]
             else:
                 plain = self.plain.pop(req.rid)
                 if req.status is Status.FINISHED:
