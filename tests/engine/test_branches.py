@@ -40,6 +40,19 @@ def branch(d: Driver, sid: str, tokens: list[int], max_new: int = 6, **options) 
     return req, req.prompt.tolist()
 
 
+def two_turns(d: Driver) -> tuple[str, object, object]:
+    """A session that may branch, with two finished turns (12 tokens, then 5)."""
+    sid = d.engine.sessions.open().sid
+    t1, _ = branch(d, sid, text(12, 1))
+    t2, _ = branch(d, sid, text(5, 2))
+    return sid, t1, t2
+
+
+def closed(d: Driver, sid: str) -> None:
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
 def history(req) -> list[int]:
     return [*req.prompt.tolist(), *req.output]
 
@@ -75,15 +88,12 @@ def test_a_turn_naming_an_earlier_turn_resumes_from_its_kept_boundary():
     assert prompt == history(t6) + text(2, 7)
     assert t7.cached_tokens == len(history(t6)) - 1
     assert t7.output == reference(prompt, 6, VOCAB)
-    d.engine.sessions.close(sid)
-    d.assert_idle_clean()
+    closed(d, sid)
 
 
 def test_replace_forgets_the_named_turn_s_other_branches():
     d = engine()
-    sid = d.engine.sessions.open().sid
-    t1, _ = branch(d, sid, text(12, 1))
-    t2, _ = branch(d, sid, text(5, 2))
+    sid, t1, t2 = two_turns(d)
     t3, _ = branch(d, sid, text(5, 3), rid=t1.rid)
     t4, prompt = branch(d, sid, text(5, 4), rid=t1.rid, replace=True)
     assert prompt == history(t1) + text(5, 4) and t4.output == reference(prompt, 6, VOCAB)
@@ -92,15 +102,12 @@ def test_replace_forgets_the_named_turn_s_other_branches():
             d.turn(sid, [1], session_params={"rid": gone.rid})
     _, prompt = branch(d, sid, text(2, 5), rid=t1.rid)  # t1 itself stays
     assert prompt == history(t1) + text(2, 5)
-    d.engine.sessions.close(sid)
-    d.assert_idle_clean()
+    closed(d, sid)
 
 
 def test_an_aborted_branch_changes_nothing():
     d = engine()
-    sid = d.engine.sessions.open().sid
-    t1, _ = branch(d, sid, text(12, 1))
-    t2, _ = branch(d, sid, text(5, 2))
+    sid, t1, t2 = two_turns(d)
     session = d.engine.sessions.get(sid)
     before = (session.history.copy(), session.last_rid, len(session.turns.nodes))
     req = d.turn(sid, text(3, 3), 20, session_params={"rid": t1.rid, "replace": True})
@@ -113,8 +120,7 @@ def test_an_aborted_branch_changes_nothing():
     t3, prompt = branch(d, sid, text(2, 4))  # still continues t2, recomputed from the cache
     assert prompt == history(t2) + text(2, 4) and t3.output == reference(prompt, 6, VOCAB)
     assert t3.cached_tokens >= kept_bound(len(history(t2)))
-    d.engine.sessions.close(sid)
-    d.assert_idle_clean()
+    closed(d, sid)
 
 
 def test_a_streaming_session_never_branches_and_keeps_nothing_in_the_cache():
@@ -125,8 +131,7 @@ def test_a_streaming_session_never_branches_and_keeps_nothing_in_the_cache():
     with pytest.raises(SessionError, match=r"session_params\.rid"):
         d.turn(sid, [1], session_params={"rid": t1.rid})
     assert not any(n.mamba for n in d.engine.cache.nodes() if n.end > 16)
-    d.engine.sessions.close(sid)
-    d.assert_idle_clean()
+    closed(d, sid)
 
 
 def test_the_tree_survives_a_restart_and_branches_resume_there():
