@@ -228,6 +228,7 @@ def test_openapi_document_covers_every_route(stack):
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
         ("POST", "/open_session"),
+        ("POST", "/fork_session"),
         ("POST", "/close_session"),
         ("POST", "/place_session"),
         ("POST", "/abort_request"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 from services.scheduler.allocators.pools import Pools
+from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.records.session import Session
 from services.scheduler.sessions.manager import SessionManager
@@ -80,8 +81,24 @@ class Room:
             evict()
         return True
 
+    def _idle_state_held(self, keep: Session | None) -> tuple[dict[str, int], list[CacheNode]]:
+        """What dropping the state of every session but `keep` that no turn uses would
+        give back: the slots they own per pool, and the cache nodes they borrow from
+        (each one lock)."""
+        held = {"kv": 0, "mamba": 0, "req": 0}
+        borrowed = []
+        for s in self.sessions.sessions.values():
+            if s.state_in_use or s is keep:
+                continue
+            if s.slots is not None:
+                for pool in (self.pools.kv_pages, self.pools.mamba, self.pools.req):
+                    held[pool.name] += len(pool.owned_by(s.owner))
+            if s.cache_node is not None:
+                borrowed.append(s.cache_node)
+        return held, borrowed
+
     def _sessions_could_cover(self, wanted: tuple, keep: Session | None) -> bool:
-        held, borrowed = self.sessions.idle_state_held(keep)
+        held, borrowed = self._idle_state_held(keep)
         from_cache = {
             "kv": self.cache.reclaimable_pages(borrowed),
             "mamba": self.cache.reclaimable_states(borrowed),

@@ -74,6 +74,12 @@ class Branch:
     parent: TurnNode | None
     replace: bool = False
 
+    def continues(self, history: np.ndarray, cached_len: int) -> bool:
+        """Whether the turn may start from its session's state, which holds `history`'s
+        first `cached_len` positions (else it resumes from the prefix cache)."""
+        n = cached_len
+        return len(self.base) >= n and np.array_equal(self.base[:n], history[:n])
+
 
 class TurnTree:
     def __init__(self) -> None:

@@ -22,7 +22,6 @@ from protocol.copies import same_attempt
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.request_slots import RequestSlots
-from services.scheduler.cache.node import CacheNode
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.invariants import Claim
 from services.scheduler.ownership.lease import new_lease
@@ -44,7 +43,7 @@ from services.scheduler.sessions.lost import LostSessions
 from services.scheduler.sessions.records import DurableRecords, take_conversation, trusted_records
 from services.scheduler.sessions.tier_moves import TierMoves
 from services.scheduler.sessions.tier_policy import TierPolicy
-from services.scheduler.sessions.turn_return import back_to_start, keep_finished, keep_reply_start
+from services.scheduler.sessions.turn_return import back_to_start, keep_finished, keep_reencoded
 from shared.deferred_ops import DeferredOps
 from shared.messages.ownership import SessionRecord
 from shared.session_ids import session_name, valid_session_id
@@ -54,12 +53,6 @@ REMEMBER_CLOSED = 65536  # closed ids remembered, so a late turn hears "closed"
 
 
 IDLE_SECONDS = 60.0  # a session unused this long counts as idle in a refusal's message
-
-
-def continues(kept: np.ndarray, history: np.ndarray, cached_len: int) -> bool:
-    """Whether a turn that starts from `kept` may start from the session's state, which
-    holds `history`'s first `cached_len` positions."""
-    return len(kept) >= cached_len and np.array_equal(kept[:cached_len], history[:cached_len])
 
 
 class SessionManager:
@@ -225,7 +218,7 @@ class SessionManager:
                 f"session {session_name(sid)}: the turn has no tokens (no input, and "
                 "session_params keep no history)"
             )
-        if not continues(kept, session.history, session.cached_len):
+        if branch is not None and not branch.continues(session.history, session.cached_len):
             self._drop_state(session)  # a branch: the cache holds what it resumes from
             self.branch_turns += 1
         name = options.get(TURN_NAME, "")
@@ -338,25 +331,6 @@ class SessionManager:
         self.states_dropped += 1
         return True
 
-    def idle_state_held(
-        self, keep: Session | None = None
-    ) -> tuple[dict[str, int], list[CacheNode]]:
-        """What dropping the state of every session but `keep` that no turn uses would
-        give back: the slots they own per pool, and the cache nodes they borrow from
-        (each one lock)."""
-        held = {"kv": 0, "mamba": 0, "req": 0}
-        borrowed = []
-        for s in self.sessions.values():
-            if s.state_in_use or s is keep:
-                continue
-            if s.slots is not None:
-                held["kv"] += len(self.pools.kv_pages.owned_by(s.owner))
-                held["mamba"] += len(self.pools.mamba.owned_by(s.owner))
-                held["req"] += len(self.pools.req.owned_by(s.owner))
-            if s.cache_node is not None:
-                borrowed.append(s.cache_node)
-        return held, borrowed
-
     def drop_state_in(self, unwritten: set[int]) -> None:
         """A refused step left these Mamba slots unwritten: a session whose state would be
         one of them gives it up (its next turn re-prefills its history)."""
@@ -404,16 +378,11 @@ class SessionManager:
         session, settled = req.session, settle(req)
         if settled is not None:
             canonical, at_reply_start = settled
-            kept = at_reply_start and keep_reply_start(self.pools, self.cache, req)
+            session.cached_len, kept_reply_start = keep_reencoded(
+                self.pools, self.cache, req, at_reply_start
+            )
             self.reencoded += 1
-            if kept:
-                self.reply_starts += 1
-                session.cached_len = kept
-            elif req.turn_start is not None and req.turn_start.rollback is not None:
-                back_to_start(self.pools, req)
-                session.cached_len = req.turn_start.cached_len
-            else:
-                session.cached_len = 0
+            self.reply_starts += kept_reply_start
             session.history = canonical
             self.dirty.add(session.sid)
             self._end_turn(req)

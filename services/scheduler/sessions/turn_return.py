@@ -1,7 +1,8 @@
 """How a turn's state returns to its session, the three ways it can: as the turn left it
 (`keep_finished`), as it was when the turn began (`back_to_start`: the rollback copy every
-turn takes), or at a chat reply's start (`keep_reply_start`, docs/ownership.md). Each
-moves slots only; `SessionManager` decides which, and records what the session holds."""
+turn takes), or at a chat reply's start (`keep_reply_start`, docs/ownership.md); for a
+chat reply re-encoded, `keep_reencoded` takes the best of the last two. Each moves
+slots only; `SessionManager` records what the session then holds."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def back_to_start(pools: Pools, req: Request) -> None:
     pools.kv.free_tail(req.slots.row.slot, start.cached_len, "rollback")
     session.slots = handover.save(pools, req.slots, session.owner, start.rollback)
     session.cache_node, req.cache_node = req.cache_node, None
+
+
+def keep_reencoded(
+    pools: Pools, cache: RadixCache, req: Request, at_reply_start: bool
+) -> tuple[int, bool]:
+    """A chat reply the session cannot keep as generated (chat_log.py): the state returns
+    at the reply's start if `at_reply_start` and the turn's snapshot is there, else at
+    the turn's start. Returns the positions the session then holds (0: none, the turn had
+    no state to return to; the caller releases its slots) and whether they end at the
+    reply's start."""
+    kept = keep_reply_start(pools, cache, req) if at_reply_start else None
+    if kept is not None:
+        return kept, True
+    start = req.turn_start
+    if start is None or start.rollback is None:
+        return 0, False
+    back_to_start(pools, req)
+    return start.cached_len, False
 
 
 def keep_reply_start(pools: Pools, cache: RadixCache, req: Request) -> int | None:
