@@ -139,7 +139,7 @@ def test_a_tree_and_a_fork_survive_a_move_and_a_restart(redis_url, redis_client)
         child = call(port, "/fork_session", {"session_id": sid, "rid": r1})
         parent_home = home(redis_client, sid)
         assert home(redis_client, child) == parent_home  # placed beside its parent
-        checked(port, child, [*h1, 5], [5])
+        c1 = checked(port, child, [*h1, 5], [5])
         call(port, "/admin/drain", {"replica": parent_home})
         other = "1" if parent_home == "0" else "0"
         assert home(redis_client, sid) == home(redis_client, child) == other
@@ -156,6 +156,8 @@ def test_a_tree_and_a_fork_survive_a_move_and_a_restart(redis_url, redis_client)
                 assert err.code in (502, 503) and time.monotonic() < deadline, err
                 time.sleep(0.5)
         assert reply["output_ids"] == one_shot(h1 + b + [8], N)
+        forked = tokens(c1, [*h1, 5])  # the fork's own history came back with its record
+        assert turn(port, child, [9])["output_ids"] == one_shot([*forked, 9], N)
         for name in (sid, child):
             call(port, "/close_session", {"session_id": name})
         ledgers_clean(stack)
