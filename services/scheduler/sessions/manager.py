@@ -184,7 +184,7 @@ class SessionManager:
         `new_tokens`; a /generate turn follows its `session_params` through the session's
         turn tree (records/turn_tree.py). Checked before anything moves. A turn that does
         not continue the session's own state drops it and resumes from the deepest state
-        the prefix cache kept on its path (`Endings.keep_boundary`)."""
+        the prefix cache kept on its path (its kept boundaries: `save`)."""
         self._still_open(session)
         sid = session.sid
         if session.turn is not None:
@@ -223,9 +223,15 @@ class SessionManager:
             self.branch_turns += 1
         name = options.get(TURN_NAME, "")
         req = Request(
-            rid, prompt, params, session, name=name, chat=chat, cache_namespace=cache_namespace
+            rid,
+            prompt,
+            params,
+            session,
+            name=name,
+            chat=chat,
+            branch=branch,
+            cache_namespace=cache_namespace,
         )
-        req.branch = branch
         if chat is not None and session.cached_len < chat.reply_start <= len(prompt):
             req.reply_start = chat.reply_start
         session.turn = req
