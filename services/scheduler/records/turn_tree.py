@@ -63,6 +63,11 @@ class TurnNode:
     def size(self) -> int:
         return len(self.input) + len(self.output)
 
+    @property
+    def length(self) -> int:
+        """How many tokens `tokens()` holds, without building them."""
+        return self.base + self.size
+
 
 @dataclass(frozen=True)
 class Branch:
@@ -154,7 +159,7 @@ class TurnTree:
             parent = tree.nodes.get(e.parent) if e.parent else None
             if e.id in tree.nodes or e.id < 1 or (e.parent and parent is None):
                 raise ValueError(f"turn {e.id} of parent {e.parent} out of order")
-            if parent is not None and not 0 <= e.base <= len(parent.tokens()):
+            if parent is not None and not 0 <= e.base <= parent.length:
                 raise ValueError(f"turn {e.id} keeps {e.base} tokens of its parent")
             tree._add(TurnNode(e.id, e.rid, parent, e.base if parent else 0, e.input, e.output))
             tree._next_id = max(tree._next_id, e.id + 1)
