@@ -7,7 +7,8 @@ import numpy as np
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.messages.ownership import ChatEntry
-from tests.engine.driver import Driver
+from tests.engine.data_model import reference
+from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_sessions import close_all, text
 
 
@@ -73,3 +74,36 @@ def test_the_chunk_ending_at_a_reply_start_waits_for_a_track_slot():
     d.run()
     assert d.engine.sessions.reply_starts == 2 and session.cached_len == 30
     close_all(d)
+
+
+def test_a_later_turn_keeps_the_page_before_its_reply_start_for_a_branch():
+    """The state at a reply start lies inside a page, where no cache node ends; the turn
+    also stops its prefill at the page boundary before it, and that snapshot becomes the
+    turn's kept boundary in the prefix cache (docs/ownership.md, "Kept boundaries"). A
+    branch of the conversation past it (a header session re-seeded by an edited message)
+    resumes there, not from what the first turn's chunks left. Pipelined and not."""
+    for depth in (1, 2):
+        d = Driver(page_size=4, chunk=8, depth=depth)
+        sid = d.engine.sessions.open().sid
+        session = d.engine.sessions.get(sid)
+        first = text(18, 1)
+        chat = truncating_turn(first, 13)
+        d.engine.submit_turn(
+            session, np.asarray(first), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
+        )
+        d.run()
+        prompt = [*session.history[:13].tolist(), *text(20, 2)]
+        chat = truncating_turn(prompt, 30, base=13, seen=len(session.history))
+        d.engine.submit_turn(
+            session, np.asarray(text(20, 2)), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
+        )
+        d.run()
+        assert session.cached_len == 30 and session.slots.borrowed == 28
+        assert any(n.end == 28 and n.mamba for n in d.engine.cache.nodes())
+        d.engine.sessions.reseed(sid)
+        forked = [*prompt[:29], *text(5, 3)]
+        req = d.turn(sid, forked, 6)
+        d.run()
+        assert req.cached_tokens == 28, depth
+        assert req.output == reference(forked, 6, VOCAB)
+        close_all(d)

@@ -51,6 +51,25 @@ def test_ping_pong_never_overwrites_the_latest_snapshot(pools):
         track.record(first, 20)  # an older length cannot become the latest
 
 
+def test_the_prior_snapshot_stays_readable_until_its_entry_is_written(pools):
+    """A reply start inside a page: the page-aligned snapshot before it is still the
+    cache's to take (`deepest_on_page`), until a later step writes over its entry."""
+    track = admit(pools, "r").track
+    aligned = track.begin_snapshot()
+    track.record(aligned, 28)
+    inside = track.begin_snapshot()
+    track.record(inside, 30)
+    assert track.deepest_on_page(4).slot == aligned and track.deepest_on_page(4).seq_len == 28
+    node = pools.ledger.new_owner(OwnerKind.CACHE, "n1")
+    given = track.donate(track.deepest_on_page(4), node)
+    assert given.slot == aligned and track.deepest_on_page(4) is None
+    assert track.latest_snapshot().seq_len == 30  # the session's, at the reply start
+    track.record(track.begin_snapshot(), 31)  # the refilled entry is written
+    assert track.deepest_on_page(4) is None
+    track.record(track.begin_snapshot(), 32)  # written over the reply start's entry
+    assert track.deepest_on_page(4).seq_len == 32
+
+
 def test_a_slot_being_written_is_never_handed_out_again(pools):
     """Pipelined steps: while one step writes a snapshot, the next step gets no slot
     rather than the latest snapshot's (which the cache may take at any moment)."""

@@ -4,9 +4,13 @@ A running request snapshots its Mamba state at tracked lengths into one of its t
 slots while another keeps the previous snapshot, so a snapshot being written never
 overwrites the one the prefix cache may take. It has one more than the pipeline's depth
 (two at depth 0 or 1, ping-pong; three at depth 2): the latest snapshot, and one for
-each step in flight, so that every step may take its snapshot. Which entry is written
-next, which holds the latest snapshot and at what length are fields of this one object,
-owned by the request for its whole life; nothing about them lives loose on the request.
+each step in flight, so that every step may take its snapshot. The snapshot the latest
+replaced stays readable (`prior`) until a later step writes over its entry: a chat turn
+whose latest snapshot lies inside a page, at its reply's start, still has the
+page-aligned one before it for the prefix cache (docs/ownership.md, "Kept boundaries").
+Which entry is written next, which hold the latest and prior snapshots and at what
+lengths are fields of this one object, owned by the request for its whole life; nothing
+about them lives loose on the request.
 """
 
 from __future__ import annotations
@@ -33,23 +37,29 @@ class TrackSlots:
     slots: list[int]  # at least two
     latest: int = -1  # entry holding the latest recorded snapshot, -1 when none
     latest_len: int = 0
+    prior: int = -1  # entry holding the snapshot the latest replaced, -1 when none
+    prior_len: int = 0
     pending: list[int] = field(default_factory=list)  # entries steps in flight are writing
 
     def begin_snapshot(self) -> int | None:
         """The slot a step about to be planned may write a snapshot into: neither the one
         holding the latest snapshot nor one a step in flight is writing. None when both
-        are taken (the step then takes no snapshot; only a cache opportunity is lost)."""
-        for entry in range(len(self.slots)):
-            if entry not in self.pending and entry != self.latest:
-                slot = self.slots[entry]
-                if self.pool.owner_of(slot) != self.owner.id:
-                    raise StaleHandle(
-                        f"{self.owner} would snapshot into slot {slot} it no longer owns\n"
-                        + self.pool.ledger.describe(self.pool, [slot])
-                    )
-                self.pending.append(entry)
-                return slot
-        return None
+        are taken (the step then takes no snapshot; only a cache opportunity is lost). The
+        prior snapshot's entry is written over last."""
+        free = [e for e in range(len(self.slots)) if e not in self.pending and e != self.latest]
+        if not free:
+            return None
+        entry = next((e for e in free if e != self.prior), free[0])
+        if entry == self.prior:
+            self.prior, self.prior_len = -1, 0
+        slot = self.slots[entry]
+        if self.pool.owner_of(slot) != self.owner.id:
+            raise StaleHandle(
+                f"{self.owner} would snapshot into slot {slot} it no longer owns\n"
+                + self.pool.ledger.describe(self.pool, [slot])
+            )
+        self.pending.append(entry)
+        return slot
 
     def can_snapshot(self) -> bool:
         """Whether `begin_snapshot` would give a slot now."""
@@ -65,6 +75,8 @@ class TrackSlots:
         if self.latest >= 0 and seq_len <= self.latest_len:
             raise ValueError(f"{self.owner}: snapshot at {seq_len} after one at {self.latest_len}")
         self.pending.remove(entry)
+        if self.latest >= 0:
+            self.prior, self.prior_len = self.latest, self.latest_len
         self.latest, self.latest_len = entry, seq_len
 
     def cancel(self, slot: int) -> None:
@@ -79,17 +91,35 @@ class TrackSlots:
     def latest_snapshot(self) -> Snapshot | None:
         return None if self.latest < 0 else Snapshot(self.slots[self.latest], self.latest_len)
 
+    def deepest_on_page(self, page_size: int) -> Snapshot | None:
+        """The latest snapshot at a page boundary, the prior one when the latest is not:
+        what the prefix cache can take (its nodes end on pages)."""
+        for entry, length in ((self.latest, self.latest_len), (self.prior, self.prior_len)):
+            if entry >= 0 and length % page_size == 0:
+                return Snapshot(self.slots[entry], length)
+        return None
+
     def donate_latest(self, receiver: Owner, reason: str = "donate") -> Snapshot:
-        """Move the latest snapshot's slot to `receiver` (a cache node: ownership moves,
-        nothing is copied) and take a fresh slot in its place. All or nothing: if no slot
-        is free, PoolExhausted is raised before anything moves."""
         snap = self.latest_snapshot()
         if snap is None:
             raise ValueError(f"{self.owner}: nothing to donate")
+        return self.donate(snap, receiver, reason)
+
+    def donate(self, snap: Snapshot, receiver: Owner, reason: str = "donate") -> Snapshot:
+        """Move the slot of `snap` (the latest or the prior snapshot) to `receiver` (a
+        cache node, a session: ownership moves, nothing is copied) and take a fresh slot
+        in its place. All or nothing: if no slot is free, PoolExhausted is raised before
+        anything moves."""
+        entry = self.slots.index(snap.slot)
+        if entry not in (self.latest, self.prior):
+            raise ValueError(f"{self.owner}: slot {snap.slot} holds no snapshot")
         replacement = self.pool.alloc_one(self.owner, "track_refill")
         self.pool.transfer_one(snap.slot, self.owner, receiver, reason)
-        self.slots[self.latest] = replacement
-        self.latest, self.latest_len = -1, 0
+        self.slots[entry] = replacement
+        if entry == self.latest:
+            self.latest, self.latest_len = -1, 0
+        else:
+            self.prior, self.prior_len = -1, 0
         return snap
 
     def claims(self) -> list[int]:

@@ -97,7 +97,9 @@ class Admission:
         """Positions `req` computes this step from `start`: a chunk, within the step's
         budget, ending at a checkpoint it would pass."""
         n = min(req.length - start, self.chunk_size, state.tokens)
-        return cut_at_checkpoint(req, start, n, self.checkpoint_interval)
+        return cut_at_checkpoint(
+            req, start, n, self.checkpoint_interval, self.pools.config.page_size
+        )
 
     def _state_to_device(self, req: Request, state: StepBudget) -> bool:
         """A turn's session state is below the device: on a ready host state, start its

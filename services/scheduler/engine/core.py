@@ -301,7 +301,9 @@ class EngineCore:
         if pending and not self._may_follow(req, pending):
             return 0
         n = min(req.length + pending - planned, self.config.chunk_size, state.tokens)
-        n = cut_at_checkpoint(req, planned, n, self.config.checkpoint_interval)
+        n = cut_at_checkpoint(
+            req, planned, n, self.config.checkpoint_interval, self.pools.config.page_size
+        )
         if n <= 0 or awaits_track_slot(req, n):
             return 0
         need = pages_to_grow(self.pools.config.page_size, planned, n)

@@ -81,13 +81,15 @@ class Endings:
         self.retractions += 1
 
     def cache_prefix(self, req: Request) -> None:
-        """Donate the latest snapshot, and the KV up to it, to the prefix cache. A
-        request's borrowed prefix grows to what the tree holds, under one lock on the
-        deepest node (a session's turn keeps that lock for its session, `save`)."""
+        """Donate the deepest snapshot on a page boundary (the latest, or the one before
+        a chat turn's reply start, which lies inside a page as a rule), and the KV up to
+        it, to the prefix cache. A request's borrowed prefix grows to what the tree holds,
+        under one lock on the deepest node (a session's turn keeps that lock for its
+        session, `save`)."""
         track, ps = req.slots.track, self.pools.config.page_size
-        snap = track.latest_snapshot()
-        if snap is None or snap.seq_len <= req.slots.borrowed or snap.seq_len % ps:
-            return  # (a chat turn's reply start may lie inside a page: not the cache's)
+        snap = track.deepest_on_page(ps)
+        if snap is None or snap.seq_len <= req.slots.borrowed:
+            return
         if not self.room.make(0, 1, 0, drop_sessions=False):  # the track refills the donated slot
             return
         row = req.slots.row.slot
@@ -95,7 +97,7 @@ class Endings:
             req.sequence[: snap.seq_len],
             self.pools.rows.row_pages(row, 0, snap.seq_len),
             req.slots.owner,
-            lambda receiver: track.donate_latest(receiver).slot,
+            lambda receiver: track.donate(snap, receiver).slot,
             req.cache_namespace,
         )
         interval = self.checkpoint_interval

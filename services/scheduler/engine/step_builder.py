@@ -38,14 +38,16 @@ def pages_to_grow(page_size: int, length: int, n: int) -> int:
     return pages_for(length + n, page_size) - pages_for(length, page_size)
 
 
-def cut_at_checkpoint(req: Request, start: int, n: int, interval: int) -> int:
+def cut_at_checkpoint(req: Request, start: int, n: int, interval: int, page_size: int) -> int:
     """`n` positions from `start`, cut so the chunk ends at the first checkpoint it would
-    pass: the request's junction, a chat turn's reply start, or (`interval` > 0) a
-    multiple of `interval`. A chunk snapshots its state where it ends on a page, so the
-    state there can be cached (and at the reply start, for its session)."""
+    pass: the request's junction, a chat turn's reply start and the page boundary before
+    it, or (`interval` > 0) a multiple of `interval`. A chunk snapshots its state where it
+    ends on a page, so the state there can be cached (and at the reply start, for its
+    session; the page before it is the turn's kept boundary, docs/ownership.md)."""
     if n <= 1:  # every stop is past `start`: nothing to cut (a decoding row)
         return n
-    stops = [c for c in (req.checkpoint, req.reply_start) if start < c]
+    reply = req.reply_start
+    stops = [c for c in (req.checkpoint, reply, reply - reply % page_size) if start < c]
     if interval:
         stops.append(start - start % interval + interval)
     return min([n, *(stop - start for stop in stops)])

@@ -379,13 +379,15 @@ class SessionManager:
         session that may branch first gives `keep_boundary` its latest snapshot (the
         prefix cache's, docs/ownership.md "Kept boundaries"). A chat reply the session
         cannot keep as generated is re-encoded (chat_log.py): the session keeps the state
-        at the reply's start, else at the turn's start. False when it keeps no state: the
+        at the reply's start (the page boundary before it going to `keep_boundary`), else
+        at the turn's start. False when it keeps no state: the
         caller releases the turn's slots."""
         session, settled = req.session, settle(req)
+        boundary = None if session.streaming else keep_boundary  # a streaming one never branches
         if settled is not None:
             canonical, at_reply_start = settled
             session.cached_len, kept_reply_start = keep_reencoded(
-                self.pools, self.cache, req, at_reply_start
+                self.pools, self.cache, req, at_reply_start, boundary
             )
             self.reencoded += 1
             self.reply_starts += kept_reply_start
@@ -393,8 +395,8 @@ class SessionManager:
             self.dirty.add(session.sid)
             self._end_turn(req)
             return session.slots is not None
-        if not session.streaming:
-            keep_boundary(req)
+        if boundary is not None:
+            boundary(req)
         keep_finished(self.pools, req)
         session.history = turn_history(req)
         session.cached_len = req.computed

@@ -6,6 +6,8 @@ slots only; `SessionManager` records what the session then holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.scheduler.allocators import handover
 from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
@@ -35,14 +37,19 @@ def back_to_start(pools: Pools, req: Request) -> None:
 
 
 def keep_reencoded(
-    pools: Pools, cache: RadixCache, req: Request, at_reply_start: bool
+    pools: Pools,
+    cache: RadixCache,
+    req: Request,
+    at_reply_start: bool,
+    keep_boundary: Callable[[Request], None] | None,
 ) -> tuple[int, bool]:
     """A chat reply the session cannot keep as generated (chat_log.py): the state returns
-    at the reply's start if `at_reply_start` and the turn's snapshot is there, else at
-    the turn's start. Returns the positions the session then holds (0: none, the turn had
+    at the reply's start if `at_reply_start` and the turn's snapshot is there (with
+    `keep_boundary` given the page-aligned snapshot before it), else at the turn's start.
+    Returns the positions the session then holds (0: none, the turn had
     no state to return to; the caller releases its slots) and whether they end at the
     reply's start."""
-    kept = keep_reply_start(pools, cache, req) if at_reply_start else None
+    kept = keep_reply_start(pools, cache, req, keep_boundary) if at_reply_start else None
     if kept is not None:
         return kept, True
     start = req.turn_start
@@ -52,11 +59,19 @@ def keep_reencoded(
     return start.cached_len, False
 
 
-def keep_reply_start(pools: Pools, cache: RadixCache, req: Request) -> int | None:
+def keep_reply_start(
+    pools: Pools,
+    cache: RadixCache,
+    req: Request,
+    keep_boundary: Callable[[Request], None] | None,
+) -> int | None:
     """The session keeps the turn's state at its chat reply's start: its track snapshot
     there moves to the session, the turn's working state and the KV past it are freed.
-    Returns the positions kept; None, nothing moved, when the snapshot is not there (not
-    taken, or not the latest) or no slot can refill the track."""
+    First, a session that may branch gives `keep_boundary` the snapshot at the page
+    boundary before it, the turn's kept boundary (the one at the reply start lies inside
+    a page, where no cache node ends). Returns the positions kept; None, nothing moved,
+    when the snapshot is not there (not taken, or not the latest) or no slot can refill
+    the track."""
     session, start, track = req.session, req.turn_start, req.slots.track
     snap = track.latest_snapshot()
     if snap is None or snap.seq_len != req.reply_start:
@@ -69,6 +84,8 @@ def keep_reply_start(pools: Pools, cache: RadixCache, req: Request) -> int | Non
         return None
     if start is not None and start.rollback is not None:
         start.rollback.release("turn_done")
+    if keep_boundary is not None:  # the turn can no longer go back to its start
+        keep_boundary(req)
     pools.kv.free_tail(req.slots.row.slot, kept.seq_len, "reply_start")
     state = new_lease(pools.mamba, session.owner, kept.slot)
     session.slots = handover.save(pools, req.slots, session.owner, state)
