@@ -1,17 +1,18 @@
 """Random interleavings of session turns (finished, aborted, disconnected, retracted, over-
-long, prefill-only), sessions forking from a shared system prompt (borrowing the cache's
-prefix, donating junctions), turns that branch from an earlier turn of their session
-(`rid`, `drop_previous_output`, `offset`: resumed from a kept boundary), sessions forked
-from another's turn (`SessionManager.fork`), plain requests sharing prefixes, prompts
-that need nearly the whole pool, evictions under pressure (of junction states too),
-closes, session expiry, and faults (a refused step with or without its deferred ops run,
-an executor lost with its device state, a scheduler restarted from the session records
-with the same executor or a new one), over page sizes 1 and 16, one step at a time and
-pipelined (the next step planned while one is in flight), with periodic checkpoints or
-without, with a host tier below the device or without, on pools small enough that
-retracts, evictions, hibernations and dropped session states are routine. Where a request
-asks for them, stop tokens end a sixth of the tokens, so requests often end while their
-next step is already in flight.
+long, prefill-only; chat turns that keep their reply's start), sessions forking from a
+shared system prompt (borrowing the cache's prefix, donating junctions), turns that
+branch from an earlier turn of their session (`rid`, `drop_previous_output`, `offset`:
+resumed from a kept boundary), sessions forked from another's turn
+(`SessionManager.fork`), plain requests sharing prefixes, prompts that need nearly the
+whole pool, evictions under pressure (of junction states too), closes, session expiry,
+and faults (a refused step with or without its deferred ops run, an executor lost with
+its device state, a scheduler restarted from the session records with the same executor
+or a new one), over page sizes 1 and 16, one step at a time and pipelined (the next step
+planned while one is in flight), with periodic checkpoints or without, with a host tier
+below the device or without, on pools small enough that retracts, evictions,
+hibernations and dropped session states are routine. Where a request asks for them, stop
+tokens end a sixth of the tokens, so requests often end while their next step is already
+in flight.
 
 After every step: the busy invariant. At the end: the idle invariant. Throughout: the
 data model checks that every row starts from the state of exactly its own prefix, and
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.scheduler.records.request import Request, Status
-from services.scheduler.records.sampling import InvalidRequest
+from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from tests.engine.data_model import reference, state_of
 from tests.engine.driver import VOCAB, Driver
+from tests.engine.test_reply_starts import truncating_turn
 
 # 4 machines x 250 = 1,000 sequences by default; CUSTODY_ENGINE_EXAMPLES overrides.
 EXAMPLES = int(os.environ.get("CUSTODY_ENGINE_EXAMPLES", "250"))
@@ -51,6 +54,7 @@ class EngineMachine(RuleBasedStateMachine):
         # per session, its finished turns a branch may name: (rid, prompt, tokens)
         self.named: dict[str, list[tuple[str, list[int], list[int]]]] = {}
         self.turns: dict[str, tuple[Request, list[int]]] = {}  # rid -> (turn, expected prompt)
+        self.reply_starts: dict[str, int] = {}  # rid -> reply start, of the chat turns
         self.plain: dict[str, Request] = {}
         self.opened = 0
         self.now = 0.0  # the sessions' clock, for expiry
@@ -111,6 +115,34 @@ class EngineMachine(RuleBasedStateMachine):
             return
         assert not busy and not too_long
         self.turns[req.rid] = (req, self.histories[sid] + new)
+
+    @precondition(lambda self: self.histories)
+    @rule(data=st.data(), new=tokens, max_new=st.integers(0, 6))
+    def chat_turn(self, data, new, max_new):
+        """A chat turn whose template renders its reply otherwise once a message follows
+        it (NemotronH's reasoning): its session keeps the state at the reply's start, a
+        drawn position of the turn's prompt, and the page boundary before it goes to the
+        cache (docs/ownership.md, "Kept boundaries"); its history becomes the canonical
+        rendering, which differs from the prompt past the reply start."""
+        sid = data.draw(st.sampled_from(sorted(self.histories)))
+        history = self.histories[sid]
+        prompt = history + new
+        start = data.draw(st.integers(len(history) + 1, len(prompt)))
+        chat = truncating_turn(prompt, start, base=len(history), seen=len(history))
+        session = self.d.engine.sessions.sessions[sid]
+        busy = session.turn is not None
+        too_long = len(prompt) >= self.d.engine.config.context_len
+        params = SamplingParams(max_new_tokens=max_new)
+        try:
+            req = self.d.engine.submit_turn(
+                session, np.asarray(new), self.d.rid(), params, chat=chat
+            )
+        except InvalidRequest as err:
+            assert busy or too_long, err
+            return
+        assert not busy and not too_long
+        self.turns[req.rid] = (req, prompt)
+        self.reply_starts[req.rid] = start
 
     @precondition(lambda self: len(self.histories) < 4)
     @rule(system=st.sampled_from(PREFIXES), own=tokens, max_new=st.integers(0, 6))
@@ -270,6 +302,7 @@ class EngineMachine(RuleBasedStateMachine):
             model.sequence_of = self.d._sequence
         self.d.engine.sessions.rebuild(list(self.records.values()), same_executor)
         self.turns.clear()
+        self.reply_starts.clear()
         self.plain.clear()
         for sid, history in self.histories.items():
             assert self.d.engine.sessions.sessions[sid].history.tolist() == history
@@ -286,9 +319,12 @@ class EngineMachine(RuleBasedStateMachine):
                 turn, prompt = self.turns.pop(req.rid)
                 assert turn.prompt.tolist() == prompt
                 sid = turn.session.sid
+                start = self.reply_starts.pop(req.rid, None)
                 if req.status is Status.FINISHED:
                     assert req.output == self.expected(req, prompt)
-                    if sid in self.histories:
+                    if sid in self.histories and start is not None:  # its canonical rendering
+                        self.histories[sid] = [*prompt[:start], 7, 7, *req.committed_output()]
+                    elif sid in self.histories:
                         self.histories[sid] = prompt + req.committed_output()
                         # a rid names its newest turn (a restarted driver counts rids anew)
                         named = [t for t in self.named[sid] if t[0] != req.rid]

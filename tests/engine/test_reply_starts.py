@@ -107,3 +107,21 @@ def test_a_later_turn_keeps_the_page_before_its_reply_start_for_a_branch():
         assert req.cached_tokens == 28, depth
         assert req.output == reference(forked, 6, VOCAB)
         close_all(d)
+
+
+def test_a_session_closed_during_a_turn_that_keeps_its_reply_start_ends_clean():
+    """Closed while its turn runs: the turn's end gives the session its state at the
+    reply start, and the close that then completes releases it; the turn's slots are
+    the session's by then, never released a second time (the engine machine found it)."""
+    d = Driver(page_size=16, chunk=128)
+    sid = d.engine.sessions.open().sid
+    session = d.engine.sessions.get(sid)
+    prompt = text(26, 1)
+    chat = truncating_turn(prompt, 26)
+    d.engine.submit_turn(
+        session, np.asarray(prompt), d.rid(), SamplingParams(max_new_tokens=0), chat=chat
+    )
+    d.engine.sessions.close(sid)
+    d.run()
+    assert sid not in d.engine.sessions.sessions
+    d.assert_idle_clean()

@@ -393,8 +393,9 @@ class SessionManager:
             self.reply_starts += kept_reply_start
             session.history = canonical
             self.dirty.add(session.sid)
+            kept = session.slots is not None  # before a close the turn's end completes
             self._end_turn(req)
-            return session.slots is not None
+            return kept
         if boundary is not None:
             boundary(req)
         keep_finished(self.pools, req)
