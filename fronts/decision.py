@@ -242,8 +242,8 @@ class Decision:
         if path == "/close_session":
 
             def done(status: int | None, headers: Mapping[str, str]) -> None:
-                if status == 200:
-                    self.background(lambda: self.directory.forget(sid, home.replica))
+                if status == 200:  # only the placement it was routed by: never a newer one
+                    self.background(lambda: self.directory.take_back(sid, home))
 
         kind = "open" if path == "/open_session" else "turn"
         return Pick(replica, "affinity", kind, remembered=remembered, done=done, epoch=home.epoch)

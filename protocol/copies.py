@@ -58,6 +58,17 @@ def settled_here(copy: Copy, placed: Placement | None, replica: str) -> bool:
     return placed == Placement(replica, copy.epoch)
 
 
+def close_stands(copy: Copy, placed: Placement | None, replica: str) -> bool:
+    """Whether a close of the copy, once its record is on the ownership stream, closed the
+    session: the directory places it nowhere, or here at the copy's epoch with no move
+    under way. Otherwise a front moved the session (it found `replica` unregistered: a
+    pause, a partition) while the close's record was on its way, from a record that may
+    not have had the close; the copy it placed is the session now, and the close must be
+    made again there, never answered here (the client would hold a session closed that
+    lives on, and the front that closed it would take its new placement away)."""
+    return placed is None or settled_here(copy, placed, replica)
+
+
 def takes_arrival(
     placed: Placement | None, source: str, epoch: int, replica: str, attempt: str
 ) -> bool:

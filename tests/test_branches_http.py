@@ -1,8 +1,9 @@
 """Sessions as trees through the HTTP API of the real services: SGLang's branching fields
-and `/fork_session` (docs/api.md, "Sessions"), each answer equal to a one-shot generation
-of the same prompt, `cached_tokens` showing the kept boundary it resumed from; then the
-same tree after a move to another replica and a scheduler restart, with both replicas'
-ledgers clean.
+and `/fork_session` (docs/api.md, "Sessions"), each answer equal to a one-shot
+generation of the same prompt, `cached_tokens` showing the kept boundary it resumed
+from, a branch and a fork on the disk tier through an executor kill; then the same tree
+after a move to another replica and a scheduler restart, with both replicas' ledgers
+clean (branching header sessions: tests/test_header_branches_http.py).
 
 What it can catch: a branch or fork run from the wrong history or state (its tokens
 differ from the one-shot's), a kept boundary lost (`cached_tokens` below the bound), a
@@ -92,7 +93,7 @@ def test_branches_and_forks_answer_as_one_shots(stack):
     # a fork of turn 1: a session of its own, resuming from the parent's kept boundary
     child = call(port, "/fork_session", {"session_id": sid, "rid": r1, "new_session_id": "kid"})
     assert child == "kid"
-    checked(port, child, h1 + c, c)
+    k1 = checked(port, child, h1 + c, c)
     code, message = refused(port, "/fork_session", {"session_id": sid, "rid": "nope"})
     assert code == 400 and "session_params.rid" in message
     code, _ = refused(port, "/fork_session", {"session_id": "absent"})
@@ -112,6 +113,8 @@ def test_branches_and_forks_answer_as_one_shots(stack):
     h8 = tokens(t8, [*h1, 9])
     t9 = checked(port, sid, [*h8, 5], [5], rid=t8["meta_info"]["id"])
     assert t9["meta_info"]["cached_tokens"] >= len(h8) - PAGE
+    # the fork's state on disk when the executor dies: it comes back from there
+    assert call(port, "/place_session", {"session_id": child, "tier": "disk"})["tier"] == "disk"
     # an executor killed under a branch turn: run again after the loss, still exact
     body = {
         "input_ids": [3],
@@ -121,6 +124,10 @@ def test_branches_and_forks_answer_as_one_shots(stack):
     last = kill_executor_during(stack, port, "/generate", body)
     assert last["output_ids"] == one_shot([*h1, 3], 24)
     assert turn(port, sid, [2])["output_ids"] == one_shot([*h1, 3, *last["output_ids"], 2], N)
+    forked = tokens(k1, h1 + c)
+    k2 = turn(port, child, [4])
+    assert k2["output_ids"] == one_shot([*forked, 4], N)
+    assert k2["meta_info"]["cached_tokens"] >= len(forked) - PAGE  # its blob on disk survived
     for name in (sid, child, flat):
         call(port, "/close_session", {"session_id": name})
     assert_clean(stack)

@@ -267,7 +267,7 @@ def test_a_new_life_paused_before_it_registers_takes_back_nothing_that_moved_mea
     os.kill(router.pid, signal.SIGSTOP)  # it re-homes only once the new life has read
     try:
         two.kill("scheduler-0")
-        proxy.trap(b"$6\r\nrecord\r\n", pause_new_life)  # HGET <session key> record
+        proxy.trap((b"$6\r\nrecord\r\n",), pause_new_life)  # HGET <session key> record
         two.start("scheduler-0")
         assert paused.wait(60), "the new life never read its session records"
     finally:
@@ -295,3 +295,75 @@ def test_a_new_life_paused_before_it_registers_takes_back_nothing_that_moved_mea
     for sid in sids:
         call(port, "/close_session", {"session_id": sid})
     ledgers_clean(two)
+
+
+def test_a_close_whose_record_was_held_while_its_session_moved_is_not_acknowledged(
+    two: Stack, redis_client: redis.Redis, proxy: RedisProxy
+):
+    """Replica 0 closes a session, and the write carrying the close's record is held (its
+    scheduler paused as it sends it) until the router, finding the replica dead, has
+    re-homed the session from the store's record, which has no close. Woken, replica 0
+    must not answer the close 200: the session lives on replica 1, and the router that
+    closed it took that placement away (a live copy placed nowhere, which the fault
+    campaign found as a leaked listing). It answers 503 `moving`, and the close made again
+    (by the router, or its client) closes the copy on replica 1: nothing is left."""
+    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
+    deadline = time.monotonic() + 60  # replica 0 may still be coming back from the last test
+    while health(direct, timeout=2).get("status") != "ok":
+        assert time.monotonic() < deadline, "replica 0 is not back"
+        two.supervise_once()
+        time.sleep(0.3)
+    sids: list[str] = []
+    while not sids or placement(redis_client, sids[-1]).replica != "0":
+        assert time.monotonic() < deadline, "no session was placed on replica 0"
+        sids.append(call(port, "/open_session", {}))
+    sid = sids[-1]
+    history = [5, 6, 7] + turn(port, sid, [5, 6, 7])["output_ids"]
+    scheduler, moved = two.children["scheduler-0"], threading.Event()
+    before = placement(redis_client, sid)
+
+    def hold_until_moved() -> None:
+        os.kill(scheduler.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while placement(redis_client, sid) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        moved.set()
+
+    # the outbox's write of the close's record: an XADD to the ownership stream naming it
+    proxy.trap((b"XADD", streams.Keys("0").ownership.encode(), sid.encode()), hold_until_moved)
+    closing: dict = {}
+    closer = threading.Thread(
+        target=lambda: closing.update(answer=status_of_close(port, sid)), daemon=True
+    )
+    closer.start()
+    try:
+        assert moved.wait(90), "the close's record was never written"
+        assert placement(redis_client, sid) == Placement("1", before.epoch + 1), "not re-homed"
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    closer.join(90)
+    status, body = closing["answer"]
+    if status == 503:  # refused `moving`: the copy on replica 1 lives, with its history
+        assert placement(redis_client, sid).replica == "1", body
+        answer = turn(port, sid, [8, 9])
+        assert answer["meta_info"]["prompt_tokens"] == len(history) + 2, answer
+        status, body = status_of_close(port, sid)
+    assert status == 200, (status, body)  # (the router may have closed it again itself)
+    deadline = time.monotonic() + 20
+    while placement(redis_client, sid) is not None or any(
+        redis_client.sismember(streams.Keys(r).placed, sid) for r in ("0", "1")
+    ):
+        assert time.monotonic() < deadline, "the closed session is still placed or listed"
+        time.sleep(0.2)
+    for replica in ("0", "1"):  # and no copy of it anywhere
+        assert status_of(two.layout[f"scheduler-{replica}"][1].port, sid, [1])[0] == 404
+    for other in sids[:-1]:
+        call(port, "/close_session", {"session_id": other})
+    ledgers_clean(two)
+
+
+def status_of_close(port: int, sid: str) -> tuple[int, dict]:
+    try:
+        return 200, {"closed": call(port, "/close_session", {"session_id": sid}, timeout=90)}
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

@@ -238,7 +238,7 @@ def restart_race(t: Target) -> str:
 
     seen = t.stack.restarts[name]
     t.process(name).kill()
-    t.proxies[t.replica].trap(RECORD_READ, pause_new_life)
+    t.proxies[t.replica].trap((RECORD_READ,), pause_new_life)
     try:
         t.wait_restarted(name, seen)
         paused.wait(30)  # a life with no records never reads one

@@ -12,8 +12,8 @@ Modes, switched at run time:
 - `lose_replies`: what is sent goes through, and whatever comes back is dropped with
   its connection (the request ran, its answer is lost) until `heal`;
 - `cut()`: every open connection is reset at once (new ones pass);
-- `trap(pattern, action)`: the next command sent that carries `pattern` waits for
-  `action` to run before it goes on (a fault that must land at one exact point of a
+- `trap(patterns, action)`: the next command sent that carries every one of `patterns`
+  waits for `action` to run before it goes on (a fault that must land at one exact point of a
   process's life, such as a pause at its first read of its session records).
 
 No registry here ships a proxy server, so this is one: a thread per direction per
@@ -42,7 +42,7 @@ class RedisProxy:
         self.mode = "pass"
         self.delay = 0.0
         self._open: set[socket.socket] = set()
-        self._trap: tuple[bytes, Callable[[], None]] | None = None
+        self._trap: tuple[tuple[bytes, ...], Callable[[], None]] | None = None
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
@@ -63,11 +63,11 @@ class RedisProxy:
     def heal(self) -> None:
         self.mode, self.delay = "pass", 0.0
 
-    def trap(self, pattern: bytes, action: Callable[[], None]) -> None:
-        """Run `action` once, when a command carrying `pattern` is sent, before it goes
-        on (a pattern split across two reads is not seen: commands are small)."""
+    def trap(self, patterns: tuple[bytes, ...], action: Callable[[], None]) -> None:
+        """Run `action` once, when a write carrying all of `patterns` is sent, before it
+        goes on (a pattern split across two reads is not seen: commands are small)."""
         with self._lock:
-            self._trap = (pattern, action)
+            self._trap = (patterns, action)
 
     def disarm(self) -> None:
         """The trap set, if it has not sprung, never will."""
@@ -111,10 +111,10 @@ class RedisProxy:
                 threading.Thread(target=self._pump, args=(src, dst, sent), daemon=True).start()
 
     def _sprung(self, data: bytes) -> None:
-        """Run the trap's action if `data` (a command on its way) carries its pattern."""
+        """Run the trap's action if `data` (a command on its way) carries its patterns."""
         with self._lock:
             trap = self._trap
-            if trap is None or trap[0] not in data:
+            if trap is None or not all(p in data for p in trap[0]):
                 return
             self._trap = None
         trap[1]()

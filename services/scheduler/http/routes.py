@@ -173,9 +173,10 @@ async def fork_session(request: web.Request) -> web.Response:
 async def close_session(request: web.Request) -> web.Response:
     name = (await read_body(request, request.app[SCHEMAS].close_session)).session_id
     door = request.app[FRONT_DOOR]
-    if not door.forget_lost(session_id(request, name)):  # a lost one's close ends it
+    if door.forget_lost(session_id(request, name)):  # a lost one's close ends it
+        await door.durable()
+    else:
         await door.close_session(own_session(request, name))
-    await door.durable()
     return web.json_response(True)
 
 

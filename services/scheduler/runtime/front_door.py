@@ -14,7 +14,7 @@ from contextlib import aclosing
 import numpy as np
 import redis.asyncio as aioredis
 
-from protocol.copies import may_close, settled_here, takes_arrival
+from protocol.copies import close_stands, may_close, settled_here, takes_arrival
 from services.scheduler.engine.core import EngineCore
 from services.scheduler.records.request import Request
 from services.scheduler.records.session import Session, SessionError
@@ -230,10 +230,20 @@ class FrontDoor:
         return forgotten
 
     async def close_session(self, session: Session) -> None:
-        """Close `session` (resolved by the edge with `session`)."""
+        """Close `session` (resolved by the edge with `session`); returns once the close
+        is recorded and stands (protocol/copies.py, `close_stands`): a session moved
+        meanwhile answers 503 `moving`, and its client closes it where it went."""
         await self._undo_stale_move(session)
         self._engine.sessions.close(session.sid)
         self._intake.wake.set()
+        await self.durable()
+        placed = Placement.decode(await self._redis.get(streams.placement_key(session.sid)))
+        if not close_stands(session, placed, self._outbox.keys.replica):
+            raise SessionError(
+                f"session {session.name} moved to another replica while it closed here; "
+                "close it again",
+                "moving",
+            )
 
     async def _undo_stale_move(self, session: Session) -> None:
         """A session marked moving whose placement names this replica and no target was
