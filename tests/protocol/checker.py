@@ -4,7 +4,8 @@ one), safety checked in each, then liveness over the whole graph.
 
 - Safety, in every reachable state: no acknowledged turn is missing from the history of
   the copy the directory names, while that copy serves; no two copies of a session
-  could each answer a turn.
+  could each answer a turn; no copy of a session lives once its client heard its close
+  answered.
 - Liveness, once faults stop, over the graph of fault-free steps:
   - from every reachable state some schedule reaches a settled state (the directory
     names a ready copy at its epoch, not in transit and in doubt nowhere, no other
@@ -47,7 +48,7 @@ class Report:
 def harm(world: World) -> str | None:
     """A safety violation in `world`, named, or None."""
     for k in range(len(world.sessions)):
-        broken = lost_turn(world, k) or twins(world, k)
+        broken = lost_turn(world, k) or twins(world, k) or closed_but_live(world, k)
         if broken:
             return broken
     return None
@@ -86,6 +87,26 @@ def twins(world: World, k: int) -> str | None:
     return None
 
 
+def closed_but_live(world: World, k: int) -> str | None:
+    """A copy of session `k` that could answer a turn (as `twins` counts them) after its
+    client heard its close answered: it lives on, placed or not, holding its state and
+    its key's quota."""
+    session = world.sessions[k]
+    if not session.closed:
+        return None
+    live = [
+        r
+        for r in REPLICAS
+        if (c := session.copy(r)) is not None
+        and not c.moving
+        and not c.arrival
+        and world.serving(r)
+    ]
+    if live:
+        return f"{SIDS[k]} was closed for its client, yet a copy lives on {' and '.join(live)}"
+    return None
+
+
 def settled(world: World) -> bool:
     """Nothing in flight or held, every life started or dead for good, and each session
     either ended (placed nowhere, or lost) with no copy anywhere, or servable: placed on
@@ -104,7 +125,7 @@ def settled(world: World) -> bool:
 
 
 def _session_settled(world: World, session: Session) -> bool:
-    if session.delayed:
+    if session.delayed or session.closing:
         return False
     placed = session.placed
     if placed is None or session.lost:

@@ -15,6 +15,8 @@ The bounds, printed by each run:
 - `TWO_FAULTS`: two faults of the kinds a move meets, over one move (no crash).
 - `TWO_SESSIONS`: `BOUND` with two sessions on the same replica (one turn of one of
   them), so a crash, a pause, a gap, a fence and a re-homing act on both.
+- `CLOSES`: `BOUND` without a crash, its client closing the session (its record written
+  after the close, so a pause can fall between).
 
 What it cannot catch: anything outside the model (world.py's docstring says what) and
 what needs more faults, crashes, moves, sessions or turns than these bounds allow (two
@@ -142,3 +144,22 @@ def test_a_fence_that_minds_one_session_is_found():
     the other's stale copy while a front re-homed it: a bug only two sessions show."""
     rules = Rules(fence_every_session=False)
     assert found(run(rules, TWO_SESSIONS, first_harm=True), "two live copies")
+
+
+# a client closing its session while a front may drain it or re-home it
+CLOSES = BOUND._replace(sessions=(Session(turns_left=0, closes_left=1),), crashes_left=0)
+
+
+def test_production_never_answers_a_close_that_a_move_overtook():
+    report = run(Rules(), CLOSES)
+    assert report.states > 10_000 and report.depth > 10
+    assert not report.violations, report.first()
+
+
+def test_a_close_answered_after_its_session_moved_is_found():
+    """A replica paused between closing a session and writing the close's record: a
+    front re-homed the session from the store's record, which had no close, and the
+    close, answered 200 once the replica woke, left the copy it went to living for a
+    client that closed it (the fault campaign found its listing left behind)."""
+    rules = Rules(close_stands=lambda copy, placed, replica: True, compare_on_close=False)
+    assert found(run(rules, CLOSES, first_harm=True), "closed for its client")

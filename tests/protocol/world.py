@@ -25,7 +25,13 @@ pausing past its lease (its registration expires meanwhile); the records on a re
 stream lost before the store applied them (a gap). Time passing is an event too: a
 registration expiring, the store applying a replica's records.
 
-What it does not model: opens and closes, the fronts' memory of placements (a turn is
+A client whose turns are done may close its session (`Session.closes_left`): the
+replica closes its copy at once, writes the close's record later (a pause may come
+between: the record then lands after a front re-homed the session from the store's
+older record), and answers the close only once it is recorded; the front that sent it
+then takes away the placement it routed it by.
+
+What it does not model: opens, the fronts' memory of placements (a turn or a close is
 routed by the directory as it is when routed), writes to Redis other than the
 directory's refused or repeated. See docs/protocol.md."""
 
@@ -88,6 +94,13 @@ class Session(NamedTuple):
     acked: History = ()  # turns answered to its client
     delayed: tuple[str, int] | None = None  # a turn routed to (replica, epoch), not delivered
     turns_left: int = 2
+    closes_left: int = 0  # closes its client may still send (once its turns are done)
+    # a close a replica applied and has not answered yet: (replica, the copy it closed,
+    # whether the close's record is on its stream)
+    closing: tuple[str, Copy, bool] | None = None
+    closed: bool = False  # its client heard its close answered
+    # the placement a replica that closed its copy takes away next (a compare-and-delete)
+    unplace: tuple[str, int] | None = None
 
     def copy(self, replica: str) -> Copy | None:
         return self.copies[AT[replica]]
@@ -200,6 +213,11 @@ class Rules:
     # a lapsed lease waits while a move carries any of the replica's copies unaware (not:
     # only the first session's)
     fence_every_session: bool = True
+    # whether a close, recorded, is answered (production: only if the session was not
+    # moved meanwhile); and whether the front that closed it then takes away only the
+    # placement it routed the close by (not: whatever placement there is now)
+    close_stands: Callable[[Any, Placement | None, str], bool] = copies.close_stands
+    compare_on_close: bool = True
 
 
 # (what happened, the state after, who took the step): a fault (`FAULT`), a choice nobody
@@ -222,6 +240,7 @@ def moves(world: World, rules: Rules) -> Iterator[Transition]:
         yield f"late {message} delivered", after, f"network: {message}"
     for k in range(len(world.sessions)):
         yield from _turns(world, k, rules)
+        yield from _close_steps(world, k, rules)
     for replica in REPLICAS:
         yield from _life(world, replica, rules)
         yield from _store(world, replica)
@@ -352,7 +371,10 @@ def _turns(world: World, k: int, rules: Rules) -> Iterator[Transition]:
         replica, epoch = session.delayed
         after = _deliver(world.with_session(k, delayed=None), k, replica, epoch, rules)
         yield f"the delayed turn of {SIDS[k]} reaches {replica}", after, f"network {SIDS[k]}"
-    if session.turns_left == 0 or session.lost or placed is None or placed.moving_to:
+    if session.closing or session.closed or session.lost or placed is None or placed.moving_to:
+        return
+    if session.turns_left == 0:
+        yield from _closes(world, k, rules)
         return
     served = _deliver(world, k, placed.replica, placed.epoch, rules)
     if served != world:
@@ -361,6 +383,75 @@ def _turns(world: World, k: int, rules: Rules) -> Iterator[Transition]:
         delayed = world.with_session(k, delayed=(placed.replica, placed.epoch))
         after = delayed._replace(faults_left=world.faults_left - 1)
         yield f"a turn of {SIDS[k]} routed to {placed.replica} is delayed", after, FAULT
+
+
+def _closes(world: World, k: int, rules: Rules) -> Iterator[Transition]:
+    """Its turns done, the client closes session `k`, routed to the replica the directory
+    names: a copy there at that epoch that serves is closed now (no turn reaches it
+    again); its record goes on the stream later (`_close_steps`), and only then is the
+    close answered."""
+    session = world.sessions[k]
+    placed = session.placed
+    copy = session.copy(placed.replica)
+    if session.closes_left == 0 or not world.serving(placed.replica):
+        return
+    if copy is None:  # closed there already, or never arrived: 404, closed for its client
+        gone = world.with_session(k, closed=True, closes_left=session.closes_left - 1)
+        yield f"the client's close of {SIDS[k]} finds none on {placed.replica}", gone, CHOICE
+        return
+    if copy.moving or not rules.routed_to(copy, placed.epoch):
+        return
+    closed = world.with_copy(k, placed.replica, None)
+    closed = closed.with_session(
+        k,
+        closing=(placed.replica, copy, False),
+        closes_left=session.closes_left - 1,
+        unplace=(placed.replica, copy.epoch),
+    )
+    yield f"the client closes {SIDS[k]} on {placed.replica}", closed, CHOICE
+
+
+def _close_steps(world: World, k: int, rules: Rules) -> Iterator[Transition]:
+    """A close applied on a replica whose life goes on: its record written (taken while
+    the lease held, perhaps landing after a pause), then its answer; the placement it
+    closed at taken away by the replica (a heartbeat's, once its lease holds); and a
+    placement naming a replica that holds no copy dropped by its sweep
+    (runtime/placed_sweep.py: a close whose compare-and-delete found a move in transit,
+    which was then undone)."""
+    session = world.sessions[k]
+    placed = session.placed
+    if session.unplace is not None and world.serving(session.unplace[0]):
+        replica, epoch = session.unplace
+        after = world.with_session(
+            k, unplace=None, placed=None if placed == Placement(replica, epoch) else placed
+        )
+        yield f"{replica} takes away the placement of {SIDS[k]} it closed", after, replica
+    if (
+        placed is not None
+        and not placed.moving_to
+        and not session.lost
+        and session.copy(placed.replica) is None
+        and world.serving(placed.replica)
+    ):
+        swept = world.with_session(k, placed=None)
+        yield f"{placed.replica}'s sweep drops {SIDS[k]}'s placement", swept, placed.replica
+    if session.closing is None:
+        return
+    replica, copy, recorded = session.closing
+    if not world.life(replica).up:
+        return
+    if not recorded:
+        written = world.written(k, replica, None).with_session(k, closing=(replica, copy, True))
+        yield f"{replica} writes the record of {SIDS[k]}'s close", written, replica
+        return
+    if rules.close_stands(copy, session.placed, replica):
+        routed = Placement(replica, copy.epoch)
+        placed = None if session.placed == routed or not rules.compare_on_close else session.placed
+        answered = world.with_session(k, closing=None, closed=True, placed=placed)
+        yield f"{replica} answers the close of {SIDS[k]}", answered, replica
+    else:  # refused `moving`: the client closes it again, where the directory says now
+        refused = world.with_session(k, closing=None, closes_left=session.closes_left + 1)
+        yield f"{replica} refuses the close of {SIDS[k]}: it moved", refused, replica
 
 
 def _deliver(world: World, k: int, replica: str, epoch: int, rules: Rules) -> World:
@@ -412,8 +503,12 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
     spent = world._replace(faults_left=world.faults_left - 1)
     if world.crashes_left:
         crashed = spent._replace(crashes_left=world.crashes_left - 1)
-        for k in range(len(world.sessions)):
+        for k, session in enumerate(world.sessions):
             crashed = crashed.with_copy(k, replica, None)
+            if session.closing is not None and session.closing[0] == replica:
+                # its client never heard: it closes again, where the directory says
+                closes = session.closes_left + 1
+                crashed = crashed.with_session(k, closing=None, closes_left=closes)
         yield (
             f"{replica} life {life.number} crashes",
             crashed.with_life(replica, up=False, lease=False, pending=False),
