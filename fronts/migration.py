@@ -177,8 +177,8 @@ class Mover:
                 return await directory.begin(move)
             case CallOut():
                 leaving = self.table.live.get(move.source)
-                if leaving is None:
-                    return ABSENT
+                if leaving is None:  # its records alone only once it is surely not serving
+                    return ABSENT if self._gone(move.source) else 503
                 status, answer = await self._post(leaving, "/admin/migrate_out", sid)
                 if status != 200:
                     log.warning("session %s stays on %s: %s", sid, move.source, answer)
@@ -278,6 +278,16 @@ class Mover:
         self.declared_dead.update(set(dead) - self._dead_before)
         self._dead_before = set(dead)
         return dead
+
+    def _gone(self, replica: str) -> bool:
+        """Whether `replica` has been missing for `dead_seconds`: its lease ended before
+        that (protocol/lives.py), so it acknowledges nothing more until it has checked
+        its sessions against the directory. One whose registration merely lapsed (a
+        write refused, a short stall) may still serve under its lease: a move carried
+        from its records then missed a turn it answered meanwhile (the fault campaign's
+        stale turn, after a drain)."""
+        seen = self.last_seen.get(replica)
+        return seen is not None and time.monotonic() - seen > self.dead_seconds
 
     async def _forget(self, replica: str) -> None:
         """A replica dead for `forget_seconds` whose sessions all moved leaves the

@@ -367,3 +367,58 @@ def status_of_close(port: int, sid: str) -> tuple[int, dict]:
         return 200, {"closed": call(port, "/close_session", {"session_id": sid}, timeout=90)}
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def test_a_drain_never_carries_a_session_from_the_records_of_a_source_that_still_serves(
+    two: Stack, redis_client: redis.Redis, proxy: RedisProxy
+):
+    """Replica 0 is cut off from Redis for about a second, a turn of its session running:
+    its registration expires, its lease (longer) holds. A drain then must not take it
+    for absent and carry the session from the store's record: cut off, the replica has
+    not written the turn's record yet, and once back, still under its lease, it answers
+    the turn, which the copy on replica 1 would not have (the fault campaign's stale
+    turn, 200, after a drain whose source stopped registering). The move fails (503
+    from the source it could not ask), the session stays, whole, on replica 0."""
+    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
+    deadline = time.monotonic() + 60  # replica 0 may still be coming back from the last test
+    while health(direct, timeout=2).get("status") != "ok":
+        assert time.monotonic() < deadline, "replica 0 is not back"
+        two.supervise_once()
+        time.sleep(0.3)
+    sids: list[str] = []
+    while not sids or placement(redis_client, sids[-1]).replica != "0":
+        assert time.monotonic() < deadline, "no session was placed on replica 0"
+        sids.append(call(port, "/open_session", {}))
+    sid = sids[-1]
+    history = [5, 6, 7] + turn(port, sid, [5, 6, 7])["output_ids"]
+    running: dict = {}
+    long_turn = threading.Thread(
+        target=lambda: running.update(answer=status_of(port, sid, [8, 9], 64)), daemon=True
+    )
+    long_turn.start()
+    time.sleep(0.2)
+    proxy.partition()
+    try:
+        deadline = time.monotonic() + 5
+        while redis_client.exists(streams.Keys("0").alive):
+            assert time.monotonic() < deadline, "replica 0's registration never expired"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the router has read it missing
+        drained = call(port, "/admin/drain", {"replica": "0"})
+    finally:
+        proxy.heal()
+        redis_client.delete(streams.Keys("0").draining)
+    long_turn.join(60)
+    status, answer = running["answer"]
+    assert status == 200, (status, answer)  # answered under its lease, once back
+    history += [8, 9] + answer["output_ids"]
+    deadline = time.monotonic() + 10
+    while (got := status_of(port, sid, [10, 11]))[0] == 503:  # until the router reads it
+        assert time.monotonic() < deadline, got  # registered again
+        time.sleep(0.2)
+    assert got[0] == 200 and got[1]["meta_info"]["prompt_tokens"] == len(history) + 2, got
+    assert drained["history"] == drained["state"] == 0, drained  # nothing was carried
+    assert placement(redis_client, sid).replica == "0"
+    for other in sids:
+        call(port, "/close_session", {"session_id": other})
+    ledgers_clean(two)

@@ -163,3 +163,13 @@ def test_a_close_answered_after_its_session_moved_is_found():
     client that closed it (the fault campaign found its listing left behind)."""
     rules = Rules(close_stands=lambda copy, placed, replica: True, compare_on_close=False)
     assert found(run(rules, CLOSES, first_harm=True), "closed for its client")
+
+
+def test_a_move_carried_from_the_records_of_a_source_that_still_serves_is_found():
+    """A front that took a source missing its registration (a refused write, a short
+    stall) as absent carried the move from the store's records, while the source, its
+    lease still holding, went on serving its copy, never told: two live copies, and a
+    turn it answered was missing from the copy the session moved to (the fault
+    campaign's stale turn, 200, after a drain whose source stopped registering)."""
+    rules = Rules(carries_from_records=lambda life: not life.registered)
+    assert found(run(rules, first_harm=True), "two live copies")

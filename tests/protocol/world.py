@@ -21,8 +21,10 @@ there, as if it died) or applied twice (redis-py sends a command again after a
 connection error; the front hears the second answer); a front's work on a move stalled
 past its lease; a client's turn delayed (routed by the placement now, delivered at any
 later moment); a replica's life crashing (its copies gone; a new life may start) or
-pausing past its lease (its registration expires meanwhile); the records on a replica's
-stream lost before the store applied them (a gap). Time passing is an event too: a
+pausing past its lease (its registration expires meanwhile), or its registration
+lapsing while its lease holds (a write refused, a short stall: the fronts see it
+unregistered, not yet dead, and it still serves); the records on a replica's stream lost
+before the store applied them (a gap). Time passing is an event too: a
 registration expiring, the store applying a replica's records.
 
 A client whose turns are done may close its session (`Session.closes_left`): the
@@ -109,14 +111,16 @@ class Session(NamedTuple):
 class Life(NamedTuple):
     """A replica's current life: its number, whether its process runs, the next step of
     its start (`len(START)`: started), whether its own lease lets it serve, whether its
-    registration is in Redis (the fronts see it alive), and whether its recorded
-    sessions wait for the records proof."""
+    registration is in Redis (the fronts see it alive), whether it has been missing for
+    `dead_seconds` (the fronts take it for dead), and whether its recorded sessions wait
+    for the records proof."""
 
     number: int = 1
     up: bool = True
     step: int = len(lives.START)
     lease: bool = True
     registered: bool = True
+    gone: bool = False  # unregistered for `dead_seconds`: the fronts take it for dead
     pending: bool = False
 
 
@@ -218,6 +222,11 @@ class Rules:
     # placement it routed the close by (not: whatever placement there is now)
     close_stands: Callable[[Any, Placement | None, str], bool] = copies.close_stands
     compare_on_close: bool = True
+    # whether a front carries a move from the source's records without asking it
+    # (`migrate_out` ABSENT): production only once it takes the source for dead (`dead`),
+    # by when its lease has lapsed; not: as soon as its registration is missing, though
+    # it may still serve under its lease
+    carries_from_records: Callable[[Life], bool] = lambda life: dead(life)
 
 
 # (what happened, the state after, who took the step): a fault (`FAULT`), a choice nobody
@@ -344,6 +353,15 @@ def _unheld(world: World, move: Move) -> World:
 def _lapse(world: World, move: Move) -> World:
     listed = tuple((m, live and m != move) for m, live in world.listed)
     return world._replace(listed=listed, faults_left=world.faults_left - 1)
+
+
+def dead(life: Life) -> bool:
+    """Whether the fronts take the replica for dead: unregistered for `dead_seconds`
+    (`gone`: a crash, a pause past that). A replica whose registration merely lapsed (a
+    write refused, a stall shorter than that) is not ready, but not dead: its lease,
+    which ends before it could be taken for dead (protocol/lives.py `ReplicaLease`),
+    may still let it serve."""
+    return life.gone
 
 
 def _ready(world: World, replica: str) -> bool:
@@ -477,7 +495,7 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
     life = world.life(replica)
     if not life.up:
         if life.registered:
-            after = world.with_life(replica, registered=False)
+            after = world.with_life(replica, registered=False, gone=True)
             yield f"{replica}'s registration expires", after, replica
         if life.number < 2:
             after = world.with_life(replica, number=life.number + 1, up=True, step=0, lease=False)
@@ -515,8 +533,11 @@ def _life(world: World, replica: str, rules: Rules) -> Iterator[Transition]:
             FAULT,
         )
     if life.registered and life.lease:
-        paused = spent.with_life(replica, lease=_lease_after_pause(rules), registered=False)
+        lease = _lease_after_pause(rules)
+        paused = spent.with_life(replica, lease=lease, registered=False, gone=True)
         yield f"{replica} pauses past its lease", paused, FAULT
+        unregistered = spent.with_life(replica, registered=False)
+        yield f"{replica}'s registration lapses while its lease holds", unregistered, FAULT
 
 
 def _lease_after_pause(rules: Rules) -> bool:
@@ -538,7 +559,7 @@ def _start_step(world: World, replica: str, step: Step, rules: Rules) -> World |
     match step:
         case Step.REGISTER:  # fences earlier lives: the store may decide their gaps
             fenced = world._replace(fenced_by=_set(world.fenced_by, AT[replica], life))
-            return fenced.with_life(replica, registered=True, lease=True)
+            return fenced.with_life(replica, registered=True, gone=False, lease=True)
         case Step.AWAIT_REHOMING:
             return None if replica in world.rehoming else world
         case Step.READ_STREAM_END:  # the proof is taken against the stream as it is then
@@ -578,7 +599,7 @@ def _heartbeat(world: World, replica: str, rules: Rules) -> World:
     copy was checked against the directory (not while a front re-homes it, nor while a
     move carries a copy it never told: protocol/copies.py); then each copy a move left
     in doubt is settled as the directory says."""
-    world = world.with_life(replica, registered=True)
+    world = world.with_life(replica, registered=True, gone=False)
     if not world.life(replica).lease:
         if replica in world.rehoming:
             return world
@@ -685,7 +706,7 @@ def _rehoming(world: World, replica: str) -> Iterator[Transition]:
         if s.placed is not None and s.placed.replica == replica
     ]
     if replica not in world.rehoming:
-        if not life.registered and placed_here:
+        if dead(life) and placed_here:
             after = world._replace(rehoming=(*world.rehoming, replica))
             yield f"f3 takes {replica}'s re-homing key", after, "f3"
         return
@@ -728,7 +749,7 @@ def _apply(world: World, move: Move, effect: Effect, rules: Rules) -> tuple[Worl
         case Unlist():
             return world._replace(listed=_unlisted(world, move)), None
         case CallOut():
-            return _call_out(world, k, move)
+            return _call_out(world, k, move, rules)
         case CallIn():
             return _arrive(world, k, move, rules)
         case Release(replica=replica, cancel=cancel):
@@ -748,12 +769,13 @@ def _swap(world: World, k: int, old: Placement, new: Placement, rules: Rules) ->
     return world.with_session(k, placed=Placement.decode(value)), bool(answer)
 
 
-def _call_out(world: World, k: int, move: Move) -> tuple[World, object]:
-    """`migrate_out` on the source: ABSENT when the fronts see it unregistered; refused
-    (503) by a life that cannot answer now; else the copy leaves, its record written."""
+def _call_out(world: World, k: int, move: Move, rules: Rules) -> tuple[World, object]:
+    """`migrate_out` on the source: ABSENT when the fronts take it for dead; refused
+    (503) by one unregistered but not dead, or a life that cannot answer now; else the
+    copy leaves, its record written."""
     source = move.source
     if not world.life(source).registered:
-        return world, ABSENT
+        return world, ABSENT if rules.carries_from_records(world.life(source)) else 503
     if not world.serving(source):
         return world, 503
     copy = world.sessions[k].copy(source)
