@@ -15,12 +15,14 @@ import socket
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 from services.scheduler.http.errors import errors
 from services.scheduler.http.events import EventStream
 from shared.placement import ROUTED_EPOCH_HEADER
+from shared.redis_server import free_port
 from shared.tokenizer import BYTE_VOCAB as VOCAB  # the built-in model's
 from tests.services_harness import POOLS, call, ledger_when_idle, stack_settings, start_stack
 
@@ -293,6 +295,33 @@ def test_a_fault_in_a_handler_is_a_json_500_with_its_request_id(caplog):
 
     with caplog.at_level(logging.ERROR, logger="custody.scheduler.http"):
         asyncio.run(scenario())
+
+
+def test_redis_unreachable_in_a_handler_is_a_503_to_retry():
+    """A handler whose Redis call fails (a real client, to a port nothing listens on):
+    a dependency away for a moment, answered 503 with Retry-After, never a 500 (the fault
+    campaign saw a close answered 500 when Redis reset its connection)."""
+
+    async def reads_redis(_: web.Request) -> web.Response:
+        client = aioredis.Redis(port=free_port(), socket_connect_timeout=1)
+        try:
+            await client.get("custody:placement:x")
+        finally:
+            await client.aclose()
+        return web.json_response(True)
+
+    async def scenario() -> None:
+        app = web.Application(middlewares=[errors])
+        app.router.add_post("/close", reads_redis)
+        async with (
+            TestServer(app) as server,
+            ClientSession() as client,
+            client.post(server.make_url("/close")) as resp,
+        ):
+            assert resp.status == 503 and resp.headers["Retry-After"]
+            assert (await resp.json())["error"]["type"] == "dependency_unavailable"
+
+    asyncio.run(scenario())
 
 
 def test_a_request_aiohttps_parser_refuses_gets_a_json_error(stack):

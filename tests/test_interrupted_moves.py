@@ -347,3 +347,44 @@ def test_a_move_to_a_replica_that_never_answers_ends_once_it_stops_registering(
         listening.close()
         client.delete(streams.Keys(other).draining, streams.Keys(source).draining)
         client.srem(streams.REPLICAS, "9")
+
+
+def test_a_close_that_meets_its_session_in_transit_keeps_the_placement_listed(
+    steady: Stack, module_redis_client: redis.Redis
+):
+    """A close delivered to its replica after a move began (routed just before): the copy
+    closes, the close answers 503 `moving` (it cannot stand: the directory has the
+    session in transit), and the replica's compare-and-delete finds nothing to delete.
+    The move is then undone (its source has no copy left to give): the placement put
+    back must still be listed on that replica, for its sweep (placed_sweep.py) to settle.
+    Taken away with the close, the listing left a placement nothing would ever look at
+    again (the fault campaign's leaked placement key)."""
+    stack, client, url = steady, module_redis_client, steady.settings.redis_url
+    port = stack.settings.port
+    deadline = time.monotonic() + 20
+    while True:  # the router may still read the last test's replicas as drained (503)
+        try:
+            sid = call(port, "/open_session", {})
+            break
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and time.monotonic() < deadline, err
+            time.sleep(0.3)
+    key = streams.placement_key(sid)
+    placed = Placement.decode(client.get(key))
+    target = "1" if placed.replica == "0" else "0"
+    move = Move(sid, placed.replica, target, placed.epoch, secrets.token_hex(8))
+    assert directory(url, "begin", move)
+    source = stack.layout[f"scheduler-{placed.replica}"][1].port
+    with pytest.raises(urllib.error.HTTPError) as err:
+        call(source, "/close_session", {"session_id": sid})
+    assert err.value.code == 503 and b"moving" in err.value.read()
+    time.sleep(1.0)  # its heartbeats run the compare-and-delete: in transit, no match
+    assert directory(url, "abort", move)
+    assert Placement.decode(client.get(key)) == placed
+    assert client.sismember(streams.Keys(placed.replica).placed, sid)
+    with pytest.raises(urllib.error.HTTPError) as err:  # its client closes it again
+        call(port, "/close_session", {"session_id": sid})
+    assert err.value.code == 404  # closed: no copy anywhere
+    assert refused(stack, placed.replica, sid) == 404 and refused(stack, target, sid) == 404
+    client.delete(key)  # what the sweep does after its grace (tests/scheduler: the sweep)
+    client.srem(streams.Keys(placed.replica).placed, sid)

@@ -11,6 +11,7 @@ import logging
 import secrets
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from services.scheduler.http.bodies import error_body
 from services.scheduler.http.events import EVENT_STREAM
@@ -59,6 +60,8 @@ def classify(err: Exception) -> tuple[int, str, str]:
         return 413, err.text or "request body too large", "request_too_large"
     if isinstance(err, web.HTTPException):
         return err.status, err.reason or "error", "http_error"
+    if isinstance(err, RedisError):  # refused (read-only, out of memory) or unreachable
+        return 503, "Redis cannot be reached or refuses writes now; retry", "dependency_unavailable"
     return 500, "internal error; the scheduler's log has it under request_id", "internal_error"
 
 
@@ -74,8 +77,11 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
             return stream.response  # its request was aborted; there is no one to answer
         status, message, kind = classify(err)
         request_id = None
-        # a session's 503 is a refusal; a relayed 500 the core logged
-        if status >= 500 and not isinstance(err, SessionError | Relayed):
+        # a session's 503 is a refusal; a relayed 500 the core logged; Redis's a fault
+        # its own loops log (shared/retry.py), counted there
+        if isinstance(err, RedisError):
+            log.warning("%s %s: Redis: %s", request.method, request.path, err)
+        elif status >= 500 and not isinstance(err, SessionError | Relayed):
             request_id = secrets.token_hex(8)
             log.exception("%s %s failed (request_id %s)", request.method, request.path, request_id)
         body = error_body(message, kind, request_id)

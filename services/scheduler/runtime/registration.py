@@ -130,8 +130,12 @@ class Registration:
 
     async def unplace(self, client: aioredis.Redis) -> None:
         """Take away the placement of each routed session closed here, if it still names
-        this replica at the session's epoch (a compare-and-delete): the router that closed
-        it removes it too, but may die first, and an idle timeout tells no router."""
+        this replica at the session's epoch (a compare-and-delete), and then its listing:
+        the router that closed it removes them too, but may die first, and an idle
+        timeout tells no router. A placement that is not that one now (in transit: a move
+        that will be undone, the copy it would carry being closed) keeps its listing, so
+        the sweep (placed_sweep.py) settles it once it stops changing; taken away here,
+        the placement the undone move put back was listed nowhere, for good."""
         sessions = self.engine.sessions
         if not sessions.unplaced:
             return
@@ -139,7 +143,7 @@ class Registration:
         while sessions.unplaced:
             sid, epoch = sessions.unplaced[0]
             mine = Placement(self.keys.replica, epoch).encode()
-            await script(keys=[streams.placement_key(sid)], args=[mine])
-            await client.srem(self.keys.placed, sid)
+            if await script(keys=[streams.placement_key(sid)], args=[mine]):
+                await client.srem(self.keys.placed, sid)
             await client.srem(self.keys.lost, sid)  # if it was lost, its client closed it
             sessions.unplaced.pop(0)
