@@ -307,16 +307,8 @@ def test_a_close_whose_record_was_held_while_its_session_moved_is_not_acknowledg
     closed it took that placement away (a live copy placed nowhere, which the fault
     campaign found as a leaked listing). It answers 503 `moving`, and the close made again
     (by the router, or its client) closes the copy on replica 1: nothing is left."""
-    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
-    deadline = time.monotonic() + 60  # replica 0 may still be coming back from the last test
-    while health(direct, timeout=2).get("status") != "ok":
-        assert time.monotonic() < deadline, "replica 0 is not back"
-        two.supervise_once()
-        time.sleep(0.3)
-    sids: list[str] = []
-    while not sids or placement(redis_client, sids[-1]).replica != "0":
-        assert time.monotonic() < deadline, "no session was placed on replica 0"
-        sids.append(call(port, "/open_session", {}))
+    port = two.settings.port
+    sids = sessions_until_one_on_replica_0(two, redis_client)
     sid = sids[-1]
     history = [5, 6, 7] + turn(port, sid, [5, 6, 7])["output_ids"]
     scheduler, moved = two.children["scheduler-0"], threading.Event()
@@ -379,16 +371,8 @@ def test_a_drain_never_carries_a_session_from_the_records_of_a_source_that_still
     the turn, which the copy on replica 1 would not have (the fault campaign's stale
     turn, 200, after a drain whose source stopped registering). The move fails (503
     from the source it could not ask), the session stays, whole, on replica 0."""
-    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
-    deadline = time.monotonic() + 60  # replica 0 may still be coming back from the last test
-    while health(direct, timeout=2).get("status") != "ok":
-        assert time.monotonic() < deadline, "replica 0 is not back"
-        two.supervise_once()
-        time.sleep(0.3)
-    sids: list[str] = []
-    while not sids or placement(redis_client, sids[-1]).replica != "0":
-        assert time.monotonic() < deadline, "no session was placed on replica 0"
-        sids.append(call(port, "/open_session", {}))
+    port = two.settings.port
+    sids = sessions_until_one_on_replica_0(two, redis_client)
     sid = sids[-1]
     history = [5, 6, 7] + turn(port, sid, [5, 6, 7])["output_ids"]
     running: dict = {}
@@ -422,3 +406,19 @@ def test_a_drain_never_carries_a_session_from_the_records_of_a_source_that_still
     for other in sids:
         call(port, "/close_session", {"session_id": other})
     ledgers_clean(two)
+
+
+def sessions_until_one_on_replica_0(two: Stack, redis_client: redis.Redis) -> list[str]:
+    """Sessions opened through the router until one is placed on replica 0 (the last),
+    once replica 0 is back from whatever the test before did to it."""
+    port, direct = two.settings.port, two.layout["scheduler-0"][1].port
+    deadline = time.monotonic() + 60
+    while health(direct, timeout=2).get("status") != "ok":
+        assert time.monotonic() < deadline, "replica 0 is not back"
+        two.supervise_once()
+        time.sleep(0.3)
+    sids: list[str] = []
+    while not sids or placement(redis_client, sids[-1]).replica != "0":
+        assert time.monotonic() < deadline, "no session was placed on replica 0"
+        sids.append(call(port, "/open_session", {}))
+    return sids

@@ -6,6 +6,7 @@ import numpy as np
 
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import SamplingParams
+from services.scheduler.records.session import Session
 from shared.messages.ownership import ChatEntry
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
@@ -23,6 +24,25 @@ def truncating_turn(prompt: list[int], reply_start: int, base: int = 0, seen: in
     return ChatTurn(base, seen, (), reply, reply_start)
 
 
+def run_chat_turn(d: Driver, session: Session, new: list[int], chat: ChatTurn) -> None:
+    """`new` as a chat turn of `session`, three tokens out, run to its end."""
+    params = SamplingParams(max_new_tokens=3)
+    d.engine.submit_turn(session, np.asarray(new), d.rid(), params, chat=chat)
+    d.run()
+
+
+def two_reply_start_turns(d: Driver, session: Session) -> list[int]:
+    """A first chat turn keeping its reply start at 13, then a second at 30 (inside the
+    page from 28); returns the second turn's prompt."""
+    first = text(18, 1)
+    run_chat_turn(d, session, first, truncating_turn(first, 13))
+    assert session.cached_len == 13
+    prompt = [*session.history[:13].tolist(), *text(20, 2)]
+    later = truncating_turn(prompt, 30, base=13, seen=len(session.history))
+    run_chat_turn(d, session, text(20, 2), later)
+    return prompt
+
+
 def test_the_reply_start_is_kept_when_the_cache_holds_every_free_state():
     """The session takes the turn's snapshot at its reply start, and the track refills
     the slot it gives. With the cache holding every free Mamba slot (the turn's admission
@@ -37,11 +57,7 @@ def test_the_reply_start_is_kept_when_the_cache_holds_every_free_state():
     sid = d.engine.sessions.open().sid
     session = d.engine.sessions.get(sid)
     prompt = text(18, 1)
-    chat = truncating_turn(prompt, 13)
-    d.engine.submit_turn(
-        session, np.asarray(prompt), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
-    )
-    d.run()
+    run_chat_turn(d, session, prompt, truncating_turn(prompt, 13))
     assert d.engine.sessions.reply_starts == 1
     assert session.cached_len == 13 and session.history[:13].tolist() == prompt[:13]
     close_all(d)
@@ -56,22 +72,7 @@ def test_the_chunk_ending_at_a_reply_start_waits_for_a_track_slot():
     d = Driver(page_size=4, chunk=4)
     sid = d.engine.sessions.open().sid
     session = d.engine.sessions.get(sid)
-    first = text(18, 1)
-    d.engine.submit_turn(
-        session,
-        np.asarray(first),
-        d.rid(),
-        SamplingParams(max_new_tokens=3),
-        chat=truncating_turn(first, 13),
-    )
-    d.run()
-    assert session.cached_len == 13
-    prompt = [*session.history[:13].tolist(), *text(20, 2)]
-    chat = truncating_turn(prompt, 30, base=13, seen=len(session.history))
-    d.engine.submit_turn(
-        session, np.asarray(text(20, 2)), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
-    )
-    d.run()
+    two_reply_start_turns(d, session)
     assert d.engine.sessions.reply_starts == 2 and session.cached_len == 30
     close_all(d)
 
@@ -86,18 +87,7 @@ def test_a_later_turn_keeps_the_page_before_its_reply_start_for_a_branch():
         d = Driver(page_size=4, chunk=8, depth=depth)
         sid = d.engine.sessions.open().sid
         session = d.engine.sessions.get(sid)
-        first = text(18, 1)
-        chat = truncating_turn(first, 13)
-        d.engine.submit_turn(
-            session, np.asarray(first), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
-        )
-        d.run()
-        prompt = [*session.history[:13].tolist(), *text(20, 2)]
-        chat = truncating_turn(prompt, 30, base=13, seen=len(session.history))
-        d.engine.submit_turn(
-            session, np.asarray(text(20, 2)), d.rid(), SamplingParams(max_new_tokens=3), chat=chat
-        )
-        d.run()
+        prompt = two_reply_start_turns(d, session)
         assert session.cached_len == 30 and session.slots.borrowed == 28
         assert any(n.end == 28 and n.mamba for n in d.engine.cache.nodes())
         d.engine.sessions.reseed(sid)

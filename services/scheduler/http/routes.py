@@ -176,7 +176,9 @@ async def close_session(request: web.Request) -> web.Response:
     if door.forget_lost(session_id(request, name)):  # a lost one's close ends it
         await door.durable()
     else:
-        await door.close_session(own_session(request, name))
+        session = own_session(request, name)
+        await door.close_session(session)
+        await door.close_recorded(session)
     return web.json_response(True)
 
 

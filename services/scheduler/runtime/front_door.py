@@ -230,12 +230,15 @@ class FrontDoor:
         return forgotten
 
     async def close_session(self, session: Session) -> None:
-        """Close `session` (resolved by the edge with `session`); returns once the close
-        is recorded and stands (protocol/copies.py, `close_stands`): a session moved
-        meanwhile answers 503 `moving`, and its client closes it where it went."""
+        """Close `session` (resolved by the edge with `session`)."""
         await self._undo_stale_move(session)
         self._engine.sessions.close(session.sid)
         self._intake.wake.set()
+
+    async def close_recorded(self, session: Session) -> None:
+        """Until the close of `session` is on the ownership stream, and then only if it
+        stands (protocol/copies.py, `close_stands`): a session moved meanwhile answers
+        503 `moving`, and its client closes it where it went."""
         await self.durable()
         placed = Placement.decode(await self._redis.get(streams.placement_key(session.sid)))
         if not close_stands(session, placed, self._outbox.keys.replica):
