@@ -274,7 +274,7 @@ class Mover:
             self.last_seen[rid] = now
         for rid in self.table.known:
             self.last_seen.setdefault(rid, now)  # a replica first seen dead gets its grace
-        dead = [r for r, seen in self.last_seen.items() if now - seen > self.dead_seconds]
+        dead = [r for r in self.last_seen if self._gone(r)]
         self.declared_dead.update(set(dead) - self._dead_before)
         self._dead_before = set(dead)
         return dead

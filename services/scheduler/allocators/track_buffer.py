@@ -100,6 +100,7 @@ class TrackSlots:
         return None
 
     def donate_latest(self, receiver: Owner, reason: str = "donate") -> Snapshot:
+        """`donate` the latest snapshot (a chat turn's reply start, to its session)."""
         snap = self.latest_snapshot()
         if snap is None:
             raise ValueError(f"{self.owner}: nothing to donate")

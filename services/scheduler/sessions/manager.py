@@ -380,8 +380,8 @@ class SessionManager:
         prefix cache's, docs/ownership.md "Kept boundaries"). A chat reply the session
         cannot keep as generated is re-encoded (chat_log.py): the session keeps the state
         at the reply's start (the page boundary before it going to `keep_boundary`), else
-        at the turn's start. False when it keeps no state: the
-        caller releases the turn's slots."""
+        at the turn's start. False when it keeps no state: the caller releases the turn's
+        slots."""
         session, settled = req.session, settle(req)
         boundary = None if session.streaming else keep_boundary  # a streaming one never branches
         if settled is not None:

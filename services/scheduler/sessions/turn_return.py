@@ -46,9 +46,9 @@ def keep_reencoded(
     """A chat reply the session cannot keep as generated (chat_log.py): the state returns
     at the reply's start if `at_reply_start` and the turn's snapshot is there (with
     `keep_boundary` given the page-aligned snapshot before it), else at the turn's start.
-    Returns the positions the session then holds (0: none, the turn had
-    no state to return to; the caller releases its slots) and whether they end at the
-    reply's start."""
+    Returns the positions the session then holds (0: none, the turn had no state to
+    return to; the caller releases its slots) and whether they end at the reply's
+    start."""
     kept = keep_reply_start(pools, cache, req, keep_boundary) if at_reply_start else None
     if kept is not None:
         return kept, True
