@@ -10,8 +10,15 @@ import json
 from multidict import MultiMapping
 
 from shared.session_header import read_session_header
-from shared.session_ids import scoped_session_id, valid_session_id, valid_session_name
+from shared.session_ids import (
+    response_session,
+    scoped_session_id,
+    valid_session_id,
+    valid_session_name,
+)
 
+HEADER_ROUTES = frozenset({"/v1/chat/completions", "/v1/messages"})  # bound by the header
+RESPONSES = "/v1/responses/"  # a stored response's routes: the id follows
 SESSION_ROUTES = frozenset({"/close_session", "/place_session", "/fork_session"})
 FANOUT_ROUTES = frozenset({"/flush_cache", "/reset_prefix_cache"})
 
@@ -29,9 +36,17 @@ def session_of(path: str, body: dict | None, tenant: str | None) -> str | None:
     """The id of the session a request of `tenant` addresses, if any: scoped to the
     caller's key as its replica scopes it (shared/session_ids.py), except on the
     operator's `/place_session`, which names a session by its id. A name the replica
-    would refuse addresses nothing here (the replica answers it with its 400)."""
+    would refuse addresses nothing here (the replica answers it with its 400). A stored
+    response's id names its conversation's session, in the path or as the
+    `previous_response_id` a new response continues."""
+    if path.startswith(RESPONSES):
+        name = response_session(path[len(RESPONSES) :].split("/", 1)[0])
+        return None if name is None else scoped_session_id(tenant, name)
     if body is None:
         return None
+    if path == "/v1/responses" and body.get("previous_response_id") is not None:
+        name = response_session(body["previous_response_id"])
+        return None if name is None else scoped_session_id(tenant, name)
     if path == "/generate":
         params = body.get("session_params")
         name = params.get("id") if isinstance(params, dict) else None
@@ -55,9 +70,18 @@ def header_session(
     reads it (no `session_id` in the body, `n` at most 1), scoped to the caller's key. An
     invalid name addresses nothing (the replica answers it, or runs stateless); a
     repeated header raises `RepeatedHeader`."""
-    if path != "/v1/chat/completions" or body is None or body.get("session_id") is not None:
+    if path not in HEADER_ROUTES or body is None or body.get("session_id") is not None:
         return None
     if body.get("n") not in (None, 1):
         return None  # n > 1 runs stateless there
     name = read_session_header(headers, header)
     return scoped_session_id(tenant, name) if valid_session_name(name) else None
+
+
+def new_conversation(path: str, body: dict | None) -> bool:
+    """A Responses request that begins a stored conversation: its replica opens a session
+    for it (named by `session_id`, else by the front), which the front places first, as
+    it places a session header's first turn."""
+    if path != "/v1/responses" or body is None or body.get("store") is False:
+        return False
+    return body.get("previous_response_id") is None

@@ -19,7 +19,9 @@ or raises a `Refusal` the front answers itself:
   placed it (that replica answers the conflict); an open refused leaves no placement,
   and one whose answer never came leaves no copy either.
 - The first turn of a session only the header names is placed the same way (its
-  replica opens the session as it runs the turn).
+  replica opens the session as it runs the turn), and so is the first response of a
+  stored conversation (`/v1/responses` without `previous_response_id`), named here
+  when the client named none; a stored response's id names its session.
 - `/fork_session` is placed the same way on its parent's replica, whose prefix cache
   holds the states the fork resumes from (the new name is `new_session_id`).
 - Anything else goes by the prefix index within a load bound (fronts/choice.py), shed
@@ -44,7 +46,14 @@ from dataclasses import dataclass, field
 
 from multidict import MultiMapping
 
-from fronts.addressing import FANOUT_ROUTES, aborts_all, header_session, read_json, session_of
+from fronts.addressing import (
+    FANOUT_ROUTES,
+    aborts_all,
+    header_session,
+    new_conversation,
+    read_json,
+    session_of,
+)
 from fronts.front import Routing
 from fronts.replicas import Opening, Replica
 from shared.http_limits import MAX_BATCH, MAX_RID
@@ -58,7 +67,7 @@ from shared.placement import (
 from shared.retry import DEPENDENCY_FAULTS
 from shared.session_header import RepeatedHeader
 from shared.session_ids import SESSION_ID, scoped_session_id, session_name, valid_session_name
-from shared.tenancy import Caller, Refused
+from shared.tenancy import Caller, Refused, authorization
 
 log = logging.getLogger("custody.router")
 PROBES = frozenset({"/health_generate"})  # any ready replica, no key: a liveness probe
@@ -185,7 +194,14 @@ class Decision:
             implied = header_session(path, parsed, headers, self.session_header, tenant)
         except RepeatedHeader as err:
             raise Refusal(400, str(err), "invalid_request_error") from None
-        implicit = implied is not None  # never with a session in the body
+        rewritten = None
+        if implied is None and new_conversation(path, parsed):
+            if parsed.get("session_id") is None:  # named here, so it can be placed first
+                parsed["session_id"] = secrets.token_hex(12)
+                rewritten = json.dumps(parsed).encode()
+            if valid_session_name(parsed["session_id"]):
+                implied = scoped_session_id(tenant, parsed["session_id"])
+        implicit = implied is not None  # opened by the turn that names it
         sid = implied if implicit else session_of(path, parsed, tenant)
         if sid is not None:
             await self.mover.settled(sid)
@@ -194,7 +210,7 @@ class Decision:
             if home is not None:
                 return self._placed(path, sid, home, only, remembered is not None)
             if implicit:
-                return await self._place_implicit(sid, tenant, only)
+                return await self._place_implicit(sid, tenant, only, rewritten)
         return self._choose(path, parsed, tenant, only)
 
     async def drain(self, headers: MultiMapping[str], body: bytes) -> dict:
@@ -212,7 +228,7 @@ class Decision:
         """Who asks, as each replica checks it (shared/tenancy.py): a refused key is a
         `Refusal` with the refusal's status and headers."""
         try:
-            return self.tenancy.caller(headers.get("authorization", ""), path)
+            return self.tenancy.caller(authorization(headers), path)
         except Refused as refused:
             raise Refusal(
                 refused.status, str(refused), refused.kind, headers=refused.headers
@@ -254,10 +270,13 @@ class Decision:
             raise Refusal(503, "no replica is ready", "no_replica", retry=True)
         return replica
 
-    async def _place_implicit(self, sid: str, tenant: str | None, only: set[str] | None) -> Pick:
-        """The first turn of a session the header names, placed before it is sent (its
-        replica opens the session as it runs the turn): the directory, not this front,
-        decides where later turns go, so no two replicas ever hold it."""
+    async def _place_implicit(
+        self, sid: str, tenant: str | None, only: set[str] | None, body: bytes | None = None
+    ) -> Pick:
+        """The first turn of a session the header names (or of a stored conversation),
+        placed before it is sent (its replica opens the session as it runs the turn): the
+        directory, not this front, decides where later turns go, so no two replicas ever
+        hold it. `body`: the request's, rewritten to name the session."""
         replica = self._least_loaded(only)
         refused = self.limits.refuse_open(tenant)
         if refused is not None:
@@ -265,7 +284,7 @@ class Decision:
         home, _ = await self._place(sid, replica)
         if home.replica != replica.id:
             return self._placed("", sid, home, only, remembered=False)
-        return Pick(replica, "affinity", "turn", placing=True)
+        return Pick(replica, "affinity", "turn", body, placing=True)
 
     async def _fork(self, parsed: dict | None, tenant: str | None, only: set[str] | None) -> Pick:
         """A fork opens on its parent's replica; a parent placed nowhere goes by load (its

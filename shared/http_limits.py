@@ -7,3 +7,4 @@ MAX_BATCH = 64  # items of one batch /generate; each is a request, counted again
 MAX_CHOICES = 16  # samples of one prompt (OpenAI's and SGLang's n); each is a request
 MAX_RID = 256  # characters of one request id
 MAX_CACHE_SALT = 256  # characters of one cache_salt (shared/messages/cache.py)
+MAX_RETENTION_PRIORITY = 9  # a retention hint's highest priority (docs/tiers.md)

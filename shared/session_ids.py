@@ -45,3 +45,21 @@ def session_name(sid: str) -> str:
 def valid_session_id(sid: object) -> bool:
     """A scoped id (or, keys off, a name): what the engine and operator routes take."""
     return isinstance(sid, str) and _SCOPED.fullmatch(sid) is not None
+
+
+# A stored response's id (the Responses API, docs/api.md) names its conversation's
+# session, so every front routes it where that session lives: `resp_<name>_<token>`
+# (a name holds no `_`).
+RESPONSE_PREFIX = "resp_"
+
+
+def response_id(name: str, token: str) -> str:
+    return f"{RESPONSE_PREFIX}{name}_{token}"
+
+
+def response_session(rid: object) -> str | None:
+    """The name of the session response id `rid` names; None if it names none."""
+    if not isinstance(rid, str) or not rid.startswith(RESPONSE_PREFIX):
+        return None
+    name, sep, _ = rid[len(RESPONSE_PREFIX) :].rpartition("_")
+    return name if sep and valid_session_name(name) else None

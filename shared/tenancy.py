@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -52,10 +53,6 @@ class Refused(Exception):
         super().__init__(message)
         self.status, self.kind, self.headers = status, kind, headers or {}
 
-    def response(self) -> web.Response:
-        body = {"error": {"message": str(self), "type": self.kind}}
-        return web.json_response(body, status=self.status, headers=self.headers)
-
 
 class ApiKeys:
     def __init__(self, api_keys: str, admin_api_keys: str) -> None:
@@ -65,7 +62,7 @@ class ApiKeys:
     def identify(self, request: web.Request) -> Caller:
         """The caller of `request`; 401 without a valid key, 403 on an operator route
         without an operator key."""
-        return self.caller(request.headers.get("Authorization", ""), request.path)
+        return self.caller(authorization(request.headers), request.path)
 
     def caller(self, authorization: str, path: str) -> Caller:
         """`identify` from an `Authorization` header's value and the path asked for: a
@@ -82,12 +79,23 @@ class ApiKeys:
         if caller is None:
             raise Refused(
                 401,
-                "a valid API key is required (Authorization: Bearer ...)",
+                "a valid API key is required (Authorization: Bearer ..., or x-api-key)",
                 "authentication_error",
             )
         if path in OPERATOR_PATHS and not caller.operator:
             raise Refused(403, f"{path} needs an operator key", "permission_error")
         return caller
+
+
+def authorization(headers: Mapping[str, str]) -> str:
+    """The `Authorization` header's value, or an `x-api-key` header's key (the header
+    Anthropic's clients send) as the bearer key it is when that is absent; `headers`
+    case-insensitive, or with lowercase names."""
+    value = headers.get("authorization")
+    if value is not None:
+        return value
+    key = headers.get("x-api-key")
+    return "" if key is None else f"Bearer {key}"
 
 
 def _split(keys: str) -> set[str]:

@@ -20,7 +20,6 @@ from tests.checkpoints import (
     reference,
 )
 from tests.services_harness import (
-    agent_settings,
     stack_settings,
     start_stack,
     without_scheduler,
@@ -107,14 +106,6 @@ def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         layers=AGENT_LAYERS,
         **AGENT_MOE,
     )
-
-
-@pytest.fixture(scope="module")
-def agent_stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
-    """The services serving `agent_checkpoint` as an agent deployment (agent_settings)."""
-    running = start_stack(agent_settings(redis_url, agent_checkpoint))
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="session")

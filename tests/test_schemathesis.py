@@ -57,14 +57,30 @@ def small_stack(redis_url, redis_client):
     running.stop()
 
 
+# the events a named stream (the Responses and Messages APIs') ends with
+LAST_EVENTS = {"response.completed", "response.incomplete", "message_stop", "error"}
+
+
 def stream_ends_with_done(ctx, response, case) -> bool | None:
-    """A streamed reply is `data:` events only, each JSON, the last `data: [DONE]`.
-    schemathesis hangs up after 20 events (the server then aborts the request): such a
-    stream must hold no `[DONE]` yet."""
+    """A streamed reply is `data:` events only, each JSON, the last `data: [DONE]`; or
+    named events (`event:` then `data:`, each JSON of that `type`), the last a final
+    one. schemathesis hangs up after 20 events (the server then aborts the request):
+    such a stream must hold no `[DONE]` or final event yet."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return None
     blocks = [b for b in response.text.split("\n\n") if b.strip()]
     assert blocks, "an empty event stream"
+    if blocks[0].startswith("event: "):
+        names = []
+        if blocks[-1] == "data: [DONE]":  # the Responses API's end, after its final event
+            blocks.pop()
+        for block in blocks:
+            head, data = block.split("\n", 1)
+            names.append(head.removeprefix("event: "))
+            assert json.loads(data.removeprefix("data: "))["type"] == names[-1], block[:200]
+        assert not LAST_EVENTS & set(names[:-1]), names
+        assert response.stream_cut_short or names[-1] in LAST_EVENTS, names[-1]
+        return True
     assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks[:3]
     events = [b.removeprefix("data: ") for b in blocks]
     if not response.stream_cut_short:

@@ -294,3 +294,44 @@ def test_api_keys_without_operator_keys_are_refused_at_start(module: str):
     )
     assert done.returncode != 0
     assert "--admin-api-keys" in done.stderr, done.stderr[-2000:]
+
+
+def ask(port: int, method: str, path: str, body: dict | None, key: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    conn.request(method, path, None if body is None else json.dumps(body), headers)
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+def test_a_key_reaches_only_its_own_stored_responses(keyed):
+    """Another key's response id is the same 404 as an unknown one, whatever it asks:
+    get, list its input, continue it (append or fork) or delete it."""
+    port, turn = keyed.settings.port, {"max_output_tokens": 4}
+    status, first = ask(port, "POST", "/v1/responses", turn | {"input": "hallo"}, "alpha")
+    assert status == 200, first
+    status, second = ask(
+        port,
+        "POST",
+        "/v1/responses",
+        turn | {"input": "und?", "previous_response_id": first["id"]},
+        "alpha",
+    )
+    assert status == 200, second
+    for rid in (first["id"], second["id"]):
+        path = f"/v1/responses/{rid}"
+        continued = turn | {"input": "meins", "previous_response_id": rid}
+        for method, where, body in (
+            ("GET", path, None),
+            ("GET", f"{path}/input_items", None),
+            ("POST", "/v1/responses", continued),
+            ("DELETE", path, None),
+        ):
+            status, answer = ask(port, method, where, body, "beta")
+            assert status == 404, (method, where, answer)
+    assert ask(port, "GET", f"/v1/responses/{first['id']}", None, "alpha")[0] == 200
+    assert ask(port, "DELETE", f"/v1/responses/{first['id']}", None, "alpha")[0] == 200
+    assert ask(port, "DELETE", f"/v1/responses/{second['id']}", None, "alpha")[0] == 200
+    assert ask(port, "GET", f"/v1/responses/{second['id']}", None, "alpha")[0] == 404

@@ -13,7 +13,7 @@ from aiohttp import web
 from fronts.replicas import Replica
 from services.router.metrics import RouterMetrics
 
-PASSED_UP = ("Authorization", "Content-Type", "Accept")
+PASSED_UP = ("Authorization", "X-Api-Key", "Content-Type", "Accept")  # a key either way
 WARM_CONNECTIONS = 8  # opened to each replica before it is ready (a burst's first requests)
 WARM_SECONDS = 2.0  # a replica that does not answer is not waited for longer (nor routed less)
 PASSED_DOWN = ("Content-Type", "Retry-After", "Cache-Control")

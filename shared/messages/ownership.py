@@ -143,6 +143,20 @@ class TurnEntry(Arrays, array_like=True):
     output: I4
 
 
+class ResponseEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One stored response of a session (the OpenAI Responses API, docs/api.md): `parent`
+    the response it continued ("": a conversation's first), `messages` the JSON list of
+    template messages it added to its parent's conversation (its input, then its reply),
+    `body` the JSON response object its `GET` returns, with its input items beside it.
+    `deleted`: named no more, kept while a response below it continues its conversation."""
+
+    id: str
+    parent: str
+    messages: bytes
+    body: bytes
+    deleted: bool = False
+
+
 class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     """A session's durable record: the history always, and its row, working Mamba slot
     and KV pages only while the session itself holds them (then a restarted scheduler
@@ -175,6 +189,7 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
     arrival: str = ""
     turns: list[TurnEntry] = msgspec.field(default_factory=list)  # its turn tree, oldest first
     streaming: bool = False  # append-only: its turns never branch
+    responses: list[ResponseEntry] = msgspec.field(default_factory=list)  # oldest first
 
     def __post_init__(self) -> None:
         slots = (self.row, self.working, self.pages)

@@ -249,3 +249,37 @@ def test_a_load_for_a_turn_behind_never_spills_the_state_loaded_for_the_turn_ahe
     for t, history, seed in ((head, histories[0], 80), (behind, histories[1], 81)):
         assert t.output == reference(history + text(3, seed), 4, VOCAB)
     d.assert_idle_clean()
+
+
+def pressure(hint: bool) -> tuple[Driver, list[str]]:
+    """Twelve sessions, more than the device holds idle, take a turn each in order; the
+    first, with `hint`, holds a retention hint (an hour, priority 1)."""
+    d = tiered(host_pages=512, host_slots=64)
+    sessions = d.engine.sessions
+    sids = [sessions.open().sid for _ in range(12)]
+    if hint:
+        sessions.tiers.retain(sessions.sessions[sids[0]], 3600.0, 1)
+    for i, sid in enumerate(sids):
+        d.run_turn(sid, text(30, i), max_new=6)
+    assert sessions.moves.moved["hibernate"] > 0
+    return d, sids
+
+
+def test_a_retention_hint_keeps_its_session_on_the_device_while_unhinted_ones_move():
+    """The least recently used idle session leaves the device first; with a hint it
+    stays, and the next unhinted one goes in its place. Once the hint's TTL has passed
+    since the session's last use it counts no more: the next pressure moves it first."""
+    d, sids = pressure(hint=False)
+    tier = {sid: d.engine.sessions.sessions[sid].state_tier for sid in sids}
+    assert tier[sids[0]] == "host"  # without the hint, it is the first to go
+    d, sids = pressure(hint=True)
+    sessions = d.engine.sessions
+    hinted = sessions.sessions[sids[0]]
+    assert hinted.state_tier == "device"
+    assert sessions.sessions[sids[1]].state_tier == "host"
+    later = sessions.clock() + 3601.0
+    sessions.clock = lambda: later
+    assert not sessions.tiers.hinted(hinted, later)
+    d.run_turn(sessions.open().sid, text(30, 99), max_new=6)
+    assert hinted.state_tier == "host"
+    d.assert_idle_clean()

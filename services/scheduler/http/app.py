@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.scheduler.http import migration_routes, openai_routes, routes, tokenizer_routes
+from services.scheduler.http import (
+    messages_routes,
+    migration_routes,
+    openai_routes,
+    responses_routes,
+    routes,
+    tokenizer_routes,
+)
 from services.scheduler.http.app_keys import CHAT, FRONT_DOOR, SCHEMAS, TENANCY, TOKENIZER_DIR
 from services.scheduler.http.errors import errors
 from services.scheduler.http.openapi import add_openapi_route
@@ -27,7 +34,14 @@ def build_app(door: FrontDoor, tenancy: Tenancy) -> web.Application:
     tokenizer_dir = tokenizer_files(door.settings, door.context_len)
     if tokenizer_dir is not None:
         app[TOKENIZER_DIR] = tokenizer_dir
-    tables = (routes, openai_routes, tokenizer_routes, migration_routes)
+    tables = (
+        routes,
+        openai_routes,
+        responses_routes,
+        messages_routes,
+        tokenizer_routes,
+        migration_routes,
+    )
     for method, path, handler in (route for table in tables for route in table.ROUTES):
         app.router.add_route(method, path, handler)
     add_openapi_route(app, app[SCHEMAS])

@@ -37,6 +37,17 @@ SESSION_STATUS = {
     "lost": 410,  # its history cannot be proven current after a fault (session_rebuild.py)
 }
 RETRY_AFTER_SECONDS = 1  # on every 503: what is refused now is served soon
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's API: its errors in Anthropic's shape
+# Anthropic's error type of each status; another 4xx is an invalid request, another 5xx
+# an API error
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class Relayed(Exception):
@@ -65,6 +76,20 @@ def classify(err: Exception) -> tuple[int, str, str]:
     return 500, "internal error; the scheduler's log has it under request_id", "internal_error"
 
 
+def shaped(path: str, status: int, message: str, kind: str, request_id: str | None) -> dict:
+    """The error body of `path`'s API: `{"error": {"message", "type"}}` (OpenAI's and
+    SGLang's), or on Anthropic's routes `{"type": "error", "error": {"type", "message"}}`
+    with Anthropic's type for the status."""
+    if not path.startswith(ANTHROPIC_PATHS):
+        return error_body(message, kind, request_id)
+    fallback = "api_error" if status >= 500 else "invalid_request_error"
+    detail = {"type": ANTHROPIC_TYPES.get(status, fallback), "message": message}
+    return {
+        "type": "error",
+        "error": detail | ({} if request_id is None else {"request_id": request_id}),
+    }
+
+
 @web.middleware
 async def errors(request: web.Request, handler) -> web.StreamResponse:
     try:
@@ -81,16 +106,17 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         # its own loops log (shared/retry.py), counted there
         if isinstance(err, RedisError):
             log.warning("%s %s: Redis: %s", request.method, request.path, err)
-        elif status >= 500 and not isinstance(err, SessionError | Relayed):
+        elif status >= 500 and not isinstance(err, SessionError | Relayed | Refused):
             request_id = secrets.token_hex(8)
             log.exception("%s %s failed (request_id %s)", request.method, request.path, request_id)
-        body = error_body(message, kind, request_id)
+        body = shaped(request.path, status, message, kind, request_id)
         if streaming:
             with contextlib.suppress(ConnectionError):
-                await stream.send(body)
-                await stream.send("[DONE]")
+                await stream.fail(body)
             return stream.response
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else {}
+        headers = dict(err.headers) if isinstance(err, Refused) else {}
+        if status == 503:
+            headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
         if isinstance(err, web.HTTPMethodNotAllowed):
             headers["Allow"] = ",".join(sorted(err.allowed_methods))
         return web.json_response(body, status=status, headers=headers)

@@ -31,6 +31,7 @@ from services.scheduler.http.events import send_events
 from services.scheduler.http.generation import parallel_params, plain_turns, session_turn
 from services.scheduler.http.header_sessions import bind, header_session_name
 from services.scheduler.http.openai_replies import Choices, Reply
+from services.scheduler.http.retention import hint
 from services.scheduler.http.stream_cursor import output_text
 from services.scheduler.http.tenancy import CACHE_SALT, Claim
 from services.scheduler.records.request import ChatTurn, Request
@@ -64,13 +65,30 @@ async def respond(
     chat: bool,
     session: Session | None,
     turn: ChatTurn | None = None,
-    parser: ReplyParser | None = None,
-    tool_grammar: GrammarSpec | None = None,
-    thinking: Thinking | None = None,
+    plan: ChatPlan | None = None,
 ) -> web.StreamResponse:
-    """Answer a completion or chat completion: `n` choices per prompt, each its own
-    request, indexed in prompt order; `session`: the turn's, resolved once; `parser`,
-    `tool_grammar` and `thinking`: a chat's tool calls and reasoning (chat_tools.py)."""
+    """Answer a completion or chat completion (`plan`: a chat's, else None)."""
+    call = choices(request, body, prompts, chat, session, turn, plan)
+    door = request.app[FRONT_DOOR]
+    if body.stream:
+        return await send_events(request, openai_replies.chunks(door, call))
+    return web.json_response(openai_replies.whole(door.tokenizer, call, await door.run(call.turns)))
+
+
+def choices(
+    request: web.Request,
+    body: OpenAIRequest,
+    prompts: list[Prompt],
+    chat: bool,
+    session: Session | None,
+    turn: ChatTurn | None = None,
+    plan: ChatPlan | None = None,
+    rid: str | None = None,
+) -> Choices:
+    """A completion or chat completion's requests, checked: `n` choices per prompt, each
+    its own request, indexed in prompt order; `session`: the turn's, resolved once;
+    `plan`: a chat's tool calls and reasoning (chat_tools.py); `rid`: the first
+    choice's id, if its route names it."""
     door = request.app[FRONT_DOOR]
     served = door.settings.model_name
     if body.model is not None and body.model != served:  # absent: the served one
@@ -87,6 +105,8 @@ async def respond(
     field, requested = body.requested_tokens()
     default = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     history = 0 if session is None else session.history.size
+    parser, thinking = (None, None) if plan is None else (plan.parser, plan.thinking)
+    tool_grammar = None if plan is None else plan.grammar
     constraints = {"constraint": openai_constraint(body, any_whitespace(request))}
     grammar = one(constraints | {"tool_choice": tool_grammar})
     planned = []
@@ -96,10 +116,10 @@ async def respond(
         params = body.engine_params(limit, history, held)
         planned += [(prompt, p) for p in parallel_params(params, n)]
     tenancy = request.app[TENANCY]
-    claims = [tenancy.claim(request, None, ID_PREFIX[chat])]
+    claims = [tenancy.claim(request, rid, ID_PREFIX[chat])]
     claims += [tenancy.claim(request, None) for _ in planned[1:]]
     reply = Reply(claims[0].shown, chat, body.stream, served, parser)
-    call = Choices(
+    return Choices(
         turns=choice_turns(request, claims, planned, session, turn),
         reply=reply,
         echoes=[prompt.echo for prompt, _ in planned],
@@ -108,9 +128,6 @@ async def respond(
         include_usage=body.include_usage(),
         running=body.include_usage() and body.continuous_usage(),
     )
-    if body.stream:
-        return await send_events(request, openai_replies.chunks(door, call))
-    return web.json_response(openai_replies.whole(door.tokenizer, call, await door.run(call.turns)))
 
 
 def choice_turns(
@@ -146,42 +163,60 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokens = prompt_tokens(request, prompt, session) if text else prompt
         echo = (prompt if text else decode(prompt)) if body.echo else None
         prompts.append(Prompt(tokens, echo))
+    hint(request, session, body.cache_control, body.retention_priority)
     return await respond(request, body, prompts, False, session)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request read once: its messages as the template sees them, its template
+    variables, and what its tools and thinking switch make of the reply (chat_tools.py)."""
+
+    messages: list[dict]
+    variables: dict
+    parser: ReplyParser | None
+    grammar: GrammarSpec | None
+    thinking: Thinking | None
+
+    def reply_message(self, r: Request) -> dict:
+        """The turn's reply as the client gets it, and sends it back."""
+        if self.parser is None:
+            return {"role": "assistant", "content": output_text(r)}
+        message, _ = self.parser.message(r.rid, output_text(r))
+        return {k: v for k, v in message.items() if v is not None}
+
+
+def chat_plan(request: web.Request, body: OpenAIRequest) -> ChatPlan:
+    door = request.app[FRONT_DOOR]
+    parser, grammar, thinking = chat_parsing(door.settings, body, door.tokenizer)
+    messages = request.app[CHAT].messages([msgspec.to_builtins(m) for m in body.messages])
+    return ChatPlan(messages, body.template_variables(), parser, grammar, thinking)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
-    encoder, sid = request.app[CHAT], body.session_id
-    door = request.app[FRONT_DOOR]
-    parser, grammar, thinking = chat_parsing(door.settings, body, door.tokenizer)
-    messages = encoder.messages([msgspec.to_builtins(m) for m in body.messages])
-    variables = body.template_variables()
+    session, tokens, turn, plan = await chat_turn(request, body)
+    hint(request, session, body.cache_control, body.retention_priority)
+    return await respond(request, body, [Prompt(tokens)], True, session, turn, plan)
 
-    def reply_message(r: Request) -> dict:
-        """The turn's reply as the client gets it, and sends it back."""
-        if parser is None:
-            return {"role": "assistant", "content": output_text(r)}
-        message, _ = parser.message(r.rid, output_text(r))
-        return {k: v for k, v in message.items() if v is not None}
 
+async def chat_turn(
+    request: web.Request, body: OpenAIRequest
+) -> tuple[Session | None, list[int], ChatTurn | None, ChatPlan]:
+    """A chat request's session (by `session_id`, else by the session header, else
+    none), its prompt's tokens, its turn on that session and its plan."""
+    encoder, sid, plan = request.app[CHAT], body.session_id, chat_plan(request, body)
+    messages, variables = plan.messages, plan.variables
     named = header_session_name(request) if sid is None and (body.n or 1) == 1 else None
     if named is not None:
-        bound = await bind(request, named, encoder, messages, variables, reply_message)
+        bound = await bind(request, named, encoder, messages, variables, plan.reply_message)
         if bound is not None:
-            session, tokens, turn = bound
-            return await respond(
-                request, body, [Prompt(tokens)], True, session, turn, parser, grammar, thinking
-            )
+            return *bound, plan
     if sid is None:
-        tokens = encoder.tokens(messages, True, variables)
-        return await respond(
-            request, body, [Prompt(tokens)], True, None, None, parser, grammar, thinking
-        )
+        return None, encoder.tokens(messages, True, variables), None, plan
     session = own_session(request, sid)  # the one lookup of its session
-    tokens, turn = plan_turn(encoder, session, messages, variables, reply_message)
-    return await respond(
-        request, body, [Prompt(tokens)], True, session, turn, parser, grammar, thinking
-    )
+    tokens, turn = plan_turn(encoder, session, messages, variables, plan.reply_message)
+    return session, tokens, turn, plan
 
 
 ROUTES = (

@@ -30,9 +30,21 @@ class Doc:
     events: type | None = None
     media: str = "application/json"
     batch: str | None = None  # the body of the batch form, answered with a list of replies
+    typed: bool = False  # with stream: true, named events (the Responses and Messages APIs')
 
 
 BOOLEAN = {"type": "boolean"}
+TYPED_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {
+            "contentMediaType": "application/json",
+            "contentSchema": {"type": "object", "required": ["type"]},
+        },
+    },
+}
 FLUSH = "Empty the prefix cache; answers what open sessions kept (400 while requests run)"
 INTERNAL_STATE = {
     "type": "object",
@@ -151,6 +163,36 @@ ROUTES = {
         replies.ChatCompletion,
         replies.ChatCompletionChunk,
     ),
+    ("POST", "/v1/responses"): Doc(
+        "Create a response, continuing or branching a stored one (OpenAI Responses)",
+        "responses",
+        {"type": "object", "description": "a Response object (docs/api.md, Responses)"},
+        typed=True,
+    ),
+    ("GET", "/v1/responses/{response_id}"): Doc(
+        "A stored response", reply={"type": "object", "description": "a Response object"}
+    ),
+    ("DELETE", "/v1/responses/{response_id}"): Doc(
+        "Delete a stored response (docs/api.md: the responses that continue it stay)",
+        reply={"type": "object", "required": ["id", "deleted"]},
+    ),
+    ("POST", "/v1/responses/compact"): Doc("Refused (400): not served"),
+    ("POST", "/v1/responses/{response_id}/cancel"): Doc("Refused (400): not served"),
+    ("GET", "/v1/responses/{response_id}/input_items"): Doc(
+        "A stored response's input items, a page of them",
+        reply={"type": "object", "required": ["object", "data", "has_more"]},
+    ),
+    ("POST", "/v1/messages"): Doc(
+        "Create a message (Anthropic Messages; the session header binds a conversation)",
+        "messages",
+        {"type": "object", "required": ["id", "type", "role", "content", "stop_reason", "usage"]},
+        typed=True,
+    ),
+    ("POST", "/v1/messages/count_tokens"): Doc(
+        "The prompt tokens a message request renders (Anthropic Messages)",
+        "messages",
+        {"type": "object", "required": ["input_tokens"]},
+    ),
 }
 
 
@@ -194,6 +236,12 @@ def operation(path: str, doc: Doc, ref: dict, schemas: RequestSchemas) -> dict:
         described = (
             "with stream: true, server-sent events `data: <event>`, then `data: [DONE]`; "
             "a fault after the first event ends the stream with `data: <ErrorReply>`"
+        )
+    if doc.typed:
+        content["text/event-stream"] = {"schema": TYPED_EVENT}
+        described = (
+            "with stream: true, named server-sent events `event: <type>` then `data: <event>`;"
+            " a fault after the first ends the stream with an `error` event"
         )
     responses = {"200": {"description": described, "content": content}}
     refusals = {}

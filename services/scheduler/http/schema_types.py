@@ -4,12 +4,12 @@ ranges every body shares, and the two a deployment sets (vocabulary, context len
 # No `from __future__ import annotations`: msgspec must see these annotations as objects.
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from msgspec import Meta
+from msgspec import Meta, Struct
 
 from services.scheduler.records.sampling import SEED_MAX
-from shared.http_limits import MAX_CACHE_SALT
+from shared.http_limits import MAX_CACHE_SALT, MAX_RETENTION_PRIORITY
 from shared.messages.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 256
@@ -154,3 +154,13 @@ def refuse_unimplemented(body: Any, names: tuple[str, ...], prefix: str = "") ->
                 f"{prefix}{name} is not implemented by custody (got {value!r}); leave it "
                 "out or send its neutral value"
             )
+
+
+# retention hints (http/retention.py): Anthropic's `cache_control`, and a priority
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+RetentionPriority = Annotated[int, Meta(ge=0, le=MAX_RETENTION_PRIORITY)]
+
+
+class CacheControl(Struct, kw_only=True):
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: Literal["5m", "1h"] = "5m"

@@ -24,6 +24,8 @@ from msgspec import Meta, Struct
 
 from services.scheduler.http import schema_types as st
 from services.scheduler.http.constraints import Source, sglang_constraint
+from services.scheduler.http.messages_input import MessagesRequest
+from services.scheduler.http.responses_input import ResponsesRequest
 from services.scheduler.http.schemas_batch import batch_schema
 from services.scheduler.http.schemas_openai import openai_schemas
 from services.scheduler.http.schemas_tokenizer import tokenizer_schemas
@@ -64,6 +66,8 @@ class RequestSchemas:
     chat_completions: type
     tokenize: Any
     detokenize: type
+    responses: type = ResponsesRequest
+    messages: type = MessagesRequest
 
     def all(self) -> list[Any]:
         return [getattr(self, f.name) for f in fields(self)]

@@ -18,11 +18,13 @@ from msgspec import Meta, Struct
 from services.scheduler.http.constraints import GuidedChoice, ResponseFormat, Source
 from services.scheduler.http.schema_types import (
     OPENAI_UNIMPLEMENTED,
+    CacheControl,
     CacheSalt,
     Limits,
     MinP,
     Penalty,
     RepetitionPenalty,
+    RetentionPriority,
     Seed,
     Stop,
     StopTokenIds,
@@ -77,6 +79,8 @@ class OpenAIRequest(Struct, kw_only=True):
     guided_choice: GuidedChoice | None = None
     guided_grammar: Source | None = None  # EBNF
     prompt_logprobs: neutral_only("prompt_logprobs") = None  # vLLM's; echo scores a prompt
+    cache_control: CacheControl | None = None  # a session's retention hint (http/retention.py)
+    retention_priority: RetentionPriority | None = None
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)

@@ -110,8 +110,8 @@ def cache_namespace_of(request: web.Request) -> str:
 
 
 def middleware(tenancy: Tenancy):
-    """Identify the caller before the handler runs, answer tenancy and limit refusals,
-    and free the request's rids when it ends."""
+    """Identify the caller before the handler runs (a refusal is answered by errors.py,
+    as every other), and free the request's rids when it ends."""
 
     @web.middleware
     async def guard(request: web.Request, handler) -> web.StreamResponse:
@@ -119,8 +119,6 @@ def middleware(tenancy: Tenancy):
             if request.path not in OPEN_PATHS:
                 request[CALLER] = tenancy.identify(request)
             return await handler(request)
-        except Refused as refusal:
-            return refusal.response()
         finally:
             tenancy.release(request)
 

@@ -27,7 +27,7 @@ from services.scheduler.records.sampling import SamplingParams
 from services.scheduler.records.session import Session, TurnStart
 from services.scheduler.records.turn_tree import Branch
 from services.scheduler.text.output import OutputText
-from shared.messages.ownership import ChatEntry
+from shared.messages.ownership import ChatEntry, ResponseEntry
 from shared.messages.sampling import Top
 
 if TYPE_CHECKING:
@@ -58,6 +58,9 @@ class ChatTurn:
     # where any reply's rendering leaves the prompt's (the assistant's header, say): the
     # turn keeps its state there, for a reply the session cannot keep (chat_log.py)
     reply_start: int = 0
+    # the response (Responses API) the turn stores as it finishes, in the record write
+    # of its history (sessions/chat_log.py); None: it stores none
+    stored: Callable[[Request], ResponseEntry | None] | None = None
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ from services.scheduler.allocators.tier_slots import DiskState, HostState
 from services.scheduler.cache.node import CacheNode
 from services.scheduler.ownership.lease import Lease
 from services.scheduler.ownership.owners import Owner
+from services.scheduler.records.response_tree import ResponseTree
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.turn_tree import TurnTree
 from shared.messages.ownership import ChatEntry
@@ -107,6 +108,11 @@ class Session:
     last_rid: str = ""  # the id of its latest finished turn (session_params.rid names it)
     turns: TurnTree = field(default_factory=TurnTree)  # its /generate turns (turn_tree.py)
     streaming: bool = False  # opened append-only (`check_session_params`): never branches
+    responses: ResponseTree = field(default_factory=ResponseTree)  # response_tree.py
+    # a retention hint (sessions/tier_policy.py): it counts for `retain_ttl` seconds
+    # after the session's last use
+    retain_ttl: float = 0.0
+    retain_priority: int = 0
 
     @property
     def in_doubt(self) -> bool:

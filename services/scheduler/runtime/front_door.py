@@ -212,6 +212,20 @@ class FrontDoor:
         """A session forked from `parent` (SessionManager.fork)."""
         return self._engine.sessions.fork(parent, options, open_child)
 
+    def retain(self, session: Session, ttl: float, priority: int, label: str) -> None:
+        """A retention hint for `session` (sessions/tier_policy.py `retain`), counted by
+        its TTL's `label`."""
+        self._engine.sessions.tiers.retain(session, ttl, priority)
+        self._metrics.retention_hints.labels(label).inc()
+
+    def delete_response(self, session: Session, rid: str) -> bool:
+        """Response `rid` of `session` is named no more (records/response_tree.py); its
+        record is written with the session's next."""
+        deleted = session.responses.delete(rid)
+        self._engine.sessions.dirty.add(session.sid)
+        self._intake.wake.set()
+        return deleted
+
     def reseed_session(self, session: Session) -> Session:
         """`session` empty again (SessionManager.reseed)."""
         reseeded = self._engine.sessions.reseed(session.sid)

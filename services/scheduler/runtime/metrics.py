@@ -279,6 +279,14 @@ class SchedulerMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.retention_hints = Counter(
+            "custody_retention_hints",
+            "turns that gave their session a retention hint (cache_control), by TTL",
+            ["ttl"],
+            registry=self.registry,
+        )
+        for ttl in ("5m", "1h"):  # exported at 0 before the first
+            self.retention_hints.labels(ttl)
         self.edge_worker_exits = Counter(
             "custody_edge_worker_exits",
             "edge worker processes that exited while the core ran (a crash, a kill, an OOM); "

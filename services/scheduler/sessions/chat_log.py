@@ -13,10 +13,14 @@ what lies past that state, the canonical reply included (`SessionManager` does t
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from services.scheduler.records.request import Request
 from services.scheduler.records.session import Session
+
+log = logging.getLogger("custody.scheduler.chat")
 
 
 def turn_history(req: Request) -> np.ndarray:
@@ -37,6 +41,11 @@ def settle(req: Request) -> tuple[np.ndarray, bool] | None:
     if req.chat is None:
         session.chat = None  # raw tokens (/generate): the history is no conversation now
         return None
+    stored = None if req.chat.stored is None else req.chat.stored(req)
+    if stored is not None and not session.responses.add(stored):
+        log.warning(
+            "session %s: response %s continued one deleted meanwhile", session.sid, stored.id
+        )
     settled = req.chat.reply(req)
     if settled is None:
         session.chat = None

@@ -95,7 +95,7 @@ class SessionManager:
         self.forks = 0
         self.deadlines = Deadlines()
         self.moves = TierMoves(pools, cache, self.dirty)
-        self.tiers = TierPolicy(self.moves, self.sessions)
+        self.tiers = TierPolicy(self.moves, self.sessions, lambda: self.clock())
         self.records = DurableRecords(pools, cache, self.sessions, self.dirty)
 
     # ---- client-facing ----

@@ -26,6 +26,7 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.allocators.tier_slots import DiskState
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.ownership.lease import new_lease
+from services.scheduler.records.response_tree import ResponseTree
 from services.scheduler.records.session import Session
 from services.scheduler.records.turn_tree import TurnTree
 from shared.messages.envelope import I4, I8, array
@@ -73,6 +74,7 @@ class DurableRecords:
             chat=None if s.chat is None else list(s.chat),  # docs/chat.md
             last_rid=s.last_rid,
             turns=s.turns.entries(),
+            responses=s.responses.entries(),
             streaming=s.streaming,
             epoch=s.epoch if s.routed else None,
             arrival=s.arrival,
@@ -253,3 +255,7 @@ def take_conversation(session: Session, rec: SessionRecord) -> None:
         session.turns = TurnTree.of(rec.turns, rec.last_rid)
     except ValueError as err:
         log.error("session %s: its turn tree is not taken back (%s)", rec.sid, err)
+    try:
+        session.responses = ResponseTree.of(rec.responses)
+    except ValueError as err:
+        log.error("session %s: its stored responses are not taken back (%s)", rec.sid, err)

@@ -9,6 +9,11 @@
   admission finds the state on the host, one copy away from the device.
 - An operator may place an idle session in a tier (`place`); each planned step moves it
   one tier closer.
+- A retention hint (`retain`: a turn's `cache_control`, docs/tiers.md "Retention hints")
+  orders the victims: while its TTL has not passed since the session was last used, the
+  session leaves a tier only after every unhinted one, and among hinted ones the lower
+  priority first. A hint orders; it never refuses a move, so pressure that has no
+  unhinted victim left still moves hinted sessions, and no hint can hold a tier full.
 
 Victims are found by a scan of the open sessions: O(sessions) per move, paid only when
 something must move.
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.allocators.tier_slots import host_fits
 from services.scheduler.sessions.tier_moves import TierMoves
+from shared.http_limits import MAX_RETENTION_PRIORITY
 
 if TYPE_CHECKING:
     from services.scheduler.records.request import Request
@@ -31,10 +37,23 @@ MakeRoom = Callable[[int, int, int], bool]  # pages, Mamba slots, rows
 
 
 class TierPolicy:
-    def __init__(self, moves: TierMoves, sessions: dict[str, Session]) -> None:
-        self.moves, self.sessions = moves, sessions
+    def __init__(
+        self, moves: TierMoves, sessions: dict[str, Session], clock: Callable[[], float]
+    ) -> None:
+        self.moves, self.sessions, self.clock = moves, sessions, clock
         self.pools = moves.pools
         self.placing: dict[str, str] = {}  # session id -> the tier an operator asked for
+
+    def retain(self, s: Session, ttl: float, priority: int) -> None:
+        """Hint that `s`'s state be kept in the faster tiers for `ttl` seconds after its
+        last use, with `priority` (0..MAX_RETENTION_PRIORITY) among hinted sessions."""
+        if not 0 <= priority <= MAX_RETENTION_PRIORITY:
+            raise ValueError(f"a retention priority is 0..{MAX_RETENTION_PRIORITY}")
+        s.retain_ttl, s.retain_priority = ttl, priority
+
+    def hinted(self, s: Session, now: float) -> bool:
+        """Whether `s`'s retention hint still counts at `now`."""
+        return now < s.last_used + s.retain_ttl
 
     def idle_on_device(self, keep: Session | None = None) -> Session | None:
         """The least recently used session holding device state no turn uses (a waiting
@@ -151,5 +170,15 @@ class TierPolicy:
                 self.moves.load(s)
 
     def _lru(self, eligible: Callable[[Session], bool]) -> Session | None:
+        """The eligible session to move first: unhinted ones before hinted ones (the
+        lower priority first), then the least recently used."""
         found = [s for s in self.sessions.values() if eligible(s)]
-        return min(found, key=lambda s: s.last_used) if found else None
+        if not found:
+            return None
+        now = self.clock()
+
+        def order(s: Session) -> tuple[bool, int, float]:
+            hinted = self.hinted(s, now)
+            return hinted, s.retain_priority if hinted else 0, s.last_used
+
+        return min(found, key=order)
