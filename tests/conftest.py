@@ -20,6 +20,7 @@ from tests.checkpoints import (
     reference,
 )
 from tests.services_harness import (
+    agent_settings,
     stack_settings,
     start_stack,
     without_scheduler,
@@ -106,6 +107,15 @@ def agent_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         layers=AGENT_LAYERS,
         **AGENT_MOE,
     )
+
+
+@pytest.fixture(scope="module")
+def agent_stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
+    """The services serving `agent_checkpoint` as an agent deployment (agent_settings);
+    tests/agent_apis/ shares one across its modules."""
+    running = start_stack(agent_settings(redis_url, agent_checkpoint))
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ What it can catch: an id the router sends to the wrong replica (404), a response
 lost by a move or a restart (404 on an older id), a turn resumed from the wrong state or
 branch (an answer that differs from the stateless one), a leak or a twin (the ledgers).
 What it cannot: cached-token depths across a restart or a move (a replica's prefix
-cache starts empty there; tests/agents/test_responses_http.py measures them on one stack)."""
+cache starts empty there; tests/agent_apis/test_responses_http.py measures them on one stack)."""
 
 from __future__ import annotations
 

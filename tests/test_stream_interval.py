@@ -2,7 +2,7 @@
 (`StreamCursor`): the first token goes at once, then a chunk waits for `interval`
 unsent tokens or the end; chunks never overlap or leave a gap, and their text joined is
 the final text. (The agent stack streams every 3 tokens: its tool-call and reasoning
-streams are checked against one-shot answers there, tests/agents/test_chat_tools_http.py.)"""
+streams are checked against one-shot answers there, tests/agent_apis/test_chat_tools_http.py.)"""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 read as the chat request it amounts to, as responses_input.py reads a Responses one: its
 `system` a system message, its blocks chat messages (a user message's tool results
 `tool` messages before its text, an assistant's thinking its `reasoning_content` and
-its tool uses `tool_calls`), its tools, tool choice, thinking switch and stop sequences
-their chat counterparts. The chat route's machinery (templates, tool-call and reasoning
-parsers, constraints, header sessions) then runs it unchanged, and a reply sent back as
-the client got it (messages_output.py) is the chat message its session stored.
+its tool uses `tool_calls`), its tools, tool choice, thinking switch, stop sequences and
+structured output (`output_format`) their chat counterparts. The chat route's machinery
+(templates, tool-call and reasoning parsers, constraints, header sessions) then runs it
+unchanged, and a reply sent back as the client got it (messages_output.py) is the chat
+message its session stored.
 
 What custody does not serve is refused by name (400), never ignored: image and document
 blocks (the model reads text), server tools, and a conversation that ends with the
@@ -135,6 +136,13 @@ class ThinkingConfig(Struct, kw_only=True):
             raise ValueError('thinking {"type": "enabled"} needs its budget_tokens')
 
 
+class OutputFormat(Struct, kw_only=True):
+    """Anthropic's structured outputs: the reply's text follows the JSON schema."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
 class MessagesRequest(Struct, kw_only=True):
     """The body of `POST /v1/messages` (`max_tokens` required there) and of
     `/v1/messages/count_tokens`; unknown fields are ignored, as Anthropic's clients send
@@ -153,6 +161,7 @@ class MessagesRequest(Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stream: bool | None = None
     metadata: dict[str, Any] | None = None
+    output_format: OutputFormat | None = None
     cache_control: CacheControl | None = None  # a retention hint
     retention_priority: RetentionPriority | None = None  # custody's: the hint's priority
 
@@ -194,6 +203,9 @@ def chat_body(body: MessagesRequest, budgets: bool) -> dict:
             chat[field] = value
     if body.stop_sequences:
         chat["stop"] = body.stop_sequences
+    if body.output_format is not None:
+        spec = {"name": "output", "schema": body.output_format.schema, "strict": True}
+        chat["response_format"] = {"type": "json_schema", "json_schema": spec}
     if body.tools:
         chat["tools"] = [chat_tool(tool) for tool in body.tools]
     choice = body.tool_choice

@@ -17,7 +17,7 @@ import json
 from shared.messages.ownership import ResponseEntry
 
 MAX_RESPONSES = 256  # responses a conversation's session keeps
-MAX_BYTES = 8 << 20  # their stored bodies and messages together
+MAX_BYTES = 1 << 20  # their stored bodies and messages together (each record write carries them)
 
 
 class ResponseTree:

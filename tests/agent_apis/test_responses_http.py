@@ -1,5 +1,5 @@
 """The OpenAI Responses API, driven by the official `openai` client on the agent stack
-(tests/agents/conftest.py `agent_stack`: a random NemotronH with a BPE vocabulary, a template
+(tests/agent_apis/conftest.py `agent_stack`: a random NemotronH with a BPE vocabulary, a template
 that reasons and renders tools as NemotronH's does, `--tool-call-parser qwen3_coder
 --reasoning-parser nemotron_v3`). Every reply and stream event is validated against the
 Open Responses specification's OpenAPI document (tests/data/openresponses/), and its
@@ -82,12 +82,26 @@ def cached(r: openai.types.responses.Response) -> int:
     return r.usage.input_tokens_details.cached_tokens
 
 
-def test_basic_and_system_prompt(client):
+def test_basic_system_prompt_and_multi_turn_input(client):
+    """The compliance suite's basic, system-prompt and multi-turn cases: each completed,
+    with output, as the specification shapes it."""
     r = client.responses.create(**TURN, input="Hallo")
     valid(r)
     assert r.status == "completed" and r.instructions == "Antworte kurz."
     assert json.loads(r.output_text)["w"] in ("ja", "nein")
     assert r.usage.total_tokens == context(r)
+    system = [
+        {"role": "system", "content": "Du bist ein Pirat."},
+        {"role": "user", "content": "Sag hallo."},
+    ]
+    turns = [
+        {"role": "user", "content": "Ich heiße Ada."},
+        {"role": "assistant", "content": "Hallo Ada."},
+        {"role": "user", "content": "Wie heiße ich?"},
+    ]
+    for items in (system, turns):
+        r = client.responses.create(**TURN, input=items)
+        assert valid(r)["status"] == "completed" and r.output_text
 
 
 def test_a_five_turn_conversation_resumes_its_state_and_a_fork_its_branch(client):

@@ -1,5 +1,5 @@
 """The Anthropic Messages API (`/v1/messages`, `/v1/messages/count_tokens`) driven by
-Anthropic's official client, on the agent stack (tests/agents/test_chat_tools_http.py: a random
+Anthropic's official client, on the agent stack (tests/agent_apis/test_chat_tools_http.py: a random
 NemotronH with a BPE vocabulary, `--tool-call-parser qwen3_coder --reasoning-parser
 nemotron_v3`, sessions by `X-Session-ID`, the model called "m").
 
@@ -31,7 +31,7 @@ from services.scheduler.http.schemas import decode_body
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
 from shared.tenancy import ApiKeys, Refused, authorization
-from tests.agents.test_chat_tools_http import header_turns
+from tests.agent_apis.test_chat_tools_http import header_turns
 
 OFF = {"type": "disabled"}
 HELLO = [{"role": "user", "content": "Grüße aus Köln"}]
@@ -317,3 +317,54 @@ def test_failures_are_anthropics_errors_with_custodys_statuses(caplog):
 
     with caplog.at_level(logging.ERROR, logger="custody.scheduler.http"):
         asyncio.run(scenario())
+
+
+YES_NO = {
+    "type": "json_schema",
+    "schema": {
+        "type": "object",
+        "properties": {"w": {"enum": ["ja", "nein"]}},
+        "required": ["w"],
+        "additionalProperties": False,
+    },
+}
+
+
+def whole(m: anthropic.types.Message) -> int:
+    u = m.usage
+    return u.input_tokens + u.cache_read_input_tokens + u.output_tokens
+
+
+def test_a_five_turn_header_conversation_resumes_its_state_and_an_edit_its_branch(client):
+    """Held by the grammar (`output_format`), each reply stops by itself as its
+    canonical tokens, so each turn resumes all but the last token of the turn before
+    (sampled, never computed); an edit of turn 3's message branches from turn 2 and
+    resumes at least what turn 2 resumed (the boundary the prefix cache kept)."""
+    header = {"X-Session-ID": f"five-{secrets.token_hex(4)}"}
+    extra = {"temperature": 0.0, "output_format": YES_NO}
+    messages: list[dict] = [{"role": "user", "content": "Plane eine Reise"}]
+    turns = []
+
+    def ask(conversation: list[dict]) -> anthropic.types.Message:
+        return client.messages.create(
+            model="m",
+            max_tokens=40,
+            messages=conversation,
+            thinking=OFF,
+            extra_body=extra,
+            extra_headers=header,
+        )
+
+    for step in range(5):
+        reply = ask(messages)
+        assert reply.stop_reason == "end_turn" and json.loads(texts(reply))["w"] in ("ja", "nein")
+        if turns:
+            assert reply.usage.cache_read_input_tokens >= whole(turns[-1]) - 1, step
+        turns.append(reply)
+        messages += [
+            {"role": "assistant", "content": texts(reply)},
+            {"role": "user", "content": f"und dann {step}?"},
+        ]
+    edited = [*messages[:4], {"role": "user", "content": "lieber ans Meer"}]
+    branch = ask(edited)
+    assert branch.usage.cache_read_input_tokens >= turns[1].usage.cache_read_input_tokens > 0
