@@ -31,22 +31,16 @@ from services.scheduler.http.schemas import decode_body
 from services.scheduler.records.sampling import InvalidRequest
 from services.scheduler.records.session import SessionError
 from shared.tenancy import ApiKeys, Refused, authorization
+from tests.agent_apis.test_chat_tools_http import WEATHER as CHAT_WEATHER
 from tests.agent_apis.test_chat_tools_http import header_turns
 
 OFF = {"type": "disabled"}
 HELLO = [{"role": "user", "content": "Grüße aus Köln"}]
+# the chat tests' tool, as Anthropic's clients declare it
 WEATHER = {
-    "name": "get_weather",
-    "description": "the weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
+    "name": CHAT_WEATHER["function"]["name"],
+    "description": CHAT_WEATHER["function"]["description"],
+    "input_schema": CHAT_WEATHER["function"]["parameters"],
 }
 # greedy: Anthropic's client no longer sends temperature itself; custody still reads it
 GREEDY = {"extra_body": {"temperature": 0.0}}

@@ -58,19 +58,10 @@ class Prompt:
     echo: str | None = None
 
 
-async def respond(
-    request: web.Request,
-    body: OpenAIRequest,
-    prompts: list[Prompt],
-    chat: bool,
-    session: Session | None,
-    turn: ChatTurn | None = None,
-    plan: ChatPlan | None = None,
-) -> web.StreamResponse:
-    """Answer a completion or chat completion (`plan`: a chat's, else None)."""
-    call = choices(request, body, prompts, chat, session, turn, plan)
+async def respond(request: web.Request, call: Choices) -> web.StreamResponse:
+    """Answer a completion or chat completion, whole or streamed."""
     door = request.app[FRONT_DOOR]
-    if body.stream:
+    if call.reply.stream:
         return await send_events(request, openai_replies.chunks(door, call))
     return web.json_response(openai_replies.whole(door.tokenizer, call, await door.run(call.turns)))
 
@@ -164,7 +155,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = (prompt if text else decode(prompt)) if body.echo else None
         prompts.append(Prompt(tokens, echo))
     hint(request, session, body.cache_control, body.retention_priority)
-    return await respond(request, body, prompts, False, session)
+    return await respond(request, choices(request, body, prompts, False, session))
 
 
 @dataclass(frozen=True)
@@ -197,7 +188,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, request.app[SCHEMAS].chat_completions)
     session, tokens, turn, plan = await chat_turn(request, body)
     hint(request, session, body.cache_control, body.retention_priority)
-    return await respond(request, body, [Prompt(tokens)], True, session, turn, plan)
+    return await respond(
+        request, choices(request, body, [Prompt(tokens)], True, session, turn, plan)
+    )
 
 
 async def chat_turn(
