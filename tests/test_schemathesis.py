@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.services_harness import call, ledger_when_idle, stack_settings, start_stack
 
-EXAMPLES = 30  # per route and mode: some 400 requests in all
+EXAMPLES = 20  # per route and mode: some 300 requests in all
 BUDGET_SECONDS = 180
 CHECKS = [
     not_a_server_error,

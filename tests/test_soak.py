@@ -7,7 +7,7 @@ the cache flushed, no slot of any pool (device, host, disk) may be held in the
 independent ledger, the ledger must have seen no violation, every greedy output must be a
 fault-free greedy continuation, every reply must carry its expected status, and every
 restart must follow an injected kill (a blob file left on disk is reported; see below).
-CUSTODY_SOAK_SECONDS sets the load's length (CI: 120; the tier drill runs inside it)."""
+CUSTODY_SOAK_SECONDS sets the load's length (CI: 90; the tier drill runs inside it)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from custody.soak.tiers import MoveCount, TierWatch
 from custody.soak.verdict import MUST_HIT, failures
 from shared import streams
 
-SECONDS = float(os.environ.get("CUSTODY_SOAK_SECONDS", "120"))
+SECONDS = float(os.environ.get("CUSTODY_SOAK_SECONDS", "90"))
 
 
 def test_chaos_soak_loses_nothing():

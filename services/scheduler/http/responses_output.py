@@ -10,14 +10,17 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.scheduler.http.responses_input import ResponsesRequest
-from services.scheduler.http.stream_cursor import new_chunks, output_text
+from services.scheduler.http.stream_cursor import new_chunks
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.front_door import FrontDoor
-from services.scheduler.text.assistant_reply import ReplyParser, ReplyStream
+from services.scheduler.text.assistant_reply import ReplyStream
+
+if TYPE_CHECKING:
+    from services.scheduler.http.openai_routes import ChatPlan
 
 
 @dataclass(frozen=True)
@@ -110,14 +113,6 @@ def status(r: Request) -> str:
     return "incomplete" if reason is not None and reason.type == "length" else "completed"
 
 
-def reply_message(parser: ReplyParser | None, r: Request) -> dict:
-    """The turn's reply as a chat message (what its session's conversation keeps)."""
-    if parser is None:
-        return {"role": "assistant", "content": output_text(r)}
-    message, _ = parser.message(r.rid, output_text(r))
-    return {k: v for k, v in message.items() if v is not None}
-
-
 def output_items(rid: str, message: dict) -> list[dict]:
     """A reply's output items: its reasoning, its text, then each function call."""
     items = []
@@ -164,11 +159,11 @@ def call_item(call_id: str, name: str, arguments: str, state: str) -> dict:
     }
 
 
-def finished(envelope: Envelope, parser: ReplyParser | None, r: Request) -> dict:
-    """The response object of the finished turn `r`: what the route answers, what its
-    stream's last event carries, and what its session stores."""
-    items = output_items(envelope.id, reply_message(parser, r))
-    return envelope.response(status(r), items, usage(r))
+def finished(envelope: Envelope, message: dict, r: Request) -> dict:
+    """The response object of the finished turn `r` whose reply is the chat message
+    `message`: what the route answers, what its stream's last event carries, and what
+    its session stores."""
+    return envelope.response(status(r), output_items(envelope.id, message), usage(r))
 
 
 @dataclass
@@ -316,7 +311,7 @@ async def events(
     door: FrontDoor,
     turns: list[Turn],
     envelope: Envelope,
-    parser: ReplyParser | None,
+    plan: ChatPlan,
 ) -> AsyncIterator[tuple[str, dict]]:
     """The stream of one response: created, in progress, its items as they grow, then
     completed (or incomplete: the output budget ran out) with the whole object."""
@@ -328,14 +323,14 @@ async def events(
     async with aclosing(new_chunks(door, turns)) as news:
         async for _, r, chunk in news:
             last = r
-            if parser is None:
+            if plan.parser is None:
                 deltas = [{"content": chunk.delta}]
             else:
-                stream = stream or ReplyStream(parser, r.rid)
+                stream = stream or ReplyStream(plan.parser, r.rid)
                 deltas = stream.deltas(chunk.text, r.done)
             for delta in deltas:
                 for event in writer.delta(delta):
                     yield event
     if last is not None:
-        for event in writer.end(finished(envelope, parser, last)):
+        for event in writer.end(finished(envelope, plan.reply_message(last), last)):
             yield event

@@ -26,9 +26,9 @@ from services.scheduler.http.chat_session import plan_turn
 from services.scheduler.http.edge_sessions import own_session
 from services.scheduler.http.events import send_typed_events
 from services.scheduler.http.limits import open_session_within_limits
-from services.scheduler.http.openai_routes import Prompt, chat_plan, choices
+from services.scheduler.http.openai_routes import ChatPlan, Prompt, chat_plan, choices
 from services.scheduler.http.responses_input import ResponsesRequest, chat_body, new_messages
-from services.scheduler.http.responses_output import Envelope, events, finished, reply_message
+from services.scheduler.http.responses_output import Envelope, events, finished
 from services.scheduler.http.retention import hint
 from services.scheduler.http.schemas import decode_body
 from services.scheduler.records.request import ChatTurn, Request
@@ -109,8 +109,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         def store(r: Request) -> ResponseEntry | None:
             """Run by the engine as the turn finishes; it must not raise."""
             try:
-                reply = reply_message(plan.parser, r)
-                obj = finished(envelope, plan.parser, r) | {"input_items": input_items(body)}
+                reply = plan.reply_message(r)
+                obj = finished(envelope, reply, r) | {"input_items": input_items(body)}
                 return ResponseEntry(rid, parent, _json([*added, reply]), _json(obj))
             except Exception:
                 log.exception("response %s: not stored", rid)
@@ -120,13 +120,15 @@ async def create(request: web.Request) -> web.StreamResponse:
         hint(request, session, body.cache_control, body.retention_priority)
     call = choices(request, chat_request, [Prompt(tokens)], True, session, turn, plan, rid)
     if body.stream:
-        stream = events(door, call.turns, envelope, plan.parser)
+        stream = events(door, call.turns, envelope, plan)
         return await send_typed_events(request, stream, done=True)
     (done,) = await door.run(call.turns)
-    return web.json_response(finished(envelope, plan.parser, done))
+    return web.json_response(finished(envelope, plan.reply_message(done), done))
 
 
-def bound_turn(request: web.Request, session: Session, plan) -> tuple[Session, list[int], ChatTurn]:
+def bound_turn(
+    request: web.Request, session: Session, plan: ChatPlan
+) -> tuple[Session, list[int], ChatTurn]:
     """The turn on `session` that renders `plan`'s messages: an append when they extend
     the conversation its state ends at, else the session re-seeded on their branch."""
     encoder, door = request.app[CHAT], request.app[FRONT_DOOR]
