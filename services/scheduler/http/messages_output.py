@@ -19,11 +19,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.scheduler.http.stream_cursor import new_chunks
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.front_door import FrontDoor
-from services.scheduler.text.assistant_reply import ReplyStream
 
 if TYPE_CHECKING:
     from services.scheduler.http.openai_routes import ChatPlan
@@ -153,20 +151,14 @@ async def events(
     (so a refusal at queueing is still a plain 4xx, and the usage is the turn's), its
     blocks as they grow, then `message_delta` with the stop reason and the whole usage,
     and `message_stop`."""
-    writer, stream, last = BlockWriter(), None, None
-    async with aclosing(new_chunks(door, turns)) as news:
-        async for _, r, chunk in news:
+    writer, last = BlockWriter(), None
+    async with aclosing(plan.deltas(door, turns)) as deltas:
+        async for r, delta in deltas:
             if last is None:
                 yield event("message_start", message=envelope.message([], None, None, usage(r)))
             last = r
-            if plan.parser is None:
-                deltas = [{"content": chunk.delta}]
-            else:
-                stream = stream or ReplyStream(plan.parser, r.rid)
-                deltas = stream.deltas(chunk.text, r.done)
-            for delta in deltas:
-                for item in writer.delta(delta):
-                    yield item
+            for item in writer.delta(delta):
+                yield item
     final = finished(envelope, plan.reply_message(last), last)
     for item in writer.close():
         yield item

@@ -9,6 +9,8 @@ each turn prefills only its new tokens and has the tokens of the stateless reque
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,13 +34,14 @@ from services.scheduler.http.generation import parallel_params, plain_turns, ses
 from services.scheduler.http.header_sessions import bind, header_session_name
 from services.scheduler.http.openai_replies import Choices, Reply
 from services.scheduler.http.retention import hint
-from services.scheduler.http.stream_cursor import output_text
+from services.scheduler.http.stream_cursor import new_chunks, output_text
 from services.scheduler.http.tenancy import CACHE_SALT, Claim
 from services.scheduler.records.request import ChatTurn, Request
 from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from services.scheduler.records.session import Session
 from services.scheduler.records.turn import Turn
-from services.scheduler.text.assistant_reply import ReplyParser
+from services.scheduler.runtime.front_door import FrontDoor
+from services.scheduler.text.assistant_reply import ReplyParser, ReplyStream
 from shared.messages.grammar import GrammarSpec
 from shared.tenancy import Refused
 
@@ -175,6 +178,23 @@ class ChatPlan:
             return {"role": "assistant", "content": output_text(r)}
         message, _ = self.parser.message(r.rid, output_text(r))
         return {k: v for k, v in message.items() if v is not None}
+
+    async def deltas(
+        self, door: FrontDoor, turns: list[Turn]
+    ) -> AsyncIterator[tuple[Request, dict]]:
+        """The reply's chat deltas (`content`, `reasoning_content`, `tool_calls`) as the
+        steps bring its tokens, each with its request, at least one per chunk (`{}` when
+        the parser holds the chunk's text back): what the Responses and Messages streams
+        write as their own events."""
+        stream = None
+        async with aclosing(new_chunks(door, turns)) as news:
+            async for _, r, chunk in news:
+                if self.parser is None:
+                    yield r, {"content": chunk.delta}
+                    continue
+                stream = stream or ReplyStream(self.parser, r.rid)
+                for delta in stream.deltas(chunk.text, r.done) or [{}]:
+                    yield r, delta
 
 
 def chat_plan(request: web.Request, body: OpenAIRequest) -> ChatPlan:

@@ -13,11 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.scheduler.http.responses_input import ResponsesRequest
-from services.scheduler.http.stream_cursor import new_chunks
 from services.scheduler.records.request import Request
 from services.scheduler.records.turn import Turn
 from services.scheduler.runtime.front_door import FrontDoor
-from services.scheduler.text.assistant_reply import ReplyStream
 
 if TYPE_CHECKING:
     from services.scheduler.http.openai_routes import ChatPlan
@@ -318,19 +316,12 @@ async def events(
     writer, started = EventWriter(envelope), envelope.response("in_progress", [], None)
     yield writer.event("response.created", response=started)
     yield writer.event("response.in_progress", response=started)
-    stream: ReplyStream | None = None
     last: Request | None = None
-    async with aclosing(new_chunks(door, turns)) as news:
-        async for _, r, chunk in news:
+    async with aclosing(plan.deltas(door, turns)) as deltas:
+        async for r, delta in deltas:
             last = r
-            if plan.parser is None:
-                deltas = [{"content": chunk.delta}]
-            else:
-                stream = stream or ReplyStream(plan.parser, r.rid)
-                deltas = stream.deltas(chunk.text, r.done)
-            for delta in deltas:
-                for event in writer.delta(delta):
-                    yield event
+            for event in writer.delta(delta):
+                yield event
     if last is not None:
         for event in writer.end(finished(envelope, plan.reply_message(last), last)):
             yield event
