@@ -93,11 +93,11 @@ class Scheduler:
         self.registration = Registration(settings, self.keys, self.engine, self.link, self.intake)
         lease = self.registration.lease
         self.engine.sessions.may_serve = self.outbox.may_record = lease.current
-        self.unproven: str | None = None  # the stream entry pending sessions wait for
+        self.unproven: str | None = None  # the stream entry sessions in doubt wait for
 
     async def finish_rebuild(self) -> None:
         """Take back the sessions that waited for the store's proof, then send the store
-        the full set of records (the pending ones were its to keep until now)."""
+        the full set of records (withheld until now: queue_snapshot)."""
         retry = Retry("scheduler_start", log, self.loop.metrics.faults)
         while self.unproven is not None:
             try:

@@ -9,8 +9,10 @@ checkpoint and the still-pending entries, never applying anything twice.
 
 The records are current only while no message was lost: `records_through` (in the
 checkpoint) is the last stream entry up to which every session record on the stream has
-been applied. A gap stops it, until a snapshot's `full` set of records (every open
-session, shipped with each snapshot) has replaced what the gap may have lost. A restarted
+been applied (it stops at the last entry before a gap, even within one batch read). A
+gap stops it until a snapshot's `full` set of records (every open session, shipped with
+each snapshot once its life has taken back its sessions) has replaced what the gap may
+have lost. A restarted
 scheduler, or a replica taking a session over, reads from the records only once
 `records_through` has passed the stream's end as it saw it (shared/records_proof.py).
 
@@ -161,6 +163,8 @@ class OwnershipConsumer:
             if fields and fields.get(b"k") != CACHE_KIND:
                 self._apply(fields.get(b"m", b""))
             self.last_entry = entry.decode() if isinstance(entry, bytes) else entry
+            if self.records_complete:  # a gap later in the batch must not hold it back
+                self.records_through = self.last_entry
         keys, pipe = self.keys, self.client.pipeline(transaction=True)
         if self._lose:
             self._lose_recorded(pipe)
@@ -176,7 +180,7 @@ class OwnershipConsumer:
             else:
                 pipe.hset(keys.session(rec.sid), "record", encode_record(rec))
                 pipe.sadd(keys.sessions, rec.sid)
-        if self.records_complete:  # every record up to the last entry applied, or lost
+        if self.records_complete:  # a decision taken with no entry read
             self.records_through = self.last_entry
         pipe.hset(keys.checkpoint, mapping=self._checkpoint())
         if self._stale_fields:  # its tables are all in pages now (all dirty once loaded)
@@ -251,10 +255,9 @@ class OwnershipConsumer:
             return self._replay(msg)
         if isinstance(msg, Idle):
             return self.ledger.check_idle(msg.counts, msg.seq)
-        if msg.full:  # it supersedes what this batch had taken, but for the kept
-            kept = set(msg.kept)
-            self._writes = [w for w in self._writes if w.sid in kept]
-            self._full = {r.sid for r in msg.records} | kept
+        if msg.full:  # it supersedes what this batch had taken
+            self._writes = []
+            self._full = {r.sid for r in msg.records}
             self.records_complete = True
             self.client.delete(self.keys.snapshot_wanted)
         self._writes += [msgspec.structs.replace(r, executor=msg.executor) for r in msg.records]

@@ -232,16 +232,14 @@ class SessionRecord(Arrays, kw_only=True, omit_defaults=True):
 
 class SessionRecords(Message, tag="sessions"):
     """Session records that changed; their slots are valid only on `executor`. A `full`
-    message carries every open session of the scheduler (sent after each snapshot): the
-    store forgets any record it holds that the message does not name (in `records` or
-    `kept`), so records lost in a gap are made whole again."""
+    message carries every open session of the scheduler (sent after each snapshot, once
+    a restarted scheduler has taken back its sessions: before, it cannot name them all):
+    the store forgets any record it holds that the message does not name, so records
+    lost in a gap are made whole again."""
 
     records: list[SessionRecord]
     executor: str | None  # the executor epoch when they were taken
     full: bool = False
-    # with `full`: sessions of the scheduler whose records it has not taken back yet (a
-    # restart's, waiting for the store's proof): the store keeps what it holds of them
-    kept: list[str] = msgspec.field(default_factory=list)
 
 
 class Idle(Message, tag="idle"):

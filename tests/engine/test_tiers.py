@@ -212,7 +212,6 @@ def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
     records = d.engine.sessions.records.take_records()
     again = tiered(host_pages=64, host_slots=8, disk_slots=8)  # a new scheduler life
     again.engine.sessions.rebuild(records, state_valid=False)
-    again.engine.sessions.discard_unnamed_blobs()
     assert again.engine.sessions.sessions[sids[0]].state_tier == "disk"
     assert again.engine.sessions.sessions[sids[1]].state_tier is None
     assert sorted(again.engine.sessions.moves.discards) == [s for s in range(1, 9) if s != kept]

@@ -360,8 +360,7 @@ def test_a_gap_whose_life_ended_loses_its_sessions_instead_of_waiting_for_ever(r
     drain(consumer)
     assert not consumer.records_complete
     new_life = EventShipper(Driver().pools.ledger, epoch="e6")
-    publish(redis_client, new_life.snapshot())
-    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa", "sb"]))
+    publish(redis_client, new_life.snapshot())  # its full set waits for the proof
     drain(consumer)
     assert consumer.records_complete and consumer.sessions_lost == 2
     assert entry_id(consumer.records_through) > entry_id(applied)
@@ -383,24 +382,30 @@ def test_an_epoch_s_end_trimmed_away_whole_is_a_gap_too(redis_client):
     assert consumer.sessions_lost == 2 and redis_client.smembers(keys.lost) == {b"sa", b"sb"}
 
 
-def test_a_full_set_sent_while_sessions_wait_to_be_taken_back_keeps_their_records(
+def test_a_gap_in_a_new_life_s_epoch_does_not_hold_back_the_proof_of_the_earlier_records(
     redis_client,
 ):
-    """A restarted life whose sessions wait for the store's proof names them `kept` in
-    its full set: a gap in its own epoch is made whole without dropping their records."""
-    _, _, consumer, _ = two_lives(redis_client)
+    """The old life's last records and a new life's entries in one batch (the store was
+    paused across the restart), a gap among the new life's: the records are proven
+    current through the last entry before the gap, which covers every earlier life's.
+    The new life's sessions wait for that proof, and its full set for them: a proof that
+    waited for the full set would wait for ever."""
+    d, shipper, consumer, _ = two_lives(redis_client)
     keys = streams.SINGLE
+    d.engine.sessions.sessions["sa"].history = np.arange(9)
+    d.engine.sessions.dirty.add("sa")
+    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
+    target = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
     new_life = EventShipper(Driver().pools.ledger, epoch="e6")
     publish(redis_client, new_life.snapshot())
     new_life.idle({})  # lost
     publish(redis_client, new_life.idle({}))
-    drain(consumer)
+    drain(consumer)  # one batch
     assert not consumer.records_complete
-    publish(redis_client, new_life.snapshot())
-    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa"]))
-    drain(consumer)
-    assert consumer.records_complete and consumer.sessions_lost == 0
-    assert redis_client.smembers(keys.sessions) == {b"sa"}  # sb: named by neither
+    assert entry_id(consumer.records_through) >= entry_id(target)
+    stored = RECORDS.decode(redis_client.hget(keys.session("sa"), "record"))
+    assert stored.tokens().tolist() == list(range(9))
+    assert redis_client.smembers(keys.sessions) == {b"sa", b"sb"}
 
 
 def test_a_gap_is_decided_once_a_new_life_is_fenced_in_though_it_writes_nothing(redis_client):
@@ -420,24 +425,6 @@ def test_a_gap_is_decided_once_a_new_life_is_fenced_in_though_it_writes_nothing(
     assert consumer.records_complete and consumer.sessions_lost == 2
     last = redis_client.xrevrange(keys.ownership, count=1)[0][0].decode()
     assert consumer.records_through == last  # the proof comes with the decision
-
-
-def test_a_kept_session_s_records_read_in_the_batch_of_the_full_set_are_kept(redis_client):
-    """The old life's last records and the new life's full set in one batch (the store
-    was paused across the restart): the full set keeps what the batch read of the
-    sessions it names as kept. Before, it dropped them with the rest of the batch, and
-    the session came back with the history of a record two turns old."""
-    d, shipper, consumer, _ = two_lives(redis_client)
-    keys = streams.SINGLE
-    d.engine.sessions.sessions["sa"].history = np.arange(9)
-    d.engine.sessions.dirty.add("sa")
-    publish(redis_client, shipper.sessions(d.engine.sessions.records.take_records(), None))
-    new_life = EventShipper(Driver().pools.ledger, epoch="e6")
-    publish(redis_client, new_life.snapshot())
-    publish(redis_client, new_life.sessions([], None, full=True, kept=["sa", "sb"]))
-    drain(consumer)  # one batch
-    stored = RECORDS.decode(redis_client.hget(keys.session("sa"), "record"))
-    assert stored.tokens().tolist() == list(range(9))
 
 
 def test_entries_whose_read_reply_was_lost_are_read_again(redis_client):

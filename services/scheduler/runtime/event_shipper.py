@@ -72,11 +72,9 @@ class EventShipper:
         records: list[SessionRecord],
         executor_epoch: str | None,
         full: bool = False,
-        kept: list[str] | None = None,
     ) -> bytes:
         """Durable session records; their slots are valid only on `executor_epoch`.
-        `full`: every open session's, or `kept` as the store holds it (it forgets any
-        other)."""
+        `full`: every open session's (the store forgets any other)."""
         return encode(
             SessionRecords(
                 epoch=self.epoch,
@@ -84,7 +82,6 @@ class EventShipper:
                 records=records,
                 executor=executor_epoch,
                 full=full,
-                kept=kept or [],
             )
         )
 

@@ -83,16 +83,16 @@ class OwnershipOutbox:
 
     def queue_snapshot(self, executor_epoch: str | None) -> None:
         """The ledger's snapshot, then every open session's record (a full set): what a
-        gap made the store lose is whole again. The sessions still waiting to be taken
-        back after a restart are named as kept (their records are the store's to keep
-        until then: a full set withheld for them would leave the store waiting for it,
-        and them for the store). Not while the lease has lapsed (queue_ownership); the
-        store asks again."""
+        gap made the store lose is whole again. Not while the lease has lapsed
+        (queue_ownership), nor while a restarted life waits to take back its sessions (it
+        cannot name them all: the store would forget those whose records it had not
+        applied yet); the store asks again. The store's proof does not wait for this
+        full set: it needs only the earlier lives' entries (records_proof.py)."""
         self.messages.append(self.shipper.snapshot())
         sessions = self.engine.sessions
-        if self.may_record():
-            records, kept = sessions.records.all_records(), sorted(sessions.pending)
-            self.messages.append(self.shipper.sessions(records, executor_epoch, True, kept))
+        if self.may_record() and not sessions.awaiting_records:
+            records = sessions.records.all_records()
+            self.messages.append(self.shipper.sessions(records, executor_epoch, True))
 
     def queue_cache_snapshot(self) -> None:
         self.cache_messages.append(self.cache.snapshot())

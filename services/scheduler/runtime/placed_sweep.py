@@ -59,7 +59,7 @@ class PlacedSweep:
             self.walked = set()
         for sid in batch:
             sessions = self.sessions
-            if sid in sessions.sessions or sid in sessions.pending or sid in sessions.lost:
+            if sid in sessions.sessions or sessions.in_doubt(sid) or sid in sessions.lost:
                 self.suspects.pop(sid, None)
                 continue
             value = await client.get(streams.placement_key(sid))

@@ -53,8 +53,10 @@ async def start_life(
     with every recorded session whose records are proven current taken back: (the live
     executor's epoch when there were records, their slots valid on it, else None; the
     stream entry the proof still waits for, else None). While the proof waits, every
-    recorded session is `pending`: it answers 503, never a turn from a record older than
-    the last one written; `finish_rebuild` takes them back."""
+    session this life has not seen is in doubt (`SessionManager.awaiting_records`): it
+    answers 503, never a turn from a record older than the last one written, nor 404 for
+    a session whose opening the store has not applied yet. `finish_rebuild` takes them
+    back."""
     target, proven = records_proof.NO_STREAM, True
     for step in lives.START:
         match step:
@@ -84,11 +86,12 @@ async def _take_back(
     if not proven:
         log.warning(
             "the session store has not applied this replica's records up to %s: "
-            "%d sessions answer 503 until it has",
+            "%d recorded sessions, and any whose records are not applied yet, answer 503 "
+            "until it has",
             target,
             len(placements),
         )
-        sessions.pending |= set(placements)
+        sessions.awaiting_records = True
         return None, target
     await _lost(client, sessions, keys)
     records = await _records(client, keys, list(placements))
@@ -98,7 +101,6 @@ async def _take_back(
         r if epoch is not None and r.executor == epoch else without_device_state(r) for r in records
     ]
     _rebuild(sessions, keys.replica, valid, placements, state_valid=True)
-    sessions.discard_unnamed_blobs()
     if not records:
         return None, None
     log.info("rebuilt %d sessions from the session store", len(records))
@@ -108,21 +110,20 @@ async def _take_back(
 async def finish_rebuild(
     client: aioredis.Redis, sessions: SessionManager, keys: streams.Keys, target: str
 ) -> None:
-    """Once the store's records are proven current up to `target`, take back the pending
-    sessions, from their history only: this life may have given their slots and blobs to
-    other sessions meanwhile (their next turn re-prefills)."""
+    """Once the store's records are proven current up to `target`, take back every
+    recorded session this life has not seen, from its history only: this life may have
+    given their slots and blobs to other sessions meanwhile (their next turn
+    re-prefills)."""
     while not await records_proof.records_current(client, keys, target):
         await asyncio.sleep(0.2)
-    pending = sorted(sessions.pending)
     await _lost(client, sessions, keys)
     placements = await _placements(client, sessions, keys)
-    records = [
-        msgspec.structs.replace(r, disk=None)
-        for r in await _records(client, keys, [s for s in pending if s in placements])
-    ]
+    unseen = [sid for sid in placements if not sessions.knows(sid)]
+    records = [msgspec.structs.replace(r, disk=None) for r in await _records(client, keys, unseen)]
+    sessions.awaiting_records = False
     _rebuild(sessions, keys.replica, records, placements, state_valid=False)
-    sessions.dirty |= sessions.pending  # placed elsewhere now, or never recorded: closed
-    sessions.pending.clear()
+    # placed elsewhere now, or with no record left: recorded closed here
+    sessions.dirty |= {sid for sid in unseen if sid not in sessions.sessions}
     log.info("rebuilt %d sessions from the session store, after waiting for it", len(records))
 
 

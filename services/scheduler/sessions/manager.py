@@ -76,9 +76,10 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.dirty: set[str] = set()  # sessions whose durable record changed
-        # recorded sessions a restarted scheduler has not taken back yet: their records
-        # are not proven current (runtime/session_rebuild.py), so they answer 503
-        self.pending: set[str] = set()
+        # a restarted scheduler whose session records are not proven current yet
+        # (runtime/session_rebuild.py): every session it has not seen answers 503, since
+        # the store may hold an older record of it, or not even have applied its opening
+        self.awaiting_records = False
         self.lost = LostSessions()  # the store's decision on a gap (lost.py)
         self.conflicting_records = 0
         # whether this replica may serve its sessions now: its registration is provably
@@ -120,10 +121,12 @@ class SessionManager:
                 "limit",
             )
         timeout = self.idle_timeout if timeout is None else timeout
-        sid = secrets.token_hex(16) if sid is None else sid
-        if not valid_session_id(sid):
+        if sid is None:
+            sid = secrets.token_hex(16)  # no earlier life's: never in doubt
+        elif not valid_session_id(sid):
             raise SessionError(f"{sid!r} is not a session id", "invalid")
-        self._not_pending(sid)
+        else:
+            self._not_pending(sid)
         if sid in self.sessions or sid in self._closed:
             raise SessionError(f"session {session_name(sid)} already exists", "invalid")
         if timeout is not None and not 0 < timeout <= 7 * 24 * 3600:
@@ -487,18 +490,16 @@ class SessionManager:
     def rebuild(self, records: list[SessionRecord], state_valid: bool) -> None:
         """A restarted scheduler takes its sessions back (records.py): the history always,
         a valid blob on disk, device slots when the executor that holds their contents is
-        the same one and the records are trusted (`trusted_records`)."""
+        the same one and the records are trusted (`trusted_records`). Then every blob no
+        session holds is deleted (an earlier life's deletion still pending when it ended,
+        or a blob no record taken back names); the next step carries the deletions, before
+        any move that writes a slot again."""
         records, cut = trusted_records(records, state_valid, self.pools)
         self.conflicting_records += cut
         for rec in records:
-            self.pending.discard(rec.sid)
             if not rec.closed:
                 session = self.open(rec.sid, rec.timeout, rec.tenant, limited=False)
                 self.records.take_back(session, rec, state_valid)
-
-    def discard_unnamed_blobs(self) -> None:
-        """After a rebuild: delete every blob no record named (its deletion was still
-        pending when the last life of the scheduler ended); the first step carries it."""
         free = np.flatnonzero(self.pools.disk.owner_view[1:] == 0) + 1
         self.moves.discards += free.tolist()
 
@@ -519,8 +520,17 @@ class SessionManager:
                 "fenced",
             )
 
+    def in_doubt(self, sid: str) -> bool:
+        """Whether `sid` may be a session of an earlier life that this one has not taken
+        back yet: while the records are not proven current, any it has not seen."""
+        return self.awaiting_records and not self.knows(sid)
+
+    def knows(self, sid: str) -> bool:
+        """Whether this life holds `sid` or closed it."""
+        return sid in self.sessions or sid in self._closed
+
     def _not_pending(self, sid: str) -> None:
-        if sid in self.pending:
+        if self.in_doubt(sid):
             raise SessionError(
                 f"session {session_name(sid)} is being restored after a restart; retry",
                 "rebuilding",
