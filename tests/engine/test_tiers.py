@@ -3,6 +3,7 @@ every row's starting state is checked against its sequence and every output agai
 one-shot reference, so a move that carried the wrong pages, the wrong slot or KV without
 its state shows up as a wrong token, not only as a wrong list."""
 
+import msgspec
 import numpy as np
 
 from services.scheduler.ownership.owners import OwnerKind
@@ -220,6 +221,21 @@ def test_a_restarted_scheduler_takes_back_valid_blobs_and_deletes_the_rest():
         t = again.run_turn(sid, text(2, 70), max_new=3)
         assert t.cached_tokens == cached
         assert t.output == reference(histories[sid] + text(2, 70), 3, VOCAB)
+    again.assert_idle_clean()
+
+
+def test_a_rebuild_from_history_only_deletes_every_blob():
+    """A restart that waited for the store's proof takes its sessions back from their
+    history only (runtime/session_rebuild.py's finish_rebuild): no session holds a blob
+    then, and every blob is deleted. Before, the earlier life's stayed on disk for good."""
+    d = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    one_on_disk_one_on_host(d, 21, 60)
+    records = [
+        msgspec.structs.replace(r, disk=None) for r in d.engine.sessions.records.take_records()
+    ]
+    again = tiered(host_pages=64, host_slots=8, disk_slots=8)
+    again.engine.sessions.rebuild(records, state_valid=False)
+    assert sorted(again.engine.sessions.moves.discards) == list(range(1, 9))
     again.assert_idle_clean()
 
 

@@ -634,10 +634,10 @@ def _directory_check(world: World, k: int, replica: str, rules: Rules) -> World:
 
 def _store(world: World, replica: str) -> Iterator[Transition]:
     """The session store: applies a replica's records (of every session, in one go);
-    records lost before it did (a gap); a gap mended by the full set its life's snapshot
-    ships, or, once a later life fenced that one in (nothing can mend it now), decided
-    (protocol/records.py): a session it held a record of and the directory places there
-    is lost."""
+    records lost before it did (a gap); a gap mended by the full set its life ships once
+    its sessions are taken back, or, once a later life fenced that one in (nothing can
+    mend it now), decided (protocol/records.py): a session it held a record of and the
+    directory places there is lost."""
     i = AT[replica]
     gap = world.gap_life[i]
     pending = [s.stream[i] for s in world.sessions]
@@ -660,7 +660,9 @@ def _store(world: World, replica: str) -> Iterator[Transition]:
     if not gap:
         return
     life = world.life(replica)
-    if life.number == gap and life.up and life.step == len(lives.START):
+    # a life ships its full set once it has taken back its sessions, not while they
+    # wait for the proof (it cannot name them all yet)
+    if life.number == gap and life.up and life.step == len(lives.START) and not life.pending:
         mended = world
         for k, session in enumerate(world.sessions):
             copy = session.copy(replica)
