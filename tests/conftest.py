@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -29,9 +30,13 @@ from tests.services_harness import (
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
+    """A Redis of this test process's own: a private server, or the database of
+    `REDIS_URL` numbered as this pytest-xdist worker (two workers' stacks must never meet
+    in one database)."""
     url = os.environ.get("REDIS_URL")
     if url:
-        yield url
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        yield urlsplit(url)._replace(path=f"/{worker}").geturl()
         return
     with PrivateRedis(appendonly=False) as server:
         yield server.url

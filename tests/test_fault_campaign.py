@@ -23,6 +23,7 @@ from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 
+pytestmark = pytest.mark.solo
 SECONDS = float(os.environ.get("CUSTODY_FAULT_SECONDS", "165"))
 
 

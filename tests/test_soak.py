@@ -12,12 +12,15 @@ CUSTODY_SOAK_SECONDS sets the load's length (CI: 90; the tier drill runs inside 
 import json
 import os
 
+import pytest
+
 from custody.soak import Soak
 from custody.soak.client import NO_ANSWER, Reply
 from custody.soak.tiers import MoveCount, TierWatch
 from custody.soak.verdict import MUST_HIT, failures
 from shared import streams
 
+pytestmark = pytest.mark.solo
 SECONDS = float(os.environ.get("CUSTODY_SOAK_SECONDS", "90"))
 
 
