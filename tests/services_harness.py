@@ -146,7 +146,8 @@ def ledger_when_idle(stack: Stack) -> dict:
     deadline = time.monotonic() + 60
     while True:
         view = call(stack.settings.store_port, "/ledger")
-        busy = any(c["request"] or c["track"] or c["session"] for c in view["counts"].values())
+        running = ("request", "track", "transit", "session")
+        busy = any(c[kind] for c in view["counts"].values() for kind in running)
         if not busy or time.monotonic() > deadline:
             return view
         time.sleep(0.2)

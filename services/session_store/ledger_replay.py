@@ -216,25 +216,33 @@ class IndependentLedger:
         )
 
     # ---- views ----
-    def counts(self) -> dict[str, dict[str, int]]:
+    def counts(self, tables: list[np.ndarray] | None = None) -> dict[str, dict[str, int]]:
         out = {}
-        for name, table in zip(self.names, self.tables, strict=True):
+        for name, table in zip(self.names, self.tables if tables is None else tables, strict=True):
             kinds = np.bincount(
                 np.asarray(table[1:], dtype=np.int64) & KIND_MASK, minlength=len(OwnerKind)
             )
             out[name] = {k.name.lower(): int(kinds[k]) for k in OwnerKind}
         return out
 
-    def leaked(self) -> dict[str, list[int]]:
+    def leaked(self, tables: list[np.ndarray] | None = None) -> dict[str, list[int]]:
         """Slots held by running work: at idle, each is a leak."""
         out = {}
-        for name, table in zip(self.names, self.tables, strict=True):
+        for name, table in zip(self.names, self.tables if tables is None else tables, strict=True):
             kinds = np.asarray(table) & KIND_MASK
             held = np.flatnonzero(np.isin(kinds, [int(k) for k in RUNNING_KINDS]))
             held = held[held > 0]
             if len(held):
                 out[name] = held.tolist()
         return out
+
+    def held_view(self) -> tuple[dict[str, dict[str, int]], dict[str, list[int]]]:
+        """`counts` and `leaked` of one copy of the tables, for a reader on another thread
+        than the one applying batches: read from the live tables one after the other,
+        a batch applied in between showed nothing running and then a slot held by it."""
+        flat = self.flat.copy()  # a batch is one scatter into it: before or after
+        tables = [flat[o : o + len(t)] for o, t in zip(self.offsets, self.tables, strict=True)]
+        return self.counts(tables), self.leaked(tables)
 
     def check_idle(self, scheduler_counts: dict[str, dict[str, int]], seq: int) -> list[Violation]:
         found = [

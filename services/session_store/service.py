@@ -44,12 +44,13 @@ class StoreService:
         replica = self.replica if replica is None else replica
         consumer = self.replicas.consumers[replica]
         led = consumer.ledger
+        counts, leaked = led.held_view() if led.ready else ({}, {})
         return {
             "ready": led.ready,
             "epoch": consumer.epoch,
             "events_applied": led.events_applied,
-            "counts": led.counts() if led.ready else {},
-            "leaked": led.leaked() if led.ready else {},
+            "counts": counts,
+            "leaked": leaked,
             "double_free_total": led.double_frees,
             "violations": [v.as_dict() for v in led.violations[-100:]],
             "violations_total": dict(led.found),
