@@ -127,3 +127,10 @@ def agent_stack(redis_url: str, agent_checkpoint: Path) -> Iterator[Stack]:
 def chat_checkpoint_config_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same, with the template in tokenizer_config.json's chat_template."""
     return build_chat_checkpoint(tmp_path_factory.mktemp("chat-checkpoint-config"), "config")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files marked `long` first (the rest keep their order): pytest-xdist hands files
+    to its workers in this order, so a long one starts at once instead of running alone
+    at the end while the other worker waits."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -40,10 +40,8 @@ def test_chaos_soak_loses_nothing():
     assert result["wrong_outputs"] == 0, result
     assert result["unexpected_statuses"] == 0, result["unexpected_examples"]
     assert sum(result["service_restarts"]["unexplained"].values()) == 0, result
-    # Known service bug, left failing in `custody soak` but not here: a blob whose discard
-    # is pending when the scheduler is killed outlives its closed session (the discard
-    # lived only in the dead scheduler's memory); the ledger is right, the file is stale.
-    assert set(result["failed"]) <= {"leftover_blobs"}, result
+    assert result["leftover_blobs"] == {}, result["leftover_blobs"]
+    assert result["failed"] == [], result
 
 
 def clean(**changes: object) -> dict:

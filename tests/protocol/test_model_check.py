@@ -24,10 +24,14 @@ faults with a crash and a re-homing ran past 17 minutes and 9 GB here, unfinishe
 
 from __future__ import annotations
 
+import pytest
+
 from protocol.lives import Step
 from tests.protocol import redis_model
 from tests.protocol.checker import Report, explore
 from tests.protocol.world import Rules, Session, World
+
+pytestmark = pytest.mark.long
 
 # production's bound: every kind of fault, one of them per trace; each planted bug is
 # explored at the smallest bound that shows it (two faults where it takes two)
