@@ -294,9 +294,13 @@ class EngineMachine(RuleBasedStateMachine):
     def restart_scheduler(self, same_executor):
         """A new scheduler life rebuilds its sessions from the store's records, slots
         included when the executor is the same; the requests of the old life are lost
-        (their clients saw the connection drop)."""
-        model = self.d.model
+        (their clients saw the connection drop). The request ids go on from where they
+        were: a branch names a turn by its id, and an id used again names the later turn
+        (docs/api.md), which the machine's list of named turns does not model (a CI run
+        found this: a fork named a turn of the old life by an id the new life reused)."""
+        model, rids = self.d.model, self.d._rids
         self.d = self.new_driver()
+        self.d._rids = rids  # a client's request ids stay its own across the restart
         if same_executor:
             self.d.model = model
             model.sequence_of = self.d._sequence
@@ -420,5 +424,34 @@ def test_a_turn_refused_after_its_restore_and_ops_ran_leaves_its_session_whole()
     machine.turn(Draw(), [1], 0, False, False)
     machine.refuse_step(True)
     machine.sessions_hold_their_historys_state()
+    machine.run_until_idle()
+    machine.teardown()
+
+
+def test_a_fork_names_a_turn_of_the_life_before_a_restart():
+    """A sequence a CI run found (the machine's own fault): after a scheduler restart the
+    machine's new driver numbered request ids from 1 again, so a chat turn of the new life
+    reused the id of a turn of the old one, and a fork naming that id got the later turn
+    while the machine expected the earlier."""
+
+    class Draws:
+        def __init__(self, *values: object) -> None:
+            self.values = list(values)
+
+        def draw(self, strategy: object) -> object:
+            return self.values.pop(0)
+
+    machine = _machine(16, 0, checkpoint_every=0, host_tier=True)()
+    for _ in range(2):
+        machine.fork(system=PREFIXES[0], own=[1], max_new=0)
+    machine.run_until_idle()
+    machine.persist_records()  # an invariant: hypothesis runs it after every step
+    machine.restart_scheduler(same_executor=False)
+    machine.chat_turn(Draws("s1", 26), max_new=0, new=[1])
+    machine.run_until_idle()
+    first = machine.named["s1"][0]
+    machine.branch(Draws("s1", first), new=[1], max_new=0, how=0)
+    machine.expire_sessions()
+    machine.fork_turn(Draws("s1", first), drop=False)
     machine.run_until_idle()
     machine.teardown()
