@@ -47,10 +47,11 @@ STEPS = Counter(
     "forward steps by outcome: ok, refused, error, stale (an earlier executor life), fenced",
     ["outcome"],
 )
+# counted with the step's `ok`, so rows per step read from the three agree at any moment
 STEP_BYTES = Counter(
-    "custody_step_bytes", "bytes of the step messages read (a row's KV indices travel as deltas)"
+    "custody_step_bytes", "bytes of the steps run (a row's KV indices travel as deltas)"
 )
-STEP_ROWS = Counter("custody_step_rows", "rows of the steps read")
+STEP_ROWS = Counter("custody_step_rows", "rows of the steps run")
 FORWARD = Histogram("custody_forward_seconds", "deferred ops + forward + sampling of one step")
 OPS_BYTES = Counter("custody_deferred_op_bytes_total", "bytes moved by deferred clears and copies")
 OPS_TIME = Histogram("custody_deferred_op_seconds", "time to apply one step's deferred state ops")
@@ -213,8 +214,6 @@ class ExecutorService:
             return self._malformed(raw, error or WireError("no step"))
         if not self._for_me(step.epoch, step.step, step.executor_epoch):
             return None
-        STEP_BYTES.inc(len(raw))
-        STEP_ROWS.inc(len(step.rows))
         sampling = [r.rid for r in step.rows if r.sample]
         try:
             self.chain.resolve(step.epoch, step.after, step.rows)
@@ -226,6 +225,8 @@ class ExecutorService:
         except Exception as err:
             return self._refused(step, sampling, err)
         self.chain.ran(step.epoch, step.step, sampling, result.tokens)
+        STEP_BYTES.inc(len(raw))
+        STEP_ROWS.inc(len(step.rows))
         STEPS.labels("ok").inc()
         OPS_TIME.observe(self.runner.last_ops_seconds)
         OPS_BYTES.inc(self.runner.last_ops_bytes)
