@@ -82,17 +82,17 @@ async def _take_back(
     target: str,
     proven: bool,
 ) -> tuple[str | None, str | None]:
-    placements = await _placements(client, sessions, keys)
     if not proven:
         log.warning(
             "the session store has not applied this replica's records up to %s: "
             "%d recorded sessions, and any whose records are not applied yet, answer 503 "
             "until it has",
             target,
-            len(placements),
+            await client.scard(keys.sessions),
         )
         sessions.awaiting_records = True
         return None, target
+    placements = await _placements(client, sessions, keys)
     await _lost(client, sessions, keys)
     records = await _records(client, keys, list(placements))
     alive = await client.get(keys.executor_alive)
