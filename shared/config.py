@@ -23,6 +23,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3")  # text/reasoning.py
 ROUTER_POLICIES = ("prefix", "random")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+MAX_DRAFTS = 16  # speculative_num_steps: a verify row holds one Mamba slot per draft
 # never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
 # a password)
 SECRET_SETTINGS = frozenset({"api_keys", "admin_api_keys", "cluster_secret", "redis_url"})
@@ -135,6 +136,12 @@ class Settings:
     # fault drills only: each tier move sleeps this long half-way (a spill between its
     # write and its rename), so a drill's kill lands during one
     tier_move_delay_seconds: float = 0.0
+    # speculative decoding (docs/speculative.md), SGLang's flags: NGRAM drafts from the
+    # sequence's own n-grams; NEXTN/EAGLE (a checkpoint's MTP head) are refused by name
+    speculative_algorithm: str = ""  # empty: none
+    speculative_num_steps: int = 3  # drafts per verify step
+    speculative_num_draft_tokens: int = 0  # SGLang's verify width: steps + 1 (0: that)
+    speculative_eagle_topk: int = 1  # drafts per position: 1 only
 
     def public(self) -> dict[str, object]:
         """Every setting but the secret ones, as JSON values (SGLang's server args)."""
@@ -205,6 +212,32 @@ class Settings:
             raise ValueError("pipeline_depth must be 0, 1 or 2")
         if self.kv_pages * self.page_size < self.context_len:
             raise ValueError("kv_pages * page_size must hold at least one context_len")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        algorithm = self.speculative_algorithm.upper()
+        if algorithm in ("NEXTN", "EAGLE"):
+            raise ValueError(
+                f"--speculative-algorithm {self.speculative_algorithm}: custody does not run "
+                "a checkpoint's MTP head yet; NGRAM drafts without one (docs/speculative.md)"
+            )
+        if algorithm not in ("", "NGRAM"):
+            raise ValueError("speculative_algorithm must be NGRAM, NEXTN or EAGLE (or empty)")
+        steps = self.speculative_num_steps
+        if not 1 <= steps <= MAX_DRAFTS:
+            raise ValueError(f"speculative_num_steps must be 1..{MAX_DRAFTS}")
+        if self.speculative_num_draft_tokens not in (0, steps + 1):
+            raise ValueError(
+                f"speculative_num_draft_tokens {self.speculative_num_draft_tokens}: with "
+                f"top-k 1 the verify width is speculative_num_steps + 1 = {steps + 1}"
+            )
+        if self.speculative_eagle_topk != 1:
+            raise ValueError("speculative_eagle_topk must be 1: custody verifies one chain")
+
+    @property
+    def spec_drafts(self) -> int:
+        """Drafts a verify step checks: 0 when the engine does not speculate."""
+        return self.speculative_num_steps if self.speculative_algorithm else 0
 
     @property
     def working_slots(self) -> int:

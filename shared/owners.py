@@ -23,6 +23,7 @@ class OwnerKind(IntEnum):
     CACHE = 3
     TRACK = 4
     TRANSIT = 5  # host or disk slots a tier move of a step in flight still reads
+    SPECULATIVE = 6  # a running request's slots for the states of drafts being verified
 
 
 def owner_id(serial: int, kind: OwnerKind) -> int:

@@ -45,7 +45,6 @@ REFUSED = {
     "--mem-fraction-static": "custody sizes its pools by count (KV pages, Mamba slots)",
     "--max-total-tokens": "custody sizes its KV pool in pages (KV pages times the page size)",
     "--quantization": "custody serves unquantized weights (docs/checkpoints.md)",
-    "--speculative-algorithm": "custody has no speculative decoding yet",
     "--enable-lora": "custody serves no adapters",
     "--lora-paths": "custody serves no adapters",
     "--attention-backend": "custody runs its own attention and Mamba kernels",

@@ -26,6 +26,7 @@ other failure while moving fails the step with `ops_ran` False.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from services.executor.step_checks import check_rows, check_slots
 from services.executor.tiers import no_tiers
 from services.executor.tiers.checks import TierMoveRefused
 from services.executor.tiers.mover import TierMover
+from services.executor.verify import verify_drafts
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepResult, StepRow
 from shared.messages.sampling import RowScores, Top
@@ -66,9 +68,10 @@ class StepFailed(RuntimeError):
 class Sampled:
     """What a step's forward gave: its answer, before it is put on the wire."""
 
-    tokens: list[int]  # one per sampling row, in row order
+    tokens: list[int]  # per sampling row, in row order: one, or a verify row's several
     logprobs: list[float]
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
+    counts: list[int] = field(default_factory=list)  # per sampling row; empty: one each
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
     top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
     scores: list[RowScores] = field(default_factory=list)  # of the rows scoring inputs
@@ -91,7 +94,15 @@ class Sampled:
             top=self.top,
             scores=self.scores,
             grammar_ended=self.grammar_ended,
+            counts=self.counts,
         )
+
+    def last_tokens(self) -> list[int]:
+        """Each sampling row's last token: what a row planned on top of it feeds."""
+        if not self.counts:
+            return self.tokens
+        ends = itertools.accumulate(self.counts)
+        return [self.tokens[end - 1] for end in ends]
 
 
 class ModelRunner:
@@ -155,20 +166,58 @@ class ModelRunner:
         logits, scores = self._logits(rows)
         if not sampling:  # a step of prefill chunks that sample nothing
             return Sampled([], [], scores=scores)
-        allowed = self.grammars.masks(sampling) if self.grammars else None
-        tokens, logprobs = sample(logits, sampling, allowed)
+        # each sampling row's logits: one position, or a verify row's drafts + 1
+        ends = list(itertools.accumulate(r.drafts + 1 for r in sampling))
+        last = [end - 1 for end in ends]
+        plain = [j for j, r in enumerate(sampling) if not r.drafts]
+        plain_rows = [sampling[j] for j in plain]
+        at_last = logits if len(last) == len(logits) else logits[last]
+        plain_logits = at_last if len(plain) == len(sampling) else at_last[plain]
+        allowed = self.grammars.masks(plain_rows) if self.grammars else None
+        tokens, logprobs = sample(plain_logits, plain_rows, allowed)
         chosen = tokens.tolist()
+        if len(plain) == len(sampling):
+            got, counts, lps = chosen, [], logprobs.tolist()
+        else:
+            got, counts, lps = self._verified(sampling, logits, ends, chosen, logprobs.tolist())
         return Sampled(
-            chosen,
-            logprobs.tolist(),
-            logits.float().cpu() if keep_logits else None,
-            top=top_logprobs(logits, sampling),
+            got,
+            lps,
+            at_last.float().cpu() if keep_logits else None,
+            counts=counts,
+            top=top_logprobs(at_last, sampling),
             scores=scores,
-            grammar_ended=self.grammars.accept(sampling, chosen) if allowed is not None else [],
+            grammar_ended=self.grammars.accept(plain_rows, chosen) if allowed is not None else [],
         )
 
+    @staticmethod
+    def _verified(
+        sampling: list[StepRow],
+        logits: torch.Tensor,
+        ends: list[int],
+        plain_tokens: list[int],
+        plain_logprobs: list[float],
+    ) -> tuple[list[int], list[int], list[float]]:
+        """Every sampling row's tokens in row order, with their counts and log
+        probabilities: the plain rows' as sampled, each verify row's drafts judged."""
+        plain = iter(zip(plain_tokens, plain_logprobs, strict=True))
+        tokens: list[int] = []
+        counts: list[int] = []
+        logprobs: list[float] = []
+        for row, end in zip(sampling, ends, strict=True):
+            if row.drafts:
+                got, lps = verify_drafts(logits[end - row.drafts - 1 : end], row)
+            else:
+                token, lp = next(plain)
+                got, lps = [token], [lp]
+            tokens += got
+            logprobs += lps
+            counts.append(len(got))
+        return tokens, counts, logprobs
+
     def _logits(self, rows: list[StepRow]) -> tuple[torch.Tensor | None, list[RowScores]]:
-        """Logits [sampling rows, vocab], in row order (None: no row samples), and the
+        """Logits [sampling positions, vocab], in row order (a verify row's drafts + 1
+        positions, any other sampling row's last; None: no row samples), and the
         input log probabilities of the rows that score positions. With the compiled
         decode path, the one-token rows that score nothing go through it and the rest
         (prefill chunks) eagerly: rows never interact, so a step may be split."""
@@ -185,8 +234,8 @@ class ModelRunner:
         if slow:
             batch = ForwardBatch([rows[i] for i in slow], self.device)
             hidden = self.model(batch, self.pools)
-            parts.append(self.model.lm_head(hidden[batch.last_positions]))
-            order += [i for i in slow if rows[i].sample]
+            parts.append(self.model.lm_head(hidden[batch.sample_positions]))
+            order += [i for i in slow if rows[i].sample for _ in range(rows[i].drafts + 1)]
             scores = [
                 score_inputs(self.model.lm_head, hidden[batch.span(j)], rows[i])
                 for j, i in enumerate(slow)
@@ -195,7 +244,7 @@ class ModelRunner:
         if not order:
             return None, scores
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if order != sorted(order):
+        if order != sorted(order):  # a stable sort: a verify row's positions stay in order
             logits = logits[sorted(range(len(order)), key=order.__getitem__)]
         return logits, scores
 

@@ -44,7 +44,7 @@ def sample(
     each row choose (services/executor/grammars.py); the log probabilities stay the raw
     logits' (vLLM's default)."""
     logits = logits.float()
-    _check_finite(logits)
+    check_finite(logits)
     processed = logits
     if any(row.penalties is not None for row in rows):
         processed = torch.stack([penalise(logits[j], row) for j, row in enumerate(rows)])
@@ -54,7 +54,7 @@ def sample(
     for j, row in enumerate(rows):
         if not row.temperature >= GREEDY_BELOW:  # also a NaN temperature
             continue
-        probs = _distribution(processed[j], row.temperature, row.top_k, row.top_p, row.min_p)
+        probs = distribution(processed[j], row.temperature, row.top_k, row.top_p, row.min_p)
         generator = torch.Generator(device=probs.device)
         if row.seed is None:
             generator.seed()
@@ -140,7 +140,7 @@ def _output_ids(row: StepRow, pen: Penalties) -> np.ndarray:
     return np.append(ids, row.tokens[:1]) if row.future else ids
 
 
-def _check_finite(logits: torch.Tensor) -> None:
+def check_finite(logits: torch.Tensor) -> None:
     """Refuse rows with NaN or +inf, or without one finite logit (-inf is a masked token)."""
     broken = (torch.isnan(logits) | (logits == float("inf"))).any(-1)
     broken |= ~torch.isfinite(logits).any(-1)
@@ -149,7 +149,7 @@ def _check_finite(logits: torch.Tensor) -> None:
         raise SamplingError(f"rows {rows} of the step: logits are NaN, +inf or all -inf")
 
 
-def _distribution(
+def distribution(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
 ) -> torch.Tensor:
     """Probabilities over the vocabulary, finite, summing to 1, the argmax always > 0."""

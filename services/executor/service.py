@@ -224,7 +224,7 @@ class ExecutorService:
                 )
         except Exception as err:
             return self._refused(step, sampling, err)
-        self.chain.ran(step.epoch, step.step, sampling, result.tokens)
+        self.chain.ran(step.epoch, step.step, sampling, result.last_tokens())
         STEP_BYTES.inc(len(raw))
         STEP_ROWS.inc(len(step.rows))
         STEPS.labels("ok").inc()

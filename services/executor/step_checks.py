@@ -22,6 +22,7 @@ def check_slots(rows: list[StepRow], ops: DeferredOps, slots: int) -> None:
         raise BatchRefused(f"deferred ops: {err}") from err
     reads = [r.mamba_slot for r in rows]
     writes = [r.mamba_out for r in rows] + [r.snapshot_slot for r in rows if r.snapshot_slot]
+    writes += [int(s) for r in rows for s in r.spec_slots]
     if any(not 0 < s < slots for s in reads + writes):
         raise BatchRefused(f"Mamba slots {reads + writes} must lie in 1..{slots - 1}")
     written = set(writes)
@@ -43,6 +44,12 @@ def check_rows(rows: list[StepRow], vocab: int) -> None:
             raise BatchRefused(f"row {i}: snapshot at {r.snapshot_len} outside this step")
         if not 0 <= r.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BatchRefused(f"row {i}: {r.top_logprobs} top logprobs (0..{MAX_TOP_LOGPROBS})")
+        verified_alone = r.grammar is None and r.penalties is None and not r.top_logprobs
+        if r.drafts and not (verified_alone and not len(r.scored)):
+            raise BatchRefused(
+                f"row {i}: drafts on a row with a grammar, penalties, top log probabilities "
+                "or scored inputs (those rows are not verified: docs/speculative.md)"
+            )
     fed = [r.tokens for r in rows] + [r.scored for r in rows]
     tokens = np.concatenate(fed + _penalty_ids(rows))
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:

@@ -22,7 +22,7 @@ from shared.messages.envelope import WireError
 from shared.messages.ownership import Events, Snapshot, Transfers
 from shared.owners import KIND_MASK, OwnerKind
 
-RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.TRANSIT)
+RUNNING_KINDS = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.TRANSIT, OwnerKind.SPECULATIVE)
 KINDS = (
     "double_free",
     "not_owner",

@@ -7,7 +7,8 @@ reused too early) moves nothing and so shows nothing there. So the store also re
 forward stream (its own consumer group) and checks, for every step, each slot the step
 writes: a row's Mamba output slot (`mamba_out`) and the KV pages of positions
 start..end (its KV indices // page_size, the pages the `kv` pool counts) must be the
-row's request's, its snapshot slot its track's, and each clear or copy destination the
+row's request's, its snapshot slot its track's, a verify row's speculative slots its
+speculative owner's (docs/speculative.md), and each clear or copy destination the
 owner the step names for it, which must be a party of the step (a row's request, track
 or session, the last for a turn's rollback copy).
 
@@ -68,7 +69,8 @@ class Write:
 
 
 NOBODY = np.iinfo(np.int64).min  # the owner read at slot 0 (the sink) or out of range
-ROW_WRITES = ("mamba_out", "KV", "snapshot")  # what a row writes, in the order checked
+# what a row writes, in the order checked
+ROW_WRITES = ("mamba_out", "KV", "snapshot", "speculative state")
 
 
 @dataclass
@@ -76,7 +78,8 @@ class RowWrites:
     """What a step's rows write, as arrays over the rows, so a step of hundreds of rows
     is parsed and checked in a few numpy operations: per row its request's owner, its
     track's, its session's (0: none), its Mamba output slot and its snapshot slot (0:
-    none), and per written KV page the row that writes it."""
+    none), per written KV page the row that writes it, and per speculative slot (a
+    verify row's) the row that writes it; per row its speculative owner (0: none)."""
 
     rids: list[str]
     owner: np.ndarray
@@ -86,6 +89,9 @@ class RowWrites:
     snapshot: np.ndarray
     kv_row: np.ndarray
     kv_page: np.ndarray
+    spec_owner: np.ndarray
+    spec_row: np.ndarray
+    spec_slot: np.ndarray
 
     @classmethod
     def of(cls, rows: RowColumns, page_size: int) -> RowWrites:
@@ -106,18 +112,25 @@ class RowWrites:
             rows.snapshot_slot.astype(np.int64),
             key // span,
             key % span + low,
+            rows.spec_owner,
+            np.repeat(np.arange(len(rows.rids)), rows.spec_counts),
+            rows.spec.astype(np.int64),
         )
 
     def flat(self) -> tuple[np.ndarray, ...]:
-        """(order, pool, slot, owner) over every write, `order` being 3 x row + the
+        """(order, pool, slot, owner) over every write, `order` being 4 x row + the
         write's index in ROW_WRITES; pool 0 is mamba, 1 kv."""
-        n, snapped = len(self.rids), np.flatnonzero(self.snapshot)
+        n, snapped, spec = len(self.rids), np.flatnonzero(self.snapshot), self.spec_row
         rows = np.arange(n)
-        order = np.concatenate([3 * rows, 3 * self.kv_row + 1, 3 * snapped + 2])
+        order = np.concatenate([4 * rows, 4 * self.kv_row + 1, 4 * snapped + 2, 4 * spec + 3])
         pool = np.zeros(len(order), np.int64)
         pool[n : n + len(self.kv_row)] = 1
-        slot = np.concatenate([self.mamba_out, self.kv_page, self.snapshot[snapped]])
-        owner = np.concatenate([self.owner, self.owner[self.kv_row], self.track[snapped]])
+        slot = np.concatenate(
+            [self.mamba_out, self.kv_page, self.snapshot[snapped], self.spec_slot]
+        )
+        owner = np.concatenate(
+            [self.owner, self.owner[self.kv_row], self.track[snapped], self.spec_owner[spec]]
+        )
         by_order = np.argsort(order, kind="stable")
         return order[by_order], pool[by_order], slot[by_order], owner[by_order]
 
@@ -172,14 +185,22 @@ class PlannedStep:
         self.writes.append(Write(mamba, (move.dst_slot,), owner, what))
 
     def _claim(self, rows: RowWrites) -> None:
-        """Each row names its request and its track, and a session turn's row its
-        session: the claims `check` holds to the ledger, and the step's parties."""
+        """Each row names its request and its track, a session turn's row its session and
+        a verify row its speculative owner: the claims `check` holds to the ledger, and
+        the step's parties."""
         rids, n = rows.rids, len(rows.rids)
         turn = rows.session != 0  # a row of no session names none
-        self.claim_owners = np.concatenate([rows.owner, rows.track, rows.session[turn]])
-        kinds = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.SESSION)
-        self.claim_kinds = np.repeat(np.array(kinds, np.int64), [n, n, int(turn.sum())])
-        self.claim_rids = rids + rids + [r for r, t in zip(rids, turn.tolist(), strict=True) if t]
+        verify = np.zeros(n, bool)
+        verify[rows.spec_row] = True
+        self.claim_owners = np.concatenate(
+            [rows.owner, rows.track, rows.session[turn], rows.spec_owner[verify]]
+        )
+        kinds = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.SESSION, OwnerKind.SPECULATIVE)
+        self.claim_kinds = np.repeat(
+            np.array(kinds, np.int64), [n, n, int(turn.sum()), int(verify.sum())]
+        )
+        picked = lambda mask: [r for r, t in zip(rids, mask.tolist(), strict=True) if t]  # noqa: E731
+        self.claim_rids = rids + rids + picked(turn) + picked(verify)
         named = self.claim_owners
         self.parties.update(np.unique(named[named != 0]).tolist())
 
@@ -191,7 +212,10 @@ class PlannedStep:
         owners, kinds, rids = self.claim_owners, self.claim_kinds, self.claim_rids
         wrong = (owners == 0) | ((owners & KIND_MASK) != kinds)
         names, ids, kind_list = ledger.owners.names, owners.tolist(), kinds.tolist()
-        prefix = {k: label(OwnerKind(k), "") for k in (OwnerKind.REQUEST, OwnerKind.TRACK)}
+        prefix = {
+            k: label(OwnerKind(k), "")
+            for k in (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.SPECULATIVE)
+        }
         for i in np.flatnonzero(~wrong & (kinds != OwnerKind.SESSION)).tolist():
             name = names.get(ids[i])
             if name is not None and name != prefix[kind_list[i]] + rids[i]:
@@ -232,7 +256,7 @@ class PlannedStep:
         found = []
         for o in np.unique(order[wrong]).tolist():
             mine = np.flatnonzero(wrong & (order == o))
-            row, kind = divmod(o, 3)
+            row, kind = divmod(o, 4)
             name = "kv" if kind == 1 else "mamba"
             w = Write(name, (), int(owner[mine[0]]), f"{ROW_WRITES[kind]} of {rows.rids[row]}")
             groups: dict[int | None, list[int]] = {}

@@ -17,6 +17,7 @@ tokens it computes, not the contexts it reads (docs/architecture.md, "Step delta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -157,12 +158,15 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     failed its checksum, a disk that refused a write); their destinations hold nothing.
     `scores`: the input log probabilities of the rows that scored positions.
     `grammar_ended`: the constrained rows whose grammar can only end after the token
-    they sampled (the request stops there)."""
+    they sampled (the request stops there). `counts`: per sampling row, how many of
+    `tokens` (and `logprobs`) are its, in order, where a verify row (StepRow.drafts)
+    gave more than one; empty: one each."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
     tokens: I4
     logprobs: F4
+    counts: I4 = msgspec.field(default_factory=empty(I4))
     error: str | None = None
     ops_ran: bool = False
     failed_moves: list[int] = msgspec.field(default_factory=list)
@@ -173,11 +177,24 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     grammar_ended: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        n, lp = len(self.tokens), len(self.logprobs)
-        if self.error is None and not n == lp == len(self.rids):
-            raise WireError(f"{n} tokens and {lp} log probabilities for {len(self.rids)} rows")
-        if self.error is None:  # the top arrays agree with each other and the rows
-            unpack_top(self.top_counts, self.top_ids, self.top_logprobs, n)
+        n, lp, rows = len(self.tokens), len(self.logprobs), len(self.rids)
+        if self.error is not None:
+            return
+        counts = self.counts
+        if len(counts) and (len(counts) != rows or counts.min() < 1 or counts.sum() != n):
+            raise WireError(f"token counts {counts.tolist()} for {n} tokens of {rows} rows")
+        if not n == lp == (rows if not len(counts) else n):
+            raise WireError(f"{n} tokens and {lp} log probabilities for {rows} rows")
+        unpack_top(self.top_counts, self.top_ids, self.top_logprobs, rows)
+
+    def per_row(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Each sampling row's tokens and their log probabilities, in row order."""
+        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
+        if not len(self.counts):
+            return [[t] for t in tokens], [[x] for x in logprobs]
+        ends = list(itertools.accumulate(self.counts.tolist()))
+        spans = [slice(a, b) for a, b in zip([0, *ends], ends, strict=False)]
+        return [tokens[s] for s in spans], [logprobs[s] for s in spans]
 
     @classmethod
     def of(
@@ -195,8 +212,10 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
         top: Sequence[Top] = (),
         scores: Sequence[RowScores] = (),
         grammar_ended: Sequence[str] = (),
+        counts: Sequence[int] = (),
     ) -> StepResult:
-        counts, top_ids, top_logprobs = pack_top(top)
+        """`counts`: per row, its count of `tokens` (empty: one each)."""
+        top_counts, top_ids, top_logprobs = pack_top(top)
         return cls(
             epoch=executor_epoch,
             seq=step,
@@ -207,7 +226,8 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
             error=error,
             ops_ran=ops_ran,
             failed_moves=failed_moves or [],
-            top_counts=counts,
+            counts=array(counts if any(c != 1 for c in counts) else (), I4),
+            top_counts=top_counts,
             top_ids=top_ids,
             top_logprobs=top_logprobs,
             scores=list(scores),

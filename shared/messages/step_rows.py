@@ -73,11 +73,16 @@ class StepRow(Arrays, kw_only=True):
     scored_from: int = 0
     scored: I4 = msgspec.field(default_factory=empty(I4))
     grammar: RowGrammar | None = None  # a constrained sampling row (grammar.py)
+    # A verify row (docs/speculative.md): its last len(spec_slots) tokens are drafts, and
+    # the state after its first j+1 positions is written to spec_slots[j] (the state
+    # after all of them to mamba_out), so the scheduler can keep the accepted one.
+    spec_slots: I4 = msgspec.field(name="spec", default_factory=empty(I4))
     # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
     # the session store checks each write against its own ledger.
     owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
     track_owner: int = 0  # the request's track: owns snapshot_slot
     session_owner: int = 0  # the session whose turn this is: may own op destinations
+    spec_owner: int = 0  # the request's speculative owner: owns spec_slots
 
     def __post_init__(self) -> None:
         """A row whose arrays are cut or disagree is refused as it is decoded."""
@@ -97,6 +102,16 @@ class StepRow(Arrays, kw_only=True):
             )
         if self.grammar is not None and not self.sample:
             raise WireError(f"row {self.rid}: a grammar on a row that samples nothing")
+        if len(self.spec_slots) and not (self.sample and len(self.spec_slots) < n):
+            raise WireError(
+                f"row {self.rid}: {len(self.spec_slots)} drafts in {n} tokens of a row "
+                f"that {'samples' if self.sample else 'samples nothing'}"
+            )
+
+    @property
+    def drafts(self) -> int:
+        """How many of the row's tokens are drafts to verify (0: a plain row)."""
+        return len(self.spec_slots)
 
     @classmethod
     def of(
@@ -161,6 +176,7 @@ SCALARS = {
     "owner": I8,
     "track_owner": I8,
     "session_owner": I8,
+    "spec_owner": I8,
 }
 
 
@@ -197,22 +213,27 @@ class RowColumns(Arrays, kw_only=True):
     owner: I8
     track_owner: I8
     session_owner: I8
+    spec_owner: I8
+    spec_counts: I4
+    spec: I4  # every row's speculative slots, in row order
     penalties: dict[int, Penalties] = msgspec.field(default_factory=dict)  # by row index
     grammars: dict[int, RowGrammar] = msgspec.field(default_factory=dict)  # by row index
 
     def __post_init__(self) -> None:
         """What StepRow checks of each row, for every row at once."""
         n = len(self.rids)
-        columns = [*SCALARS, "token_counts", "seeded", "seed", "scored_counts"]
+        columns = [*SCALARS, "token_counts", "seeded", "seed", "scored_counts", "spec_counts"]
         for name in columns:
             if len(getattr(self, name)) != n:
                 raise WireError(f"rows: {len(getattr(self, name))} {name} for {n} rows")
         counts, kv_counts = self.token_counts, self.kv_counts
-        if n and (counts.min() < 0 or self.scored_counts.min() < 0):
+        spec = self.spec_counts
+        if n and min(counts.min(), self.scored_counts.min(), spec.min()) < 0:
             raise WireError("rows: a negative count")
         for what, total, have in (
             ("tokens", counts.sum(), len(self.tokens)),
             ("scored tokens", self.scored_counts.sum(), len(self.scored)),
+            ("speculative slots", spec.sum(), len(self.spec)),
         ):
             if total != have:
                 raise WireError(f"rows: {have} {what} where the counts say {total}")
@@ -238,6 +259,10 @@ class RowColumns(Arrays, kw_only=True):
                 raise WireError(f"rows: {name} for a row of {sorted(by_row)} of {n}")
         if any(not self.sample[i] for i in self.grammars):
             raise WireError("rows: a grammar on a row that samples nothing")
+        unverifiable = (spec > 0) & ((self.sample == 0) | (spec >= counts))
+        if unverifiable.any():
+            i = int(np.argmax(unverifiable))
+            raise WireError(f"row {self.rids[i]}: {int(spec[i])} drafts in {int(counts[i])} tokens")
 
     @property
     def kv_counts(self) -> np.ndarray:
@@ -273,6 +298,8 @@ class RowColumns(Arrays, kw_only=True):
             seed=array([s or 0 for s in seeds], U8),
             scored_counts=array([len(r.scored) for r in rows], I4),
             scored=joined([r.scored for r in rows]),
+            spec_counts=array([len(r.spec_slots) for r in rows], I4),
+            spec=joined([r.spec_slots for r in rows]),
             penalties={i: r.penalties for i, r in enumerate(rows) if r.penalties is not None},
             grammars={i: r.grammar for i, r in enumerate(rows) if r.grammar is not None},
             **columns,
@@ -287,14 +314,14 @@ class RowColumns(Arrays, kw_only=True):
             ends = np.cumsum(counts).tolist()
             return [0, *ends][: len(ends)], ends
 
-        (t0, t1), (k0, k1), (s0, s1) = map(
-            bounds, (self.token_counts, self.kv_counts, self.scored_counts)
+        (t0, t1), (k0, k1), (s0, s1), (p0, p1) = map(
+            bounds, (self.token_counts, self.kv_counts, self.scored_counts, self.spec_counts)
         )
-        tokens, kv, scored = self.tokens, self.kv, self.scored
+        tokens, kv, scored, spec = self.tokens, self.kv, self.scored, self.spec
         seeds = [s if on else None for s, on in zip(self.seed.tolist(), self.seeded, strict=True)]
         penalties, grammars = self.penalties.get, self.grammars.get
         columns = zip(
-            self.rids, t0, t1, k0, k1, s0, s1, seeds,
+            self.rids, t0, t1, k0, k1, s0, s1, p0, p1, seeds,
             *(getattr(self, name).tolist() for name in SCALARS),
             strict=True,
         )  # fmt: skip
@@ -304,6 +331,7 @@ class RowColumns(Arrays, kw_only=True):
                 tokens=tokens[ta:tb],
                 kv_indices=kv[ka:kb],
                 scored=scored[sa:sb],
+                spec_slots=spec[pa:pb],
                 seed=seed,
                 penalties=penalties(i),
                 grammar=grammars(i),
@@ -325,12 +353,13 @@ class RowColumns(Arrays, kw_only=True):
                 owner=owner,
                 track_owner=track_owner,
                 session_owner=session_owner,
+                spec_owner=spec_owner,
             )
             for i, (
-                rid, ta, tb, ka, kb, sa, sb, seed,
+                rid, ta, tb, ka, kb, sa, sb, pa, pb, seed,
                 start, kv_from, row, mamba_slot, mamba_out, snapshot_slot, snapshot_len,
                 sample, temperature, top_p, top_k, min_p, top_logprobs, future, scored_from,
-                owner, track_owner, session_owner,
+                owner, track_owner, session_owner, spec_owner,
             ) in enumerate(columns)
         ]  # fmt: skip
 

@@ -117,18 +117,35 @@ class DataModelExecutor:
             new = row.written_kv
             self.kv_tokens[new] = tokens
             self.kv_positions[new] = np.arange(row.start, row.end)
+            after = []  # the state after each position
             for i, token in enumerate(tokens):
                 h = mix(h, token)
+                after.append(h)
                 if row.snapshot_slot and row.start + i + 1 == row.snapshot_len:
                     self.state[row.snapshot_slot] = h
+            for j, slot in enumerate(row.spec_slots.tolist()):
+                self.state[slot] = after[j]
             self.state[row.mamba_out] = h
             if row.sample:
-                idx = row.kv_indices  # the whole context, as the page tables resolved it
-                out[row.rid] = next_token(
-                    h, self.kv_tokens[idx], self.kv_positions[idx], self.vocab
-                )
-        self.sampled = out
+                out[row.rid] = self._sample(row, tokens, after)
+        self.sampled = {rid: got if isinstance(got, int) else got[-1] for rid, got in out.items()}
         return out
+
+    def _sample(self, row, tokens: np.ndarray, after: list[int]) -> int | list[int]:
+        """The row's token, or a verify row's: greedy acceptance of its drafts, each
+        judged by the position before it, then the token after the last accepted."""
+        idx = row.kv_indices  # the whole context, as the page tables resolved it
+        if not row.drafts:
+            return next_token(after[-1], self.kv_tokens[idx], self.kv_positions[idx], self.vocab)
+        got = []
+        first = len(tokens) - row.drafts - 1  # the position that judges the first draft
+        for i in range(first, len(tokens)):
+            ctx = idx[: row.start + i + 1]
+            token = next_token(after[i], self.kv_tokens[ctx], self.kv_positions[ctx], self.vocab)
+            got.append(token)
+            if i + 1 == len(tokens) or token != tokens[i + 1]:
+                break
+        return got
 
     def move(self, moves: list[TierMove], discards: list[int]) -> None:
         """Delete `discards`, then run the moves kind by kind, in the executor's order."""
@@ -186,11 +203,19 @@ def apply_to_arrays(ops: DeferredOps, *states: np.ndarray) -> None:
 
 
 def result_of(
-    plan: StepPlan, sampled: dict[str, int], failed: list[int] | None = None
+    plan: StepPlan, sampled: dict[str, int | list[int]], failed: list[int] | None = None
 ) -> StepResult:
-    """The executor's reply to `plan` that sampled `sampled`, as the step driver
-    (`EngineCore.complete`) takes it from the wire."""
-    tokens = list(sampled.values())
+    """The executor's reply to `plan` that sampled `sampled` (a verify row: its tokens),
+    as the step driver (`EngineCore.complete`) takes it from the wire."""
+    each = [[got] if isinstance(got, int) else got for got in sampled.values()]
+    tokens = [t for got in each for t in got]
     return StepResult.of(
-        "", plan.step_id, "", list(sampled), tokens, [0.0] * len(tokens), failed_moves=failed
+        "",
+        plan.step_id,
+        "",
+        list(sampled),
+        tokens,
+        [0.0] * len(tokens),
+        failed_moves=failed,
+        counts=[len(got) for got in each],
     )

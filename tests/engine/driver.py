@@ -13,6 +13,7 @@ import numpy as np
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.engine.drafts import Drafter
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
 from services.scheduler.records.sampling import SamplingParams
@@ -39,7 +40,10 @@ class Driver:
         host_pages: int = 0,
         host_slots: int = 0,
         disk_slots: int = 0,
+        drafter: Drafter | None = None,
+        drafts: int = 3,
     ) -> None:
+        """`drafter`: the engine speculates, verifying up to `drafts` drafts a row."""
         self.pools = Pools(
             PoolConfig(
                 kv_pages=kv_pages,
@@ -51,6 +55,7 @@ class Driver:
                 host_mamba_slots=host_slots,
                 disk_slots=disk_slots,
                 working_slots=max(2, depth + 1),
+                spec_slots=drafts if drafter is not None else 0,
             )
         )
         self.engine = EngineCore(
@@ -65,6 +70,7 @@ class Driver:
                 checkpoint_interval=checkpoint_interval,
                 junctions=junctions,
             ),
+            drafter=drafter,
         )
         self.model = DataModelExecutor(self.pools, VOCAB, self._sequence)
         self._rids = itertools.count(1)

@@ -117,7 +117,16 @@ class ForwardBatch:
         # KV rows written this step, in token order
         new_kv = [kv[r.start :] for kv, r in zip(self.kv, rows, strict=True)]
         self.new_kv = to_device(torch.cat(new_kv), device)
-        self.last_positions = to([self.offsets[i + 1] - 1 for i, r in enumerate(rows) if r.sample])
+        # the positions whose logits sample, in row order: a row's last, or all of a
+        # verify row's (each verifies the draft after it; the last gives one more token)
+        self.sample_positions = to(
+            [
+                p
+                for i, r in enumerate(rows)
+                if r.sample
+                for p in range(self.offsets[i + 1] - 1 - r.drafts, self.offsets[i + 1])
+            ]
+        )
 
     def span(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])

@@ -121,25 +121,38 @@ class Mamba2Mixer(nn.Module):
     def _prefill(
         self, xbc, dt, A, y, row: StepRow, span: slice, pools: DevicePools, layer: int
     ) -> None:
+        """A row of several tokens: the scan runs in pieces, ending at each position whose
+        state is kept elsewhere too (its snapshot, a verify row's speculative slots), and
+        the state after the last goes to its out slot."""
         keep = self.cfg.conv_kernel - 1
         full = torch.cat([pools.conv[layer, row.mamba_slot].to(xbc.dtype), xbc[span].T], dim=-1)
         conv = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
         x, B, C = self._split(F.silu(conv[0].T))
         dts, D, state = dt[span], self.D.float(), pools.ssm[layer, row.mamba_slot].float()
         n = len(row.tokens)
-        cut = row.snapshot_len - row.start if row.snapshot_slot else 0
-        bounds = [0, cut, n] if 0 < cut < n else [0, n]
+        kept = save_points(row)
         outs = []
-        for lo, hi in itertools.pairwise(bounds):
+        for lo, hi in itertools.pairwise([0, *sorted({*kept, n})]):
             out, state = chunked_scan(
                 x[lo:hi], dts[lo:hi], A, B[lo:hi], C[lo:hi], D, state, self.cfg.chunk_size
             )
             outs.append(out)
-            if row.snapshot_slot and hi == cut:
-                pools.conv[layer, row.snapshot_slot] = full[:, cut : cut + keep].to(
-                    pools.conv.dtype
-                )
-                pools.ssm[layer, row.snapshot_slot] = state
+            for slot in kept.get(hi, ()):
+                pools.conv[layer, slot] = full[:, hi : hi + keep].to(pools.conv.dtype)
+                pools.ssm[layer, slot] = state
         y[span] = torch.cat(outs)
         pools.conv[layer, row.mamba_out] = full[:, full.shape[1] - keep :].to(pools.conv.dtype)
         pools.ssm[layer, row.mamba_out] = state
+
+
+def save_points(row: StepRow) -> dict[int, list[int]]:
+    """The slots that keep the state after a count of the row's positions (besides its
+    out slot, which keeps the state after all of them), by that count: its snapshot,
+    and a verify row's speculative slots (the state after j + 1 positions in
+    spec_slots[j])."""
+    points: dict[int, list[int]] = {}
+    if row.snapshot_slot and 0 < row.snapshot_len - row.start <= len(row.tokens):
+        points[row.snapshot_len - row.start] = [row.snapshot_slot]
+    for j, slot in enumerate(row.spec_slots.tolist()):
+        points.setdefault(j + 1, []).append(slot)
+    return points

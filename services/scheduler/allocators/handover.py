@@ -4,7 +4,8 @@ Between turns a session owns its row, its KV pages and one Mamba slot with its s
 while a turn runs, the turn's request owns them (the slot as the committed half of its
 working pair). Both moves are transfers of every slot, so the
 state is never held (or counted) by both, and the side that gave it up keeps only dead
-leases. Track slots belong to a running request only and are freed at save.
+leases. Track slots and speculative slots belong to a running request only and are
+freed at save.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.allocators.pools import Pools
-from services.scheduler.allocators.request_slots import RequestSlots, row_state_claims
+from services.scheduler.allocators.request_slots import (
+    RequestSlots,
+    row_state_claims,
+    take_spec_slots,
+)
 from services.scheduler.allocators.track_buffer import TrackSlots
 from services.scheduler.allocators.working_slots import WorkingSlots
 from services.scheduler.ownership.errors import PoolExhausted
@@ -53,14 +58,16 @@ def save(
             lease.release("discard")
     kept = SessionSlots(session, req.row.move_to(session, "save"), state, req.borrowed)
     new_lease(pools.mamba, req.track.owner, req.track.checked_slots()).release("save")
-    pools.ledger.retire(req.owner)
-    pools.ledger.retire(req.track.owner)
+    req.spec.release("save")
+    for owner in (req.owner, req.track.owner, req.spec.owner):
+        pools.ledger.retire(owner)
     return kept
 
 
 def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
-    """session -> request `rid`: the reverse of `save`, plus fresh spare working slots
-    and track slots. All or nothing: the new slots are taken before anything moves."""
+    """session -> request `rid`: the reverse of `save`, plus fresh spare working slots,
+    track slots and speculative slots. All or nothing: the new slots are taken before
+    anything moves."""
     need = pools.config.request_mamba_slots - 1  # the session brings its working slot
     if not pools.mamba.can_alloc(need):
         raise PoolExhausted("mamba", need, pools.mamba.free_count)
@@ -68,6 +75,7 @@ def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
     track_owner = pools.ledger.new_owner(OwnerKind.TRACK, rid)
     track_slots = pools.mamba.alloc(pools.config.track_slots, track_owner).tolist()
     track = TrackSlots(pools.mamba, track_owner, track_slots)
+    spec = take_spec_slots(pools, pools.ledger.new_owner(OwnerKind.SPECULATIVE, rid))
     spares = [
         new_lease(pools.mamba, owner, pools.mamba.alloc_one(owner, "restore"))
         for _ in range(pools.config.working_slots - 1)
@@ -80,6 +88,7 @@ def restore(pools: Pools, sess: SessionSlots, rid: str) -> RequestSlots:
         sess.row.move_to(owner, "restore"),
         WorkingSlots((sess.working.move_to(owner, "restore"), *spares)),
         track,
+        spec,
         sess.borrowed,
     )
 

@@ -24,6 +24,8 @@ class PoolConfig:
     disk_slots: int = 0
     # a running request's Mamba working slots, and its track slots: pipeline depth + 1
     working_slots: int = 2
+    # a running request's speculative slots: the drafts a verify step checks (0: none)
+    spec_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_pages", "page_size", "mamba_slots", "max_running_requests", "max_context"):
@@ -32,6 +34,8 @@ class PoolConfig:
         for name in ("host_kv_pages", "host_mamba_slots", "disk_slots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.spec_slots < 0:
+            raise ValueError(f"spec_slots must be >= 0, got {self.spec_slots}")
         if self.working_slots < 2:
             raise ValueError(f"working_slots must be >= 2, got {self.working_slots}")
 
@@ -43,9 +47,9 @@ class PoolConfig:
 
     @property
     def request_mamba_slots(self) -> int:
-        """What a running request holds of the Mamba pool: its working slots and as many
-        track slots (request_slots.py)."""
-        return self.working_slots + self.track_slots
+        """What a running request holds of the Mamba pool: its working slots, as many
+        track slots and its speculative slots (request_slots.py)."""
+        return self.working_slots + self.track_slots + self.spec_slots
 
 
 class Pools:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.ownership.lease import Lease
+from services.scheduler.ownership.owners import Owner
 
 
 @dataclass(slots=True)
@@ -38,6 +39,19 @@ class WorkingSlots:
                 self.committed = entry
                 return
         raise ValueError(f"slot {written} is not one of this request's working slots")
+
+    def exchange(self, written: int, incoming: Lease) -> Lease:
+        """Put `incoming` (a slot just made the request's) in the entry that holds slot
+        `written`; returns the lease it replaces (spec_slots.py, committing a verify)."""
+        for entry, lease in enumerate(self.leases):
+            if int(lease.held) == written:
+                self.leases = (*self.leases[:entry], incoming, *self.leases[entry + 1 :])
+                return lease
+        raise ValueError(f"slot {written} is not one of this request's working slots")
+
+    @property
+    def owner(self) -> Owner:
+        return self.leases[0].owner
 
     def rewind(self) -> None:
         """The steps planned after the last completed one will not count."""

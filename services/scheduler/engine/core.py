@@ -24,6 +24,7 @@ from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.admission import Admission
 from services.scheduler.engine.completion import Completion
 from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.drafts import Drafter, verifiable
 from services.scheduler.engine.endings import Endings
 from services.scheduler.engine.faults import Faults
 from services.scheduler.engine.in_flight import InFlight
@@ -67,8 +68,12 @@ class EngineCore:
         config: EngineConfig,
         strict: bool = True,
         tokenizer: Tokenizer | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """`drafter`: where verify steps' drafts come from (drafts.py), with a
+        speculative slot per draft in the pools; None: no speculation."""
         config.check(pools.config)
+        self.drafter = drafter if pools.config.spec_slots else None
         self.pools = pools
         self.config = config
         self.tokenizer = tokenizer  # for each request's output text
@@ -162,13 +167,14 @@ class EngineCore:
         self.sessions.tiers.advance_placements(self.room.make)
         self.sessions.tiers.prefetch(self.queue.waiting)
         chosen: list[tuple[Request, int]] = []
+        drafts: dict[str, list[int]] = {}  # by request: the drafts its row verifies
         state = StepBudget(self.config.max_step_tokens)
         running, waiting = self.queue.running, self.queue.waiting
         retracted = self.endings.retractions
         for req in list(running):
             # a request retracted while this step is planned is no longer running
             if self.endings.retractions == retracted or req in running:
-                n = self._fit_running(req, chosen, state)
+                n = self._fit_running(req, chosen, state, drafts)
                 if n:
                     chosen.append((req, n))
         while waiting and state.tokens > 0:
@@ -185,7 +191,10 @@ class EngineCore:
             return None
         grow_kv(self.pools, chosen)
         interval, step = self.config.track_interval, plan.step_id
-        plan.rows = [row_plan(self.pools, interval, req, n, step) for req, n in chosen]
+        plan.rows = [
+            row_plan(self.pools, interval, req, n, step, drafts.get(req.rid, ()))
+            for req, n in chosen
+        ]
         self.in_flight.add(plan)
         return plan
 
@@ -288,8 +297,11 @@ class EngineCore:
                 yield name, s.slots.row.slot, s.slots.borrowed, s.cache_node
 
     # ---- planning ----
-    def _fit_running(self, req: Request, chosen: list, state: StepBudget) -> int:
-        """Tokens `req` computes this step, after making KV room (evicting the cache, then
+    def _fit_running(
+        self, req: Request, chosen: list, state: StepBudget, drafts: dict[str, list[int]]
+    ) -> int:
+        """Positions `req` computes this step (a verify row's drafts among them, put in
+        `drafts`), after making KV room (evicting the cache, then
         retracting the newest unplanned requests with no step in flight); 0 if it cannot
         run now. Then `req` is retracted too, unless a step of its own is in flight: it
         waits for that step. A request with a step in flight is never the victim: that
@@ -298,6 +310,9 @@ class EngineCore:
         prefix, requests then retract each other in turn for ever. Waiting is safe: a step
         in flight always comes back, and its requests are victims again after it."""
         pending, planned = req.pending_tokens, req.planned
+        speculating = self.drafter is not None and verifiable(req)
+        if speculating and pending:
+            return 0  # its sampling steps run one deep: where the next starts is not known
         if pending and not self._may_follow(req, pending):
             return 0
         n = min(req.length + pending - planned, self.config.chunk_size, state.tokens)
@@ -306,6 +321,10 @@ class EngineCore:
         )
         if n <= 0 or awaits_track_slot(req, n):
             return 0
+        guesses = self._drafts(req, state.tokens - n) if speculating and n == 1 else []
+        if guesses:
+            drafts[req.rid] = guesses
+            n += len(guesses)
         need = pages_to_grow(self.pools.config.page_size, planned, n)
         running = self.queue.running
         # the pages taken so far fitted (rows only free room between): a row that grows
@@ -324,6 +343,22 @@ class EngineCore:
             self.endings.retract(victims[0])
         state.take(n, need)
         return n
+
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """The drafts of `req`'s next row, a decode row (its last sampled token fed):
+        at most one per speculative slot, none past its token limit or the context (the
+        row gives one token more than it has drafts), none beyond the step's `room`."""
+        if not req.output or req.computed != req.length - 1:
+            return []
+        limit = min(
+            self.pools.config.spec_slots,
+            req.params.max_new_tokens - len(req.output) - 1,
+            self.config.context_len - req.length - 1,
+            room,
+        )
+        if limit <= 0:
+            return []
+        return self.drafter.propose(req.sequence, limit)[:limit]
 
     def _may_follow(self, req: Request, pending: int) -> bool:
         """Whether `req`, with `pending` tokens still to be sampled by steps in flight, may

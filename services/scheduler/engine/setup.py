@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
+from services.scheduler.engine.drafts import PromptNgram
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ def build_engine(
             tiers.host_mamba_slots,
             tiers.disk_slots,
             working_slots=settings.working_slots,
+            spec_slots=settings.spec_drafts,
         )
     )
     config = EngineConfig(
@@ -41,4 +43,5 @@ def build_engine(
         max_sessions=settings.session_limit(tiers),
         idle_timeout=settings.session_idle_timeout or None,
     )
-    return EngineCore(pools, config, strict=strict, tokenizer=tokenizer)
+    drafter = PromptNgram() if settings.spec_drafts else None
+    return EngineCore(pools, config, strict=strict, tokenizer=tokenizer, drafter=drafter)

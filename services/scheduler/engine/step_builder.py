@@ -5,6 +5,7 @@ and, where one is due, the track slot and length of a snapshot."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +30,10 @@ def _frozen(values: tuple[int, ...]) -> np.ndarray:
 
 
 # the tokens of a row fed the token the step in flight samples, and a row's scored
-# positions when it scores none: most decoding rows of every step, one array each
+# positions (or speculative slots) when it has none: most decoding rows of every step,
+# one array each
 FUTURE_ROW = _frozen((FUTURE_TOKEN,))
-NONE_SCORED = _frozen(())
+NO_INTS = _frozen(())
 
 
 def pages_to_grow(page_size: int, length: int, n: int) -> int:
@@ -78,24 +80,33 @@ def grow_kv(pools: Pools, chosen: list[tuple[Request, int]]) -> None:
         pools.kv.extend(rows[more], planned[more] + ns[more])
 
 
-def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int) -> RowPlan:
+def row_plan(
+    pools: Pools,
+    track_interval: int,
+    req: Request,
+    n: int,
+    step: int,
+    drafts: Sequence[int] = (),
+) -> RowPlan:
     """The row of step `step` for `req`, computing `n` positions after those already
-    planned. A chunk
+    planned, the last len(`drafts`) of them a verify row's drafts. A chunk
     snapshots at the last page boundary it reaches, except the last chunk of a sequence
     that ends on a page boundary: it snapshots one page earlier (if that is still in the
     chunk), since a match must leave a token to compute and a snapshot at the very end
     would serve no repeat of the same sequence. A decode step snapshots every
-    `track_interval` positions."""
+    `track_interval` positions: a verify row at the last multiple it reaches, which
+    counts only if the drafts before it are accepted (completion.py)."""
     ps, start = pools.config.page_size, req.planned
     end = start + n
     pending = req.pending_tokens  # sampled by steps in flight: positions length.. of them
     future = pending > 0  # then this row is the last of them, at position req.planned
-    if n > 1:
+    fed = n - len(drafts)  # positions of known tokens
+    if fed > 1:
         snap_len = end - end % ps
         if snap_len == end == req.length and end - ps > start:
             snap_len = end - ps
     else:
-        snap_len = end if end % track_interval == 0 else 0
+        snap_len = end - end % track_interval
     if req.reply_start and end >= req.reply_start:  # that state, and none after it
         snap_len = end if end == req.reply_start else 0
     slot = 0
@@ -105,14 +116,18 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
     # the last prompt position samples the first output token, unless none is wanted (a
     # prefill-only request: max_new_tokens 0)
     params = req.params
-    sample = end == req.length + pending and params.max_new_tokens > 0
+    sample = start + fed == req.length + pending and params.max_new_tokens > 0
+    tokens = FUTURE_ROW if future else array(req.tokens_at(start, start + fed), I4)
+    spec = req.slots.spec
+    if drafts:
+        tokens = array([*tokens.tolist(), *drafts], I4)
     scored = req.scored(start, end)
     row_slot = req.slots.row.slot
     kv_from, kv = pools.rows.delta(row_slot, req.rid, start, end)
     # built field by field (not StepRow.of): this runs for every row of every step
     wire = StepRow(
         rid=req.rid,
-        tokens=FUTURE_ROW if future else array(req.tokens_at(start, end), I4),
+        tokens=tokens,
         start=start,
         kv_indices=array(kv, I4),
         kv_from=kv_from,
@@ -131,13 +146,15 @@ def row_plan(pools: Pools, track_interval: int, req: Request, n: int, step: int)
         top_logprobs=params.top_logprobs,
         future=future,
         scored_from=scored.start,
-        scored=array(req.prompt[scored.start + 1 : scored.stop + 1], I4) if scored else NONE_SCORED,
+        scored=array(req.prompt[scored.start + 1 : scored.stop + 1], I4) if scored else NO_INTS,
         grammar=row_grammar(req) if sample else None,
+        spec_slots=array(spec.for_drafts(len(drafts)), I4) if drafts else NO_INTS,
         owner=req.slots.owner.id,
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,
+        spec_owner=spec.owner.id if drafts else 0,
     )
-    row = RowPlan(wire, prefill=n > 1 or start < len(req.prompt), step=step)
+    row = RowPlan(wire, prefill=fed > 1 or start < len(req.prompt), step=step)
     req.inflight.append(row)
     return row
 

@@ -20,7 +20,7 @@ from services.scheduler.ownership.ledger import Ledger
 from services.scheduler.ownership.owners import KIND_MASK, Owner, OwnerKind
 
 Claim = tuple[Owner, str, np.ndarray | list[int]]  # (owner, pool name, slots it holds there)
-IDLE_FORBIDDEN = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.TRANSIT)
+IDLE_FORBIDDEN = (OwnerKind.REQUEST, OwnerKind.TRACK, OwnerKind.TRANSIT, OwnerKind.SPECULATIVE)
 
 
 @dataclass

@@ -68,6 +68,11 @@ class RowPlan:
         return self.wire.future
 
     @property
+    def drafts(self) -> int:
+        """How many of its tokens are drafts to verify (0: a plain row)."""
+        return self.wire.drafts
+
+    @property
     def penalties(self) -> Penalties | None:
         return self.wire.penalties
 

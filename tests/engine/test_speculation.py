@@ -1,0 +1,150 @@
+"""Speculative decoding as the scheduler commits it, against the data model (whose state
+is a hash of every token fed, so a wrong slot committed changes every later token).
+
+A test-only drafter proposes the data model's own greedy continuation, spoilt at a
+position that cycles through every acceptance pattern (0 to n drafts accepted, a
+rejection at each position). Greedy outputs must equal a one-shot generation for plain
+requests, shared prefixes, sessions, stops inside accepted drafts, aborts and retracts;
+the engine's integrity check runs after every step (the driver's), and nothing is held
+once idle. Then each bug of the peers' that this design rules out is planted, and the
+check that must see it is shown to fail.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from services.scheduler.allocators.spec_slots import SpecSlots
+from services.scheduler.engine.drafts import PromptNgram, RepeatLast
+from tests.engine.data_model import reference
+from tests.engine.driver import VOCAB, Driver
+from tests.engine.test_sessions import text
+
+
+class ForcedDrafts:
+    """The true continuation, spoilt at draft position k (none spoilt when k == n), k
+    cycling over 0..n so that every pattern of acceptance occurs."""
+
+    def __init__(self, stops: tuple[int, ...] = ()) -> None:
+        self.calls = 0
+        self.patterns: Counter[tuple[int, int]] = Counter()  # (drafts, spoilt at)
+        self.stops = stops
+
+    def propose(self, sequence: np.ndarray, n: int) -> list[int]:
+        truth = reference(list(sequence), n, VOCAB)
+        k = self.calls % (n + 1)
+        self.calls += 1
+        self.patterns[(n, k)] += 1
+        return [(t + 1) % VOCAB if i == k else t for i, t in enumerate(truth)]
+
+
+def speculating(depth: int = 1, drafts: int = 3, **kw) -> tuple[Driver, ForcedDrafts]:
+    forced = ForcedDrafts()
+    return Driver(page_size=4, depth=depth, drafter=forced, drafts=drafts, **kw), forced
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_every_acceptance_pattern_gives_the_one_shot_output(depth):
+    d, forced = speculating(depth)
+    reqs = [d.generate(text(9 + i, i), max_new=30) for i in range(4)]
+    d.run()
+    for req in reqs:
+        assert req.output == reference(list(req.prompt), 30, VOCAB)
+    assert {k for (n, k) in forced.patterns if n == 3} == {0, 1, 2, 3}
+    accepted = d.engine.completion.accepted
+    assert accepted.steps > 0 and 1.0 < accepted.mean_length < 4.0
+    d.assert_idle_clean()
+
+
+def test_sessions_and_shared_prefixes_resume_the_committed_state():
+    d, _ = speculating()
+    sid = d.engine.sessions.open("s").sid
+    history: list[int] = []
+    for t in range(4):
+        new = text(5, 40 + t)
+        req = d.run_turn(sid, new, max_new=9)
+        history += list(new)
+        assert req.output == reference(history, 9, VOCAB)
+        history += req.output
+    shared = text(20, 7)
+    first = d.generate(shared, max_new=12)
+    d.run()
+    again = d.generate(list(shared) + first.output + text(3, 8), max_new=12)
+    d.run()
+    assert again.cached_tokens > 0
+    assert again.output == reference(list(again.prompt), 12, VOCAB)
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_there_and_keeps_no_later_state():
+    """The one-shot output with stop tokens, its stop inside a verify row's accepted
+    drafts; the session's next turn starts from the state of exactly what it kept."""
+    plain = reference(list(text(8, 3)), 40, VOCAB)
+    stop = plain[7]
+    d, _ = speculating(eos=stop)
+    sid = d.engine.sessions.open("s").sid
+    req = d.run_turn(sid, text(8, 3), max_new=40)
+    assert req.output == reference(list(text(8, 3)), 40, VOCAB, stops={stop})
+    nxt = d.run_turn(sid, text(4, 5), max_new=10)
+    history = list(text(8, 3)) + req.committed_output() + list(text(4, 5))
+    assert nxt.output == reference(history, 10, VOCAB, stops={stop})
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
+def test_max_new_tokens_and_the_context_bound_the_drafts():
+    d, _ = speculating(context=64)
+    short = d.generate(text(9, 1), max_new=5)
+    long = d.generate(text(50, 2), max_new=40)
+    d.run()
+    assert short.output == reference(list(text(9, 1)), 5, VOCAB)
+    assert len(long.output) == 64 - 50
+    d.assert_idle_clean()
+
+
+def test_aborts_and_retracts_mid_verify_lose_nothing():
+    d, _ = speculating(
+        depth=1, kv_pages=30, mamba_slots=30, rows=4, step_tokens=24, context=120, chunk=8
+    )
+    reqs = [d.generate(text(12, i), max_new=25) for i in range(6)]
+    for n in range(400):
+        d.step()
+        if n == 6:
+            d.engine.abort(reqs[0].rid)
+        if d.engine.idle:
+            break
+    for req in reqs[1:]:
+        assert req.output == reference(list(req.prompt), 25, VOCAB)
+    assert d.engine.retractions > 0
+    d.assert_idle_clean()
+
+
+def test_greedy_drafters_change_nothing_but_the_step_count():
+    """The n-gram and repeat-last drafts: the same outputs as no speculation."""
+    prompts = [list(text(6, i)) * 3 for i in range(3)]
+    outputs = {}
+    for name, drafter in (("off", None), ("ngram", PromptNgram()), ("last", RepeatLast())):
+        d = Driver(page_size=4, drafter=drafter)
+        reqs = [d.generate(p, max_new=20) for p in prompts]
+        d.run()
+        outputs[name] = [r.output for r in reqs]
+        d.assert_idle_clean()
+    assert outputs["ngram"] == outputs["off"] == outputs["last"]
+
+
+def test_a_planted_commit_of_the_unverified_state_is_caught(monkeypatch):
+    """vLLM #57128 and #43559's kind: the state after every draft kept whatever was
+    accepted. The data model's check of each row's starting state fails at once."""
+
+    def commit_all(self, state, written, kept, drafts):
+        state.commit(written)
+
+    monkeypatch.setattr(SpecSlots, "commit", commit_all)
+    d, _ = speculating()
+    d.generate(text(9, 1), max_new=30)
+    with pytest.raises(AssertionError, match="starts from a wrong state"):
+        d.run()
