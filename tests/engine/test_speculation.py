@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from services.scheduler.allocators.spec_slots import SpecSlots
 from services.scheduler.engine.drafts import PromptNgram, RepeatLast
+from services.scheduler.records.request import Request
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_sessions import text
@@ -33,8 +33,8 @@ class ForcedDrafts:
         self.patterns: Counter[tuple[int, int]] = Counter()  # (drafts, spoilt at)
         self.stops = stops
 
-    def propose(self, sequence: np.ndarray, n: int) -> list[int]:
-        truth = reference(list(sequence), n, VOCAB)
+    def propose(self, req: Request, n: int) -> list[int]:
+        truth = reference(list(req.sequence), n, VOCAB)
         k = self.calls % (n + 1)
         self.calls += 1
         self.patterns[(n, k)] += 1

@@ -358,7 +358,7 @@ class EngineCore:
         )
         if limit <= 0:
             return []
-        return self.drafter.propose(req.sequence, limit)[:limit]
+        return self.drafter.propose(req, limit)[:limit]
 
     def _may_follow(self, req: Request, pending: int) -> bool:
         """Whether `req`, with `pending` tokens still to be sampled by steps in flight, may

@@ -19,8 +19,8 @@ from services.scheduler.records.request import Request
 
 
 class Drafter(Protocol):
-    def propose(self, sequence: np.ndarray, n: int) -> list[int]:
-        """Up to `n` guesses of the tokens after `sequence` (fewer, or none, allowed)."""
+    def propose(self, req: Request, n: int) -> list[int]:
+        """Up to `n` guesses of the tokens after `req.sequence` (fewer, or none)."""
         ...
 
 
@@ -33,8 +33,8 @@ class PromptNgram:
     def __init__(self, longest: int = 4, shortest: int = 1) -> None:
         self.longest, self.shortest = longest, shortest
 
-    def propose(self, sequence: np.ndarray, n: int) -> list[int]:
-        seq = np.asarray(sequence)
+    def propose(self, req: Request, n: int) -> list[int]:
+        seq = req.sequence
         for k in range(min(self.longest, len(seq) - 1), self.shortest - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], k)
             hits = np.flatnonzero((windows == seq[-k:]).all(axis=1))
@@ -47,8 +47,8 @@ class PromptNgram:
 class RepeatLast:
     """The trivial draft a real one must beat: the last token, `n` times."""
 
-    def propose(self, sequence: np.ndarray, n: int) -> list[int]:
-        return [int(sequence[-1])] * n if len(sequence) else []
+    def propose(self, req: Request, n: int) -> list[int]:
+        return [req.output[-1] if req.output else int(req.prompt[-1])] * n
 
 
 def verifiable(req: Request) -> bool:
