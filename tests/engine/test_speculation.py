@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
 import pytest
 
 from services.scheduler.allocators.spec_slots import SpecSlots
+from services.scheduler.engine.completion import Completion
 from services.scheduler.engine.drafts import PromptNgram, RepeatLast
 from services.scheduler.records.request import Request
+from services.scheduler.records.row_plan import RowPlan
 from tests.engine.data_model import reference
 from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_sessions import text
@@ -148,3 +151,42 @@ def test_a_planted_commit_of_the_unverified_state_is_caught(monkeypatch):
     d.generate(text(9, 1), max_new=30)
     with pytest.raises(AssertionError, match="starts from a wrong state"):
         d.run()
+
+
+def cached_tokens_of_a_multi_turn_workload(drafter) -> list[int]:
+    """An agent loop without sessions (each request's prompt is the last one's prompt,
+    output and new input: the prefix cache serves it from decode snapshots) beside a
+    session's turns; each request's cached tokens, in order."""
+    d = Driver(page_size=4, track_interval=8, drafter=drafter)
+    cached = []
+    prompt = list(text(10, 1))
+    sid = d.engine.sessions.open("s").sid
+    for t in range(4):
+        req = d.generate(prompt, max_new=21)
+        turn = d.turn(sid, text(5, 20 + t), max_new=13)
+        d.run()
+        cached += [req.cached_tokens, turn.cached_tokens]
+        prompt += req.output + list(text(4, 30 + t))
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+    return cached
+
+
+def test_prefix_reuse_is_the_same_with_speculation_on(monkeypatch):
+    """SGLang #32459's figure: cached tokens over a multi-turn workload, on and off; and
+    a planted version (verify rows never keep their snapshots) that loses reuse."""
+    off = cached_tokens_of_a_multi_turn_workload(None)
+    assert sum(off) > 0
+    assert cached_tokens_of_a_multi_turn_workload(ForcedDrafts()) == off
+
+    real = Completion._verified
+
+    def losing_snapshots(self, req, row, tokens, logprobs):  # the planted bug
+        if row.wire.snapshot_slot:
+            req.slots.track.cancel(row.wire.snapshot_slot)
+            wire = msgspec.structs.replace(row.wire, snapshot_slot=0, snapshot_len=0)
+            row = RowPlan(wire, row.prefill, row.step)
+        real(self, req, row, tokens, logprobs)
+
+    monkeypatch.setattr(Completion, "_verified", losing_snapshots)
+    assert cached_tokens_of_a_multi_turn_workload(ForcedDrafts()) != off

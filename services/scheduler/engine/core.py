@@ -322,9 +322,7 @@ class EngineCore:
         if n <= 0 or awaits_track_slot(req, n):
             return 0
         guesses = self._drafts(req, state.tokens - n) if speculating and n == 1 else []
-        if guesses:
-            drafts[req.rid] = guesses
-            n += len(guesses)
+        n += len(guesses)
         need = pages_to_grow(self.pools.config.page_size, planned, n)
         running = self.queue.running
         # the pages taken so far fitted (rows only free room between): a row that grows
@@ -342,6 +340,8 @@ class EngineCore:
                 return 0
             self.endings.retract(victims[0])
         state.take(n, need)
+        if guesses:  # only now: a request that cannot run (retracted) verifies nothing
+            drafts[req.rid] = guesses
         return n
 
     def _drafts(self, req: Request, room: int) -> list[int]:
