@@ -53,6 +53,13 @@ def test_sglang_names_bare_booleans_and_values_parse_to_the_same_settings():
     settings = Settings.resolve(spelled, environ={})
     assert (settings.reasoning_parser, settings.dtype) == ("nemotron_v3", "float16")
     assert settings.compile is False
+    spec = parse(
+        "--speculative-algorithm", "ngram", "--speculative-num-steps", "2",
+        "--speculative-num-draft-tokens", "3", "--speculative-eagle-topk", "1",
+    )  # fmt: skip
+    settings = Settings.resolve(spec, environ={})
+    assert (settings.spec_drafts, settings.speculative_algorithm) == (2, "ngram")
+    assert Settings().spec_drafts == 0
 
 
 @pytest.mark.parametrize(
@@ -62,6 +69,14 @@ def test_sglang_names_bare_booleans_and_values_parse_to_the_same_settings():
         (["--quantization", "fp8"], "--quantization"),
         (["--tp-size", "2"], "--tp-size 2"),
         (["--model-path", "/a", "--tokenizer-path", "/b"], "--tokenizer-path"),
+        (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN"),
+        (["--speculative-algorithm", "eagle"], "MTP head"),
+        (["--speculative-algorithm", "medusa"], "speculative_algorithm must be"),
+        (["--speculative-eagle-topk", "4"], "speculative_eagle_topk must be 1"),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"],
+            "speculative_num_draft_tokens 5",
+        ),
     ],
 )
 def test_an_sglang_flag_custody_cannot_honour_is_refused_by_name(argv, named, capsys):

@@ -107,8 +107,8 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     """SGLang's /get_server_info: its settings (none secret), version, the model's paths
     and internal state, with the fields SGLang's benchmarks read (bench_one_batch_server:
-    the request rows, the KV pool's tokens, the last generation throughput; the accepted
-    draft length is 1.0, as no speculative decoding runs)."""
+    the request rows, the KV pool's tokens, the last generation throughput, the tokens a
+    verify step gives on average: docs/speculative.md)."""
     door = request.app[FRONT_DOOR]
     s = door.settings
     state = {
@@ -117,7 +117,7 @@ async def server_info(request: web.Request) -> web.Response:
         "effective_max_running_requests_per_dp": s.max_running_requests,
         "last_gen_throughput": round(door.gen_throughput, 3),
         "memory_usage": {"token_capacity": s.kv_pages * s.page_size},
-        "avg_spec_accept_length": 1.0,
+        "avg_spec_accept_length": round(door.spec_accept_length, 4),
     }
     body = s.public() | model_paths(request) | {"version": version("custody")}
     return web.json_response(body | {"internal_states": [state]})

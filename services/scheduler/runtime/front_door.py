@@ -92,6 +92,12 @@ class FrontDoor:
         """Tokens per second over the last decode steps (throughput.py)."""
         return self._intake.throughput.tokens_per_second
 
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a verify step gave on average, its accepted drafts and one more (1.0
+        without speculation): SGLang's `avg_spec_accept_length`."""
+        return self._engine.completion.accepted.mean_length
+
     def running_ids(self) -> list[str]:
         """Server ids of every request not yet ended (an operator's abort-all)."""
         return list(self._engine.requests)

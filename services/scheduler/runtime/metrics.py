@@ -106,6 +106,7 @@ class LiveState(Collector):
             self.loop_faults(),
         )
         yield from self._prefix()
+        yield from self._speculation()
         yield from self._sessions()
         yield from self._per_stream()
         yield from self._tiers()
@@ -119,6 +120,26 @@ class LiveState(Collector):
         kv_used = kv.capacity - kv.free_count - cache.evictable_pages
         mamba_used = mamba.capacity - mamba.free_count - cache.evictable_states
         return max(kv_used / kv.capacity, mamba_used / mamba.capacity)
+
+    def _speculation(self) -> Iterator:
+        """Verify steps and what they accepted (docs/speculative.md); the speculative
+        slots in use are `custody_pool_held{pool="mamba",owner_kind="speculative"}`."""
+        accepted = self.engine.completion.accepted
+        yield _counter("custody_spec_verify_steps", "verify rows run", accepted.steps)
+        yield _counter("custody_spec_draft_tokens", "drafts verified", accepted.drafted)
+        yield _counter("custody_spec_accepted_tokens", "drafts accepted", accepted.accepted)
+        by_position = CounterMetricFamily(
+            "custody_spec_position",
+            "per draft position (0: the first draft of a row): rows that had a draft there "
+            "(offered) and those whose draft there was accepted (accepted)",
+            labels=["position", "outcome"],
+        )
+        for i, (offered, taken) in enumerate(
+            zip(accepted.offered_at, accepted.at_position, strict=True)
+        ):
+            by_position.add_metric([str(i), "offered"], offered)
+            by_position.add_metric([str(i), "accepted"], taken)
+        yield by_position
 
     def _prefix(self) -> Iterator:
         """Prefix reuse that silently does not happen: KV cached but no state there."""
