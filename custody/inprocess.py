@@ -24,7 +24,9 @@ from shared.tokenizer import load_tokenizer
 
 class InProcess:
     def __init__(self, settings: Settings) -> None:
-        self.model = load_model(settings.model, torch.device("cpu"), settings.dtype)
+        self.model = load_model(
+            settings.model, torch.device("cpu"), settings.dtype, mtp=settings.drafts_by_head
+        )
         self.tokenizer = load_tokenizer(settings.model, settings.tokenizer)
         self.engine = build_engine(settings, self.model.cfg, self.tokenizer, strict=True)
         self.pools = self.engine.pools
@@ -33,6 +35,7 @@ class InProcess:
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             torch.device("cpu"),
             model_dtype(self.model),
+            mtp=self.model.mtp is not None,
         )
         tiers = build_tiers(settings, self.model.cfg, device_pools)
         compiled = (

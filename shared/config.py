@@ -24,6 +24,7 @@ ROUTER_POLICIES = ("prefix", "random")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_DRAFTS = 16  # speculative_num_steps: a verify row holds one Mamba slot per draft
+HEAD_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names for drafting by an in-checkpoint head
 # never shown by /get_server_info: keys, the cluster secret, and a Redis URL (it may carry
 # a password)
 SECRET_SETTINGS = frozenset({"api_keys", "admin_api_keys", "cluster_secret", "redis_url"})
@@ -137,7 +138,7 @@ class Settings:
     # write and its rename), so a drill's kill lands during one
     tier_move_delay_seconds: float = 0.0
     # speculative decoding (docs/speculative.md), SGLang's flags: NGRAM drafts from the
-    # sequence's own n-grams; NEXTN/EAGLE (a checkpoint's MTP head) are refused by name
+    # sequence's own n-grams, NEXTN or EAGLE (the same here) from the checkpoint's MTP head
     speculative_algorithm: str = ""  # empty: none
     speculative_num_steps: int = 3  # drafts per verify step
     speculative_num_draft_tokens: int = 0  # SGLang's verify width: steps + 1 (0: that)
@@ -215,13 +216,7 @@ class Settings:
         self._check_speculation()
 
     def _check_speculation(self) -> None:
-        algorithm = self.speculative_algorithm.upper()
-        if algorithm in ("NEXTN", "EAGLE"):
-            raise ValueError(
-                f"--speculative-algorithm {self.speculative_algorithm}: custody does not run "
-                "a checkpoint's MTP head yet; NGRAM drafts without one (docs/speculative.md)"
-            )
-        if algorithm not in ("", "NGRAM"):
+        if self.speculative_algorithm.upper() not in ("", "NGRAM", *HEAD_ALGORITHMS):
             raise ValueError("speculative_algorithm must be NGRAM, NEXTN or EAGLE (or empty)")
         steps = self.speculative_num_steps
         if not 1 <= steps <= MAX_DRAFTS:
@@ -233,6 +228,18 @@ class Settings:
             )
         if self.speculative_eagle_topk != 1:
             raise ValueError("speculative_eagle_topk must be 1: custody verifies one chain")
+
+    @property
+    def drafts_by_head(self) -> bool:
+        """Whether the checkpoint's multi-token-prediction head drafts (NEXTN, EAGLE)."""
+        return self.speculative_algorithm.upper() in HEAD_ALGORITHMS
+
+    def check_speculation(self, model: ModelConfig) -> None:
+        """Refuse, at start and by name, a head the checkpoint does not have or custody
+        does not run."""
+        problem = model.mtp_problem if self.drafts_by_head else None
+        if problem:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: {problem}")
 
     @property
     def spec_drafts(self) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from shared.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_VOCAB
 
 MIXERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+MTP_PATTERN = "*E"  # the MTP head custody runs: attention (with the input projections), MoE
 SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -73,8 +74,25 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
+    # a multi-token-prediction head (docs/speculative.md): its layers' pattern, as
+    # hybrid_override_pattern spells the backbone's; custody runs "*E" (attention, MoE)
+    num_nextn_predict_layers: int = 0
+    mtp_hybrid_override_pattern: str = ""
 
     # ---- derived ----
+    @property
+    def mtp_problem(self) -> str | None:
+        """Why custody cannot run this checkpoint's MTP head (None: it can)."""
+        layers, pattern = self.num_nextn_predict_layers, self.mtp_hybrid_override_pattern
+        if not layers:
+            return "the checkpoint has no multi-token-prediction head (num_nextn_predict_layers)"
+        if layers != 1 or pattern != MTP_PATTERN:
+            return (
+                f"its MTP head ({layers} x {pattern!r}) is not one attention layer then one "
+                f"mixture-of-experts layer ({MTP_PATTERN!r}), the one custody runs"
+            )
+        return None
+
     @property
     def mamba_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layers_block_type) if t == "linear_attention"]
@@ -103,7 +121,7 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"layers_block_type must list known mixers, got {unknown or 'none'}"
             )
-        if "moe" in self.layers_block_type:
+        if "moe" in self.layers_block_type or self.mtp_problem is None:
             self._validate_moe()
         if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
             raise UnsupportedModel(

@@ -25,6 +25,7 @@ import pytest
 
 from custody.cli import build_parser, main
 from shared.config import Settings
+from shared.model_config import builtin_config
 from shared.redis_server import free_port
 from shared.sglang_flags import apply_sglang_flags
 from tests.services_harness import call
@@ -60,6 +61,9 @@ def test_sglang_names_bare_booleans_and_values_parse_to_the_same_settings():
     settings = Settings.resolve(spec, environ={})
     assert (settings.spec_drafts, settings.speculative_algorithm) == (2, "ngram")
     assert Settings().spec_drafts == 0
+    for algorithm in ("NEXTN", "eagle"):  # the built-in model has no head to draft with
+        with pytest.raises(ValueError, match=f"--speculative-algorithm {algorithm}: the chec"):
+            Settings(speculative_algorithm=algorithm).check_speculation(builtin_config())
 
 
 @pytest.mark.parametrize(
@@ -69,8 +73,6 @@ def test_sglang_names_bare_booleans_and_values_parse_to_the_same_settings():
         (["--quantization", "fp8"], "--quantization"),
         (["--tp-size", "2"], "--tp-size 2"),
         (["--model-path", "/a", "--tokenizer-path", "/b"], "--tokenizer-path"),
-        (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN"),
-        (["--speculative-algorithm", "eagle"], "MTP head"),
         (["--speculative-algorithm", "medusa"], "speculative_algorithm must be"),
         (["--speculative-eagle-topk", "4"], "speculative_eagle_topk must be 1"),
         (

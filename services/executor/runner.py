@@ -72,6 +72,7 @@ class Sampled:
     logprobs: list[float]
     logits: torch.Tensor | None = None  # [sampling rows, vocab], when asked for
     counts: list[int] = field(default_factory=list)  # per sampling row; empty: one each
+    drafts: list[list[int]] = field(default_factory=list)  # per sampling row: the head's
     failed_moves: list[int] = field(default_factory=list)  # indices in the step's moves
     top: list[Top] = field(default_factory=list)  # per sampling row, what it asked for
     scores: list[RowScores] = field(default_factory=list)  # of the rows scoring inputs
@@ -95,6 +96,7 @@ class Sampled:
             scores=self.scores,
             grammar_ended=self.grammar_ended,
             counts=self.counts,
+            drafts=self.drafts,
         )
 
     def last_tokens(self) -> list[int]:
@@ -163,8 +165,9 @@ class ModelRunner:
 
     def _forward(self, rows: list[StepRow], keep_logits: bool) -> Sampled:
         sampling = [r for r in rows if r.sample]
-        logits, scores = self._logits(rows)
+        logits, scores, hidden_of = self._logits(rows)
         if not sampling:  # a step of prefill chunks that sample nothing
+            self._feed_head(rows, hidden_of, {})
             return Sampled([], [], scores=scores)
         # each sampling row's logits: one position, or a verify row's drafts + 1
         ends = list(itertools.accumulate(r.drafts + 1 for r in sampling))
@@ -180,11 +183,19 @@ class ModelRunner:
             got, counts, lps = chosen, [], logprobs.tolist()
         else:
             got, counts, lps = self._verified(sampling, logits, ends, chosen, logprobs.tolist())
+        drafts: list[list[int]] = []
+        if hidden_of:
+            bounds = list(itertools.accumulate(counts or [1] * len(got)))
+            each = [got[a:b] for a, b in zip([0, *bounds], bounds, strict=False)]
+            emitted = dict(zip((i for i, r in enumerate(rows) if r.sample), each, strict=True))
+            guesses = self._feed_head(rows, hidden_of, emitted)
+            drafts = [guesses.get(i, []) for i in emitted]
         return Sampled(
             got,
             lps,
             at_last.float().cpu() if keep_logits else None,
             counts=counts,
+            drafts=drafts,
             top=top_logprobs(at_last, sampling),
             scores=scores,
             grammar_ended=self.grammars.accept(plain_rows, chosen) if allowed is not None else [],
@@ -215,16 +226,45 @@ class ModelRunner:
             counts.append(len(got))
         return tokens, counts, logprobs
 
-    def _logits(self, rows: list[StepRow]) -> tuple[torch.Tensor | None, list[RowScores]]:
+    def _feed_head(
+        self, rows: list[StepRow], hidden_of: dict[int, torch.Tensor], emitted: dict[int, list[int]]
+    ) -> dict[int, list[int]]:
+        """The MTP head over each row that feeds it (StepRow.propose), at the positions
+        the row committed (a verify row's accepted ones), each with the token after it;
+        returns its guesses for each sampling row's next row, by row index."""
+        head = self.model.mtp
+        if hidden_of and head is None:
+            raise RuntimeError("rows ask for the MTP head's drafts, but the model has none")
+        guesses: dict[int, list[int]] = {}
+        for i, hidden in hidden_of.items():
+            row = rows[i]
+            tokens = row.tokens.tolist()
+            after = emitted.get(i, [])
+            following = after if row.drafts else [*tokens[1:], *after[:1]]
+            if not following:
+                continue
+            m, kv = len(following), torch.from_numpy(row.kv_indices.astype("int64"))
+            kv = to_device(kv, self.device)
+            nxt = to_device(torch.tensor(following, dtype=torch.long), self.device)
+            n = row.propose if row.sample else 0
+            args = (kv[: row.start], kv[row.start : row.start + m], nxt, hidden[:m], n)
+            guesses[i] = head.propose(self.model, self.pools, *args)
+        return guesses
+
+    def _logits(
+        self, rows: list[StepRow]
+    ) -> tuple[torch.Tensor | None, list[RowScores], dict[int, torch.Tensor]]:
         """Logits [sampling positions, vocab], in row order (a verify row's drafts + 1
-        positions, any other sampling row's last; None: no row samples), and the
-        input log probabilities of the rows that score positions. With the compiled
-        decode path, the one-token rows that score nothing go through it and the rest
+        positions, any other sampling row's last; None: no row samples), the input log
+        probabilities of the rows that score positions, and the final hidden states of
+        the rows that feed the MTP head, by row index. With the compiled decode path,
+        the one-token rows that score nothing and feed no head go through it and the rest
         (prefill chunks) eagerly: rows never interact, so a step may be split."""
         fast = self._compiled_rows(rows)
         slow = sorted(set(range(len(rows))) - set(fast))
         parts: list[torch.Tensor] = []
         scores: list[RowScores] = []
+        hidden_of: dict[int, torch.Tensor] = {}
         order: list[int] = []  # the row of each part's logits, in the parts' order
         if fast:
             logits = self._compiled_logits([rows[i] for i in fast])
@@ -241,18 +281,24 @@ class ModelRunner:
                 for j, i in enumerate(slow)
                 if len(rows[i].scored)
             ]
+            hidden_of = {i: hidden[batch.span(j)] for j, i in enumerate(slow) if rows[i].propose}
         if not order:
-            return None, scores
+            return None, scores, hidden_of
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         if order != sorted(order):  # a stable sort: a verify row's positions stay in order
             logits = logits[sorted(range(len(order)), key=order.__getitem__)]
-        return logits, scores
+        return logits, scores, hidden_of
 
     def _compiled_rows(self, rows: list[StepRow]) -> list[int]:
-        """The rows the compiled decode path runs: one token, nothing scored."""
+        """The rows the compiled decode path runs: one token, nothing scored, no head fed
+        (the head needs the final hidden states, which the compiled step keeps inside)."""
         if self.compiled is None:
             return []
-        return [i for i, r in enumerate(rows) if len(r.tokens) == 1 and not len(r.scored)]
+        return [
+            i
+            for i, r in enumerate(rows)
+            if len(r.tokens) == 1 and not len(r.scored) and not r.propose
+        ]
 
     def _compiled_logits(self, rows: list[StepRow]) -> torch.Tensor:
         """The compiled path; if it fails, the step fails (it may have written state) and

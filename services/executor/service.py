@@ -117,12 +117,15 @@ class ExecutorService:
             # forward runs (the scheduler plans the next step meanwhile); torch's idle
             # threads spin-waiting on every core would take it from them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-        model = load_model(settings.model, device, settings.dtype, settings.load_format)
+        model = load_model(
+            settings.model, device, settings.dtype, settings.load_format, settings.drafts_by_head
+        )
         pools = DevicePools(
             model.cfg,
             PoolSizes(settings.kv_pages, settings.page_size, settings.mamba_slots),
             model.lm_head.weight.device,
             model_dtype(model),
+            mtp=model.mtp is not None,
         )
         mover = build_tiers(settings, model.cfg, pools, mark=self._mark_in_flight)
         compiled = (

@@ -27,26 +27,31 @@ log = logging.getLogger("custody.executor")
 
 
 def load_model(
-    path: Path | None, device: torch.device, dtype: str = "auto", load_format: str = "auto"
+    path: Path | None,
+    device: torch.device,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    mtp: bool = False,
 ) -> NemotronH:
     """`dtype`: a `--dtype` value; `auto` reads the checkpoint's and the device.
-    `load_format`: `auto` reads the checkpoint's weights, `dummy` draws them."""
+    `load_format`: `auto` reads the checkpoint's weights, `dummy` draws them. `mtp`:
+    with the checkpoint's multi-token-prediction head (speculative decoding's draft)."""
     cfg = builtin_config() if path is None else ModelConfig.from_dir(Path(path))
     resolved = getattr(torch, resolve_dtype(dtype, cfg, gpu=device.type == "cuda"))
     if path is None or load_format == "dummy":
-        return builtin_model(cfg, device).to(dtype=resolved).eval()
-    return load_checkpoint(Path(path), cfg, device, resolved).eval()
+        return builtin_model(cfg, device, mtp).to(dtype=resolved).eval()
+    return load_checkpoint(Path(path), cfg, device, resolved, mtp).eval()
 
 
 def load_checkpoint(
-    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, mtp: bool = False
 ) -> NemotronH:
     """The model built without memory (meta device) and its parameters taken from the
     files, each converted once to `dtype` on `device`: a 16-bit checkpoint never exists
     as a float32 copy. Either layout of MoE experts loads: a released checkpoint's
     tensors per expert are fused as read into transformers' two tensors per layer.
-    Multi-token-prediction weights (`mtp.*`) are skipped, by name in the log: custody
-    does not speculate."""
+    Multi-token-prediction weights (`mtp.*`) are loaded with `mtp` (the head drafts for
+    speculative decoding), else skipped, by name in the log."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors")
@@ -55,7 +60,7 @@ def load_checkpoint(
     skipped: list[str] = []
     for f in files:
         for name, tensor in load_file(str(f), device=str(device)).items():
-            if name.startswith("mtp."):
+            if name.startswith("mtp.") and not mtp:
                 skipped.append(name)
                 continue
             name = _checkpoint_name(name)
@@ -70,13 +75,15 @@ def load_checkpoint(
         state[name] = _fused(name, pieces)
     if skipped:
         log.info(
-            "skipped %d multi-token-prediction tensors (%s, ...): custody does not speculate",
+            "skipped %d multi-token-prediction tensors (%s, ...): no speculation with them",
             len(skipped),
             skipped[0],
         )
     with torch.device("meta"):
-        model = NemotronH(cfg)
+        model = NemotronH(cfg, mtp)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if mtp and any(name.startswith("mtp.") for name in missing):
+        raise ValueError(f"{path} holds no multi-token-prediction weights (mtp.*) to draft with")
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -108,7 +115,9 @@ def _checkpoint_name(name: str) -> str:
     return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
-def builtin_model(cfg: ModelConfig | None = None, device: torch.device = CPU) -> NemotronH:
+def builtin_model(
+    cfg: ModelConfig | None = None, device: torch.device = CPU, mtp: bool = False
+) -> NemotronH:
     """Seeded random weights, initialised the way transformers initialises NemotronH: of
     the built-in config, or of `cfg` (a benchmark's variant of it, or a checkpoint's
     config under `--load-format dummy`), in float32 on `device`, drawn there by a
@@ -116,7 +125,7 @@ def builtin_model(cfg: ModelConfig | None = None, device: torch.device = CPU) ->
     cfg = cfg or builtin_config()
     generator = torch.Generator(device=device).manual_seed(BUILTIN_SEED)
     with torch.device(device):
-        model = NemotronH(cfg)
+        model = NemotronH(cfg, mtp)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):

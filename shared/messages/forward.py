@@ -160,13 +160,16 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
     `grammar_ended`: the constrained rows whose grammar can only end after the token
     they sampled (the request stops there). `counts`: per sampling row, how many of
     `tokens` (and `logprobs`) are its, in order, where a verify row (StepRow.drafts)
-    gave more than one; empty: one each."""
+    gave more than one; empty: one each. `drafts`, `draft_counts`: per sampling row, the
+    MTP head's guesses for its next row (StepRow.propose), in row order; empty: none."""
 
     scheduler_epoch: str  # step numbers restart with each scheduler life
     rids: list[str]
     tokens: I4
     logprobs: F4
     counts: I4 = msgspec.field(default_factory=empty(I4))
+    drafts: I4 = msgspec.field(default_factory=empty(I4))
+    draft_counts: I4 = msgspec.field(default_factory=empty(I4))
     error: str | None = None
     ops_ran: bool = False
     failed_moves: list[int] = msgspec.field(default_factory=list)
@@ -186,6 +189,22 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
         if not n == lp == (rows if not len(counts) else n):
             raise WireError(f"{n} tokens and {lp} log probabilities for {rows} rows")
         unpack_top(self.top_counts, self.top_ids, self.top_logprobs, rows)
+        guesses = self.draft_counts
+        if len(guesses) and (
+            len(guesses) != rows or guesses.min() < 0 or guesses.sum() != len(self.drafts)
+        ):
+            raise WireError(f"draft counts {guesses.tolist()} for {len(self.drafts)} drafts")
+
+    def drafts_by_row(self) -> dict[str, list[int]]:
+        """The head's guesses, by sampling row (rows without any left out)."""
+        if not len(self.draft_counts):
+            return {}
+        drafts, out, at = self.drafts.tolist(), {}, 0
+        for rid, n in zip(self.rids, self.draft_counts.tolist(), strict=True):
+            if n:
+                out[rid] = drafts[at : at + n]
+            at += n
+        return out
 
     def per_row(self) -> tuple[list[list[int]], list[list[float]]]:
         """Each sampling row's tokens and their log probabilities, in row order."""
@@ -213,8 +232,10 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
         scores: Sequence[RowScores] = (),
         grammar_ended: Sequence[str] = (),
         counts: Sequence[int] = (),
+        drafts: Sequence[Sequence[int]] = (),
     ) -> StepResult:
-        """`counts`: per row, its count of `tokens` (empty: one each)."""
+        """`counts`: per row, its count of `tokens` (empty: one each); `drafts`: per row,
+        the head's guesses (empty: none)."""
         top_counts, top_ids, top_logprobs = pack_top(top)
         return cls(
             epoch=executor_epoch,
@@ -227,6 +248,8 @@ class StepResult(Message, Arrays, tag="result", kw_only=True):
             ops_ran=ops_ran,
             failed_moves=failed_moves or [],
             counts=array(counts if any(c != 1 for c in counts) else (), I4),
+            drafts=array([t for row in drafts for t in row], I4),
+            draft_counts=array([len(row) for row in drafts] if any(drafts) else (), I4),
             top_counts=top_counts,
             top_ids=top_ids,
             top_logprobs=top_logprobs,

@@ -77,6 +77,9 @@ class StepRow(Arrays, kw_only=True):
     # the state after its first j+1 positions is written to spec_slots[j] (the state
     # after all of them to mamba_out), so the scheduler can keep the accepted one.
     spec_slots: I4 = msgspec.field(name="spec", default_factory=empty(I4))
+    # drafts the model's MTP head guesses for the request's next row, from this row's
+    # positions (a row that samples nothing only feeds the head's attention): 0, none
+    propose: int = 0
     # Who the row writes for (ledger owner ids; 0: not named). The executor ignores them;
     # the session store checks each write against its own ledger.
     owner: int = 0  # the request: owns mamba_out and the KV of positions start..end-1
@@ -177,6 +180,7 @@ SCALARS = {
     "track_owner": I8,
     "session_owner": I8,
     "spec_owner": I8,
+    "propose": I4,
 }
 
 
@@ -214,6 +218,7 @@ class RowColumns(Arrays, kw_only=True):
     track_owner: I8
     session_owner: I8
     spec_owner: I8
+    propose: I4
     spec_counts: I4
     spec: I4  # every row's speculative slots, in row order
     penalties: dict[int, Penalties] = msgspec.field(default_factory=dict)  # by row index
@@ -354,12 +359,13 @@ class RowColumns(Arrays, kw_only=True):
                 track_owner=track_owner,
                 session_owner=session_owner,
                 spec_owner=spec_owner,
+                propose=propose,
             )
             for i, (
                 rid, ta, tb, ka, kb, sa, sb, pa, pb, seed,
                 start, kv_from, row, mamba_slot, mamba_out, snapshot_slot, snapshot_len,
                 sample, temperature, top_p, top_k, min_p, top_logprobs, future, scored_from,
-                owner, track_owner, session_owner, spec_owner,
+                owner, track_owner, session_owner, spec_owner, propose,
             ) in enumerate(columns)
         ]  # fmt: skip
 

@@ -31,6 +31,8 @@ class ForcedDrafts:
     """The true continuation, spoilt at draft position k (none spoilt when k == n), k
     cycling over 0..n so that every pattern of acceptance occurs."""
 
+    by_head = False
+
     def __init__(self, stops: tuple[int, ...] = ()) -> None:
         self.calls = 0
         self.patterns: Counter[tuple[int, int]] = Counter()  # (drafts, spoilt at)

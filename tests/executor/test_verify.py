@@ -41,6 +41,8 @@ class Oracle:
     """Drafts from a run without speculation (the outputs it gave, by prompt), spoilt
     at position k, k cycling over every pattern."""
 
+    by_head = False
+
     def __init__(self, outputs: dict[bytes, list[int]]) -> None:
         self.outputs, self.calls = outputs, 0
 

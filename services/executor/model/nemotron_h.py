@@ -15,8 +15,9 @@ from services.executor.model.batch import DecodeRows, ForwardBatch
 from services.executor.model.layers import MLP, RMSNorm
 from services.executor.model.mamba2 import Mamba2Mixer
 from services.executor.model.moe import MoE
+from services.executor.model.mtp import MtpHead
 from services.executor.model.pools import DevicePools
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, UnsupportedModel
 
 
 class Block(nn.Module):
@@ -43,12 +44,17 @@ class Backbone(nn.Module):
 
 
 class NemotronH(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mtp: bool = False) -> None:
+        """`mtp`: with the checkpoint's multi-token-prediction head (mtp.py), which the
+        config must describe as one custody runs."""
         super().__init__()
         cfg.validate()
+        if mtp and cfg.mtp_problem:
+            raise UnsupportedModel(f"no MTP head to load: {cfg.mtp_problem}")
         self.cfg = cfg
         self.backbone = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MtpHead(cfg) if mtp else None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:

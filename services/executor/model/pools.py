@@ -38,10 +38,14 @@ class DevicePools:
         sizes: PoolSizes,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        mtp: bool = False,
     ) -> None:
+        """`mtp`: one more KV layer, the multi-token-prediction head's (mtp.py)."""
         self.model, self.sizes, self.device, self.dtype = model, sizes, device, dtype
         tokens = (sizes.kv_pages + 1) * sizes.page_size
-        kv_shape = (len(model.attention_layers), tokens, model.num_key_value_heads, model.head_dim)
+        kv_layers = len(model.attention_layers) + mtp
+        kv_shape = (kv_layers, tokens, model.num_key_value_heads, model.head_dim)
+        self.mtp_kv_layer = len(model.attention_layers)  # when there is one
         self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
         slots = sizes.mamba_slots + 1
@@ -56,7 +60,7 @@ class DevicePools:
         )
         self.kv_layer = {layer: i for i, layer in enumerate(model.attention_layers)}
         self.mamba_layer = {layer: i for i, layer in enumerate(model.mamba_layers)}
-        layers = max(len(model.attention_layers), mamba)
+        layers = max(kv_layers, mamba)
         self._layer_ids = [torch.tensor(i, device=device) for i in range(layers)]
 
     def write(self, pool: torch.Tensor, layer: int, index: torch.Tensor, values: torch.Tensor):

@@ -48,6 +48,7 @@ class Completion:
         top = dict(zip(rids, result.top, strict=True))
         scores = {s.rid: s for s in result.scores}
         grammar_ended = set(result.grammar_ended)
+        head_drafts = result.drafts_by_row()
         ended = []
         by_rid = self.queue.by_rid
         for row in plan.rows:
@@ -59,6 +60,8 @@ class Completion:
             if req.inflight[0] is not row:
                 raise RuntimeError(f"{rid}: rows completed out of order")
             req.inflight.pop(0)
+            if wire.sample:
+                req.head_drafts = head_drafts.get(rid, [])
             if wire.drafts:
                 self._verified(req, row, sampled[rid], logprob_of[rid])
                 if req.finish_reason is not None:

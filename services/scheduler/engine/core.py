@@ -192,7 +192,9 @@ class EngineCore:
         grow_kv(self.pools, chosen)
         interval, step = self.config.track_interval, plan.step_id
         plan.rows = [
-            row_plan(self.pools, interval, req, n, step, drafts.get(req.rid, ()))
+            row_plan(
+                self.pools, interval, req, n, step, drafts.get(req.rid, ()), self._feeds_head(req)
+            )
             for req, n in chosen
         ]
         self.in_flight.add(plan)
@@ -343,6 +345,12 @@ class EngineCore:
         if guesses:  # only now: a request that cannot run (retracted) verifies nothing
             drafts[req.rid] = guesses
         return n
+
+    def _feeds_head(self, req: Request) -> int:
+        """Guesses the MTP head makes from `req`'s row (0: it does not run for it)."""
+        drafter = self.drafter
+        by_head = drafter is not None and drafter.by_head and verifiable(req)
+        return self.pools.config.spec_slots if by_head else 0
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """The drafts of `req`'s next row, a decode row (its last sampled token fed):

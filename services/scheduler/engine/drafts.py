@@ -19,6 +19,10 @@ from services.scheduler.records.request import Request
 
 
 class Drafter(Protocol):
+    # whether the executor's MTP head makes the guesses (every row of a request that
+    # speculates then feeds it: StepRow.propose)
+    by_head: bool
+
     def propose(self, req: Request, n: int) -> list[int]:
         """Up to `n` guesses of the tokens after `req.sequence` (fewer, or none)."""
         ...
@@ -29,6 +33,8 @@ class PromptNgram:
     the sequence's last `longest` tokens (then of fewer, down to `shortest`) and guess
     the tokens that followed it. It costs no model and wins where text repeats: code
     edits, quoted context, structured output."""
+
+    by_head = False
 
     def __init__(self, longest: int = 4, shortest: int = 1) -> None:
         self.longest, self.shortest = longest, shortest
@@ -47,8 +53,22 @@ class PromptNgram:
 class RepeatLast:
     """The trivial draft a real one must beat: the last token, `n` times."""
 
+    by_head = False
+
     def propose(self, req: Request, n: int) -> list[int]:
         return [req.output[-1] if req.output else int(req.prompt[-1])] * n
+
+
+class HeadDrafts:
+    """The checkpoint's MTP head (NEXTN, EAGLE): the executor runs it after each row and
+    returns its guesses with the step's result; they are the request's until its next
+    row (`Request.head_drafts`). Nothing else holds them: a guess that is stale (after a
+    retract, a restart) can only be rejected."""
+
+    by_head = True
+
+    def propose(self, req: Request, n: int) -> list[int]:
+        return req.head_drafts[:n]
 
 
 def verifiable(req: Request) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.scheduler.allocators.pools import PoolConfig, Pools
 from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.core import EngineCore
-from services.scheduler.engine.drafts import PromptNgram
+from services.scheduler.engine.drafts import Drafter, HeadDrafts, PromptNgram
 from shared.config import Settings
 from shared.model_config import ModelConfig
 from shared.tokenizer import Tokenizer
@@ -16,6 +16,7 @@ def build_engine(
 ) -> EngineCore:
     """The pools and the core for `settings`. `strict` makes an invariant violation
     raise (tests, the in-process demo) instead of being logged and counted (services)."""
+    settings.check_speculation(model)
     tiers = settings.tier_sizes(model)
     pools = Pools(
         PoolConfig(
@@ -43,5 +44,7 @@ def build_engine(
         max_sessions=settings.session_limit(tiers),
         idle_timeout=settings.session_idle_timeout or None,
     )
-    drafter = PromptNgram() if settings.spec_drafts else None
+    drafter: Drafter | None = None
+    if settings.spec_drafts:
+        drafter = HeadDrafts() if settings.drafts_by_head else PromptNgram()
     return EngineCore(pools, config, strict=strict, tokenizer=tokenizer, drafter=drafter)

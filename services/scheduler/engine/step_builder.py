@@ -87,9 +87,11 @@ def row_plan(
     n: int,
     step: int,
     drafts: Sequence[int] = (),
+    propose: int = 0,
 ) -> RowPlan:
     """The row of step `step` for `req`, computing `n` positions after those already
-    planned, the last len(`drafts`) of them a verify row's drafts. A chunk
+    planned, the last len(`drafts`) of them a verify row's drafts; `propose`: guesses
+    the MTP head makes from it (StepRow.propose). A chunk
     snapshots at the last page boundary it reaches, except the last chunk of a sequence
     that ends on a page boundary: it snapshots one page earlier (if that is still in the
     chunk), since a match must leave a token to compute and a snapshot at the very end
@@ -153,6 +155,7 @@ def row_plan(
         track_owner=req.slots.track.owner.id,
         session_owner=req.session.owner.id if req.session is not None else 0,
         spec_owner=spec.owner.id if drafts else 0,
+        propose=propose,
     )
     row = RowPlan(wire, prefill=fed > 1 or start < len(req.prompt), step=step)
     req.inflight.append(row)

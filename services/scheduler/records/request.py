@@ -98,6 +98,7 @@ class Request:
     # the executor's matcher was started in this admission (step_builder.row_grammar)
     grammar_started: bool = False
     text: OutputText | None = None  # the output as text (set by the engine with a tokenizer)
+    head_drafts: list[int] = field(default_factory=list)  # the MTP head's last guesses
 
     @property
     def sequence(self) -> np.ndarray:
