@@ -97,3 +97,23 @@ def test_a_checkpoint_without_the_head_or_with_another_is_refused_by_name(tmp_pa
         settings(bare, "EAGLE").check_speculation(other)
     with pytest.raises(ValueError, match="no multi-token-prediction head"):
         settings(bare, "NEXTN").check_speculation(builtin_config())
+
+
+def test_the_routed_experts_op_has_the_plain_computation_s_gradients():
+    """Training a head goes through its MoE layer (custody/bench/spec_head.py)."""
+    from services.executor.model.moe import _routed_experts_plainly
+
+    torch.manual_seed(0)
+    x, weights = torch.randn(5, 8, requires_grad=True), torch.rand(5, 2, requires_grad=True)
+    up, down = torch.randn(4, 16, 8, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True)
+    indices = torch.randint(0, 4, (5, 2))
+    fast = torch.ops.custody.routed_experts(x, weights, indices, up, down)
+    plain = _routed_experts_plainly(x, weights, indices, up, down)
+    assert torch.allclose(fast, plain, atol=1e-5)
+    grad = torch.randn_like(fast)
+    for a, b in zip(
+        torch.autograd.grad(fast, (x, weights, up, down), grad),
+        torch.autograd.grad(plain, (x, weights, up, down), grad),
+        strict=True,
+    ):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -117,3 +117,29 @@ def routed_experts(
 @routed_experts.register_fake
 def _routed_experts_shape(x, weights, indices, up, down) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def _routed_experts_plainly(x, weights, indices, up, down) -> torch.Tensor:
+    """What routed_experts computes, by gathering each token's experts' weights: memory
+    per token and expert, so only for the small models a head is trained on."""
+    inner = torch.einsum("tw,tkiw->tki", x, up[indices])
+    y = torch.einsum("tki,tkwi->tkw", torch.relu(inner).square(), down[indices])
+    return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def _remember_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _routed_experts_backward(ctx, grad: torch.Tensor):
+    """The gradients, by computing the op again with plain tensor operations: training
+    an MTP head (custody/bench/spec_head.py) goes through its MoE layer."""
+    x, weights, indices, up, down = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (x, weights, up, down)]
+        out = _routed_experts_plainly(leaves[0], leaves[1], indices, leaves[2], leaves[3])
+        dx, dw, dup, ddown = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return dx, dw, None, dup, ddown
+
+
+routed_experts.register_autograd(_routed_experts_backward, setup_context=_remember_inputs)
