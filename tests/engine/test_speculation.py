@@ -192,3 +192,69 @@ def test_prefix_reuse_is_the_same_with_speculation_on(monkeypatch):
 
     monkeypatch.setattr(Completion, "_verified", losing_snapshots)
     assert cached_tokens_of_a_multi_turn_workload(ForcedDrafts()) != off
+
+
+def test_sessions_moved_between_tiers_with_speculation_resume_exactly():
+    """Twelve sessions over a device that holds four: each hibernates to the host tier
+    or spills to disk and comes back; every row's starting state is checked."""
+    d = Driver(
+        page_size=4,
+        kv_pages=64,
+        mamba_slots=24,
+        rows=4,
+        context=256,
+        step_tokens=128,
+        host_pages=24,
+        host_slots=3,
+        disk_slots=32,
+        drafter=ForcedDrafts(),
+    )
+    d.model.sequence_of = d._sequence
+    sids = [d.engine.sessions.open().sid for _ in range(12)]
+    histories = {}
+    for rounds in range(2):
+        for i, sid in enumerate(sids):
+            new = text(12 if not rounds else 4, 100 * rounds + i)
+            req = d.run_turn(sid, new, max_new=9)
+            history = histories.get(sid, []) + list(new)
+            assert req.output == reference(history, 9, VOCAB), sid
+            histories[sid] = history + req.output
+    moved = d.engine.sessions.moves.moved
+    assert moved["hibernate"] > 0 and moved["restore"] > 0 and moved["spill"] > 0
+    for sid in sids:
+        d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
+def test_an_executor_lost_while_a_verify_step_runs_changes_nothing_but_time():
+    """The executor dies while a verify row runs: the request's committed state is the
+    one before that step, the request is planned again, and the same output follows."""
+    d, _ = speculating(depth=1)
+    sid = d.engine.sessions.open("s").sid
+    req = d.turn(sid, text(10, 1), max_new=20)
+    while not any(r.drafts for r in req.inflight):
+        d.step()
+    assert d.engine.device_lost(suspect=False) == []
+    d.model = type(d.model)(d.pools, VOCAB, d._sequence)
+    d.run()
+    assert req.output == reference(list(text(10, 1)), 20, VOCAB)
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
+
+
+@pytest.mark.parametrize("ops_ran", [False, True])
+def test_a_refused_verify_step_aborts_its_turn_and_the_session_keeps_its_state(ops_ran):
+    d, _ = speculating(depth=1)
+    sid = d.engine.sessions.open("s").sid
+    first = d.run_turn(sid, text(10, 1), max_new=8)
+    history = list(text(10, 1)) + first.output
+    req = d.turn(sid, text(5, 2), max_new=20)
+    while not any(r.drafts for r in req.inflight):
+        d.step()
+    ended = d.engine.step_refused(d.engine.in_flight[0], "a planted refusal", ops_ran)
+    assert req in ended and req.finish_reason.type == "abort"
+    d.run()
+    after = d.run_turn(sid, text(4, 3), max_new=10)
+    assert after.output == reference(history + list(text(4, 3)), 10, VOCAB)
+    d.engine.sessions.close(sid)
+    d.assert_idle_clean()
