@@ -54,11 +54,13 @@ class Oracle:
         return [(t + 1) % 256 if i == k else t for i, t in enumerate(truth)]
 
 
-def generate(local: InProcess, prompts: list[str], n: int) -> list[Request]:
+def generate(
+    local: InProcess, prompts: list[str], n: int, stop: tuple[str, ...] = ()
+) -> list[Request]:
     reqs = []
     for i, text in enumerate(prompts):
         prompt = np.asarray(local.tokenizer.encode(text, True))
-        params = SamplingParams(max_new_tokens=n)
+        params = SamplingParams(max_new_tokens=n, stop=stop)
         reqs.append(local.engine.submit(Request(f"r{i}", prompt, params)))
     local.run_until_idle()
     assert local.engine.check(idle=True).ok
@@ -73,6 +75,13 @@ def test_greedy_outputs_with_speculation_equal_those_without():
     accepted = forced.engine.completion.accepted
     assert accepted.steps > 10 and all(accepted.at_position)
     assert accepted.accepted < accepted.drafted  # rejections at every position ran too
+    # a stop string inside accepted drafts: the output ends where it would without
+    text = forced.tokenizer.decode(off[0].output)
+    stop = (text[9:12],)
+    want = generate(InProcess(SMALL), PROMPTS[:1], 20, stop)[0].output
+    forced.engine.drafter = Oracle({r.prompt.tobytes(): r.output for r in off})
+    got = generate(forced, PROMPTS[:1], 20, stop)[0]
+    assert got.output == want and len(want) < 20 and got.finish_reason.type == "stop"
 
 
 def test_a_session_with_speculation_resumes_exactly_its_kept_state():
