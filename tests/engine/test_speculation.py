@@ -17,9 +17,13 @@ from collections import Counter
 import msgspec
 import pytest
 
+from services.scheduler.allocators import request_slots
+from services.scheduler.allocators.pools import PoolConfig
 from services.scheduler.allocators.spec_slots import SpecSlots
+from services.scheduler.engine import admission
 from services.scheduler.engine.completion import Completion
 from services.scheduler.engine.drafts import PromptNgram, RepeatLast
+from services.scheduler.ownership.errors import PoolExhausted
 from services.scheduler.records.request import Request
 from services.scheduler.records.row_plan import RowPlan
 from tests.engine.data_model import reference
@@ -258,3 +262,35 @@ def test_a_refused_verify_step_aborts_its_turn_and_the_session_keeps_its_state(o
     assert after.output == reference(history + list(text(4, 3)), 10, VOCAB)
     d.engine.sessions.close(sid)
     d.assert_idle_clean()
+
+
+def test_a_planted_piecewise_slot_allocation_is_caught(monkeypatch):
+    """SGLang #34676's kind: a request's Mamba slots taken piecewise. Unplanted, the
+    pressure below runs clean (admission checks room for every slot a speculating
+    request needs, and a failed take gives back what it took). Planted, the room check
+    forgets the speculative slots and a failed take keeps what it took: the take fails
+    half-way, and the integrity check names the slots nobody claims."""
+    d, _ = speculating(depth=1, mamba_slots=18, rows=4)
+    reqs = [d.generate(text(9, i), max_new=10) for i in range(4)]
+    d.run()
+    assert all(r.output == reference(list(r.prompt), 10, VOCAB) for r in reqs)
+
+    without_spec = property(lambda self: self.working_slots + self.track_slots)
+    monkeypatch.setattr(PoolConfig, "request_mamba_slots", without_spec)
+    real_admit, real_give_back = request_slots.admit, request_slots._give_back
+
+    def keeping_what_it_took(pools, rid):
+        monkeypatch.setattr(request_slots, "_give_back", lambda *args: None)
+        try:
+            return real_admit(pools, rid)
+        finally:
+            monkeypatch.setattr(request_slots, "_give_back", real_give_back)
+
+    monkeypatch.setattr(admission, "admit", keeping_what_it_took)
+    d, _ = speculating(depth=1, mamba_slots=18, rows=4)
+    for i in range(4):
+        d.generate(text(9, i), max_new=10)
+    with pytest.raises(PoolExhausted):
+        d.run()
+    report = d.engine.check()
+    assert not report.ok and any("claimed by no holder" in p for p in report.problems)
