@@ -9,6 +9,7 @@ when measured; docs/speculative.md.)"""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from services.scheduler.records.sampling import SamplingParams
 from shared.config import Settings
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
+from shared.messages.grammar import GrammarSpec
 
 SMALL = Settings(
     compile=False,
@@ -147,3 +149,24 @@ def test_verified_first_tokens_follow_the_target_distribution(monkeypatch):
     monkeypatch.setattr(verify, "accepts", lambda u, p: u < p + 0.05)  # planted bias
     off, biased = draws(probs)
     assert p_value(off, biased) < 1e-3
+
+
+def test_a_constrained_request_beside_speculating_ones_decodes_as_without():
+    """A grammar row is never verified (docs/speculative.md): in a speculating engine
+    it gives its output without speculation, its neighbours theirs."""
+    regex = GrammarSpec(kind="regex", source=r"[a-z]{3}-\d{2}")
+
+    def run(local: InProcess) -> list[list[int]]:
+        reqs = [
+            Request("c", np.array([72, 105]), SamplingParams(max_new_tokens=20, grammar=regex)),
+            Request("p", np.array([72, 105, 72, 105]), SamplingParams(max_new_tokens=20)),
+        ]
+        for r in reqs:
+            local.engine.submit(r)
+        local.run_until_idle()
+        assert re.fullmatch(regex.source, bytes(t for t in reqs[0].output if t < 256).decode())
+        return [r.output for r in reqs]
+
+    spec = InProcess(Settings.ephemeral(compile=False, speculative_algorithm="NGRAM"))
+    assert run(spec) == run(InProcess(Settings.ephemeral(compile=False)))
+    assert spec.engine.completion.accepted.steps > 0
