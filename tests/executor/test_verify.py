@@ -24,18 +24,9 @@ from shared.config import Settings
 from shared.deferred_ops import DeferredOps
 from shared.messages.forward import StepRow
 from shared.messages.grammar import GrammarSpec
+from tests.test_inprocess import SMALL as INPROCESS
 
-SMALL = Settings(
-    compile=False,
-    page_size=4,
-    kv_pages=256,
-    mamba_slots=40,
-    max_running_requests=4,
-    context_len=1024,
-    chunk_size=32,
-    max_step_tokens=64,
-    track_interval=8,
-)
+SMALL = dataclasses.replace(INPROCESS, mamba_slots=40)  # room for speculative slots
 PROMPTS = ["Once upon a time, once upon a time", "The state of the slots."]
 
 
