@@ -34,13 +34,14 @@ BENCHMARK_NAMES = (
     "scaleout",
     "serving",
     "sessions",
+    "spec",
     "structured",
 )
 REPEATS = 7  # --repeats when not given; multiturn: 1 (a run pools clients x rounds requests)
 # benchmarks whose --repeats defaults to 1 (prefix: its series; orchestration: its sweep of
 # cells, a stack each; serving: bench_serving's percentiles over its own requests)
 ONCE = ("multiturn", "orchestration", "prefix", "serving")
-REPEATS_OF = {"structured": 3}  # interleaved runs of every cell: 3 keep it to a minute
+REPEATS_OF = {"spec": 3, "structured": 3}  # interleaved runs of every cell: 3 keep it to a minute
 # --repeats with --baseline: each side's figures the median of three alternated runs
 BASELINE_REPEATS = 3
 BASELINE_BENCHMARKS = ("e2e", "orchestration")
@@ -261,6 +262,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         scaleout,
         serving,
         sessions,
+        spec,
         structured,
     )
 
@@ -275,6 +277,7 @@ def benchmarks() -> dict[str, Callable[[int], dict]]:
         "scaleout": scaleout.run,
         "serving": serving.run,
         "sessions": sessions.run,
+        "spec": spec.run,
         "structured": structured.run,
     }
 
