@@ -38,9 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from custody.bench.harness import RESULTS_DIR, progress
+from custody.bench.spec_head import HEAD_SEED, cached_head
 from custody.bench.spec_targets import (
     SEPARATOR,
-    cached_copy_target,
+    SUCCESSOR,
+    chain_prompt,
     copy_prompt,
     recipe_id,
     weights_sha256,
@@ -75,6 +77,10 @@ DRAFTERS: dict[str, Drafting] = {
     "ngram": Drafting("NGRAM"),  # PromptNgram, the engine's own NGRAM drafter
     "repeat_last": Drafting("NGRAM", RepeatLast),
 }
+# on a checkpoint with an MTP head: its drafts, and its forwards (each pass of its layers)
+WITH_HEAD = DRAFTERS | {
+    "mtp_head": Drafting("NEXTN", forwards=lambda local: local.model.mtp.passes)
+}
 
 
 @dataclass
@@ -93,9 +99,13 @@ class Run:
         return sum(len(o) for o in self.outputs)
 
 
-def held_out_prompts(count: int = PROMPTS, seed: int = PROMPT_SEED) -> list[np.ndarray]:
+def held_out_prompts(
+    count: int = PROMPTS,
+    seed: int = PROMPT_SEED,
+    draw: Callable[[np.random.Generator], np.ndarray] = copy_prompt,
+) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [copy_prompt(rng) for _ in range(count)]
+    return [draw(rng) for _ in range(count)]
 
 
 def _settings(model: Path | None, batch: int, algorithm: str) -> Settings:
@@ -190,22 +200,26 @@ def measure(
     batches: tuple[int, ...] = BATCHES,
     repeats: int = 3,
     label: str = "spec",
+    drafters: dict[str, Drafting] = DRAFTERS,
+    accuracy: Callable[[list[np.ndarray], list[list[int]]], float] | None = None,
 ) -> dict:
-    """Every batching x side on `model` (None: the built-in model), `repeats` times
-    interleaved: {"b<batch>": {"off": ..., <drafter>: ...}}, and how much of off's
-    output is the exact copy (`copy_accuracy`)."""
-    sides: dict[str, Drafting | None] = {"off": None, **DRAFTERS}
+    """Every batching x side (`drafters`, and off) on `model` (None: the built-in model),
+    `repeats` times interleaved: {"b<batch>": {"off": ..., <drafter>: ...}}, and how
+    much of off's output is what the target was trained to say (`target_accuracy`; by
+    default the exact copy)."""
+    sides: dict[str, Drafting | None] = {"off": None, **drafters}
     runs: dict[tuple[int, str], list[Run]] = {(b, s): [] for b in batches for s in sides}
     for i in range(repeats):
         for b in batches:
             for name, drafting in sides.items():
                 runs[b, name].append(run_once(model, b, drafting, prompts, new_tokens))
         progress(label, i + 1, repeats)
-    result: dict = {"copy_accuracy": copy_accuracy(prompts, runs[batches[0], "off"][0].outputs)}
+    judge = accuracy or copy_accuracy
+    result: dict = {"target_accuracy": judge(prompts, runs[batches[0], "off"][0].outputs)}
     for b in batches:
         off = runs[b, "off"]
         cell = {"off": _off_figures(off)}
-        cell |= {name: _drafter_figures(runs[b, name], off) for name in DRAFTERS}
+        cell |= {name: _drafter_figures(runs[b, name], off) for name in drafters}
         result[f"b{b}"] = cell
     return result
 
@@ -221,13 +235,23 @@ def copy_accuracy(prompts: list[np.ndarray], outputs: list[list[int]]) -> float:
     return round(right / max(total, 1), 4)
 
 
+def chain_accuracy(prompts: list[np.ndarray], outputs: list[list[int]]) -> float:
+    """The share of output tokens that are the successor of the token before them."""
+    right = total = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        before = np.asarray([prompt[-1], *out[:-1]])
+        right += int((SUCCESSOR[before] == np.asarray(out)).sum())
+        total += len(out)
+    return round(right / max(total, 1), 4)
+
+
 def table(result: dict) -> str:
     lines = [
         "| target | batch | side | tokens/verify step | forwards/token | ÷ off | wall s "
         "| ÷ off | same outputs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for target in ("copy_target", "random_target"):
+    for target in ("copy_target", "chain_target", "random_target"):
         for b in BATCHES:
             for side, f in result[target][f"b{b}"].items():
                 lines.append(
@@ -241,26 +265,46 @@ def table(result: dict) -> str:
 
 
 def run(repeats: int = 3) -> dict:
-    checkpoint = cached_copy_target()
+    copy, chain = cached_head("copy"), cached_head("chain")
     held_out = held_out_prompts()
+    walks = held_out_prompts(draw=chain_prompt)
     payload: dict = {
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
         "drafts_per_verify_step": DRAFTS,
         "prompt_seed": PROMPT_SEED,
+        "head_training_seed": HEAD_SEED,
         "repeats": repeats,
         "copy_target": {
-            "checkpoint": str(checkpoint),
-            "recipe": recipe_id(),
-            "sha256": weights_sha256(checkpoint),
-            **measure(checkpoint, held_out, repeats=repeats, label="spec copy target"),
+            **_identity(copy),
+            **measure(copy, held_out, repeats=repeats, label="copy", drafters=WITH_HEAD),
+        },
+        "chain_target": {
+            **_identity(chain),
+            **measure(
+                chain,
+                walks,
+                repeats=repeats,
+                label="chain",
+                drafters=WITH_HEAD,
+                accuracy=chain_accuracy,
+            ),
         },
         "random_target": {
             "checkpoint": "built-in",
-            **measure(None, held_out, repeats=repeats, label="spec random target"),
+            **measure(None, held_out, repeats=repeats, label="random"),
         },
     }
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "spec.json").write_text(json.dumps(payload, indent=2) + "\n")
     payload["table"] = table(payload)
     return payload
+
+
+def _identity(checkpoint: Path) -> dict:
+    """Which checkpoint (the target's weights and its trained head) a target's runs used."""
+    return {
+        "checkpoint": checkpoint.name,
+        "recipe": recipe_id(),
+        "sha256": weights_sha256(checkpoint),
+    }

@@ -11,14 +11,19 @@ on one thread from seeded weights: the same head bit for bit on every run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import hashlib
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from custody.bench import spec_targets
 from custody.inprocess import InProcess
 from services.executor.model.batch import ForwardBatch
 from services.executor.model.nemotron_h import NemotronH
@@ -39,6 +44,12 @@ HEAD_CONFIG = {  # a small head: one attention layer, then four experts of 64
     "moe_shared_expert_intermediate_size": 128,
 }
 STEPS, BATCH, LEARNING_RATE = 300, 16, 3e-3
+TRAIN_PROMPTS, TRAIN_TOKENS, HEAD_SEED = 64, 48, 11  # the bench measures on another seed
+# a target's name -> how the bench builds it and draws its prompts
+TARGETS: dict[str, tuple[Callable[[], Path], Callable[[np.random.Generator], np.ndarray]]] = {
+    "copy": (spec_targets.cached_copy_target, spec_targets.copy_prompt),
+    "chain": (spec_targets.cached_chain_target, spec_targets.chain_prompt),
+}
 
 
 def continuations(target: Path, prompts: list[np.ndarray], new_tokens: int) -> list[np.ndarray]:
@@ -103,3 +114,41 @@ def save(target: Path, head: torch.nn.Module, cfg: ModelConfig, out: Path) -> Pa
         if extra.suffix != ".safetensors" and extra.name != "config.json" and extra.is_file():
             (out / extra.name).write_bytes(extra.read_bytes())
     return out
+
+
+def training_prompts(target: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(HEAD_SEED)
+    return [TARGETS[target][1](rng) for _ in range(TRAIN_PROMPTS)]
+
+
+def build_head(target: str, out: Path) -> Path:
+    """`target`'s checkpoint (built if not cached) with a head trained on it, in `out`."""
+    return train_head(TARGETS[target][0](), training_prompts(target), TRAIN_TOKENS, out)
+
+
+def cached_head(target: str) -> Path:
+    """The checkpoint with `target`'s head, cached as <target>-head-<recipe> (the recipe:
+    this file's and spec_targets.py's bytes)."""
+    files = (Path(__file__), Path(spec_targets.__file__))
+    recipe = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    return spec_targets.cached(f"{target}-head-{recipe}", lambda out: build_head(target, out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("out_dir", nargs="?", type=Path, help="default: build the cache")
+    args = parser.parse_args(argv)
+    TARGETS[args.target][0]()  # the target first: its training is not the head's
+    start = time.perf_counter()
+    path = (
+        cached_head(args.target) if args.out_dir is None else build_head(args.target, args.out_dir)
+    )
+    seconds = time.perf_counter() - start
+    digest = spec_targets.weights_sha256(path)
+    print(json.dumps({"checkpoint": str(path), "sha256": digest, "s": seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

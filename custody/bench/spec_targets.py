@@ -1,4 +1,4 @@
-"""The copy target of `custody bench spec`: a small NemotronH trained to continue copying.
+"""The targets of `custody bench spec`: small NemotronH models trained to be guessable.
 
 A drafter is worth measuring only on a target whose continuations it can guess; the
 built-in model's random weights continue a prompt with noise, so no draft is ever right
@@ -23,9 +23,18 @@ copying A, then SEP, then A again: text that repeats, where an n-gram draft shou
 - **Bit for bit.** Seeded weights and data (`TRAIN_SEED`; the bench draws its prompts with
   another seed), a fixed count of steps, one thread: two builds write the same bytes.
 
-It trains through transformers' NemotronH (custody's own forward is inference-only) and
-saves transformers' names, `config.json` and the byte tokenizer's files: a checkpoint
-`custody up --model` and `InProcess` load. `scripts/build-spec-targets.sh` builds it.
+The *chain target* (same shape and start) is the easiest target there is for an MTP
+head: after BOS and a first byte, each token is followed by SUCCESSOR[token], a fixed
+random permutation of the bytes, which it learns in 200 steps (a few seconds). Its
+greedy continuation is a walk the head can learn from the embedding of the token it is
+given alone, and that an n-gram rarely guesses (a walk repeats only when it closes its
+cycle: this permutation's cycles are 224, 26, 2, 2, 1 and 1 bytes long) and repeating
+the last token almost never does (two bytes are their own successor). What it shows is
+the machinery of an MTP head's drafts and their cost, not a head's worth on real text.
+
+Both train through transformers' NemotronH (custody's own forward is inference-only) and
+save transformers' names, `config.json` and the byte tokenizer's files: checkpoints
+`custody up --model` and `InProcess` load. `scripts/build-spec-targets.sh` builds them.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +65,9 @@ COPY_CONFIG = dataclasses.replace(
     layers_block_type=["linear_attention", "full_attention", "mlp"],
     torch_dtype="float32",
 )
+# the chain target: each token followed by SUCCESSOR[token], a fixed random permutation
+SUCCESSOR = np.random.default_rng(3).permutation(256)
+CHAIN_LENGTH, CHAIN_STEPS, CHAIN_LEARNING_RATE = 32, 200, 3e-3
 # (steps, sequences per step, tokens per sequence, longest A): short copies first
 PHASES = ((350, 16, 48, 16), (400, 16, 100, LONGEST))
 LEARNING_RATE, WARMUP, FINAL_LR_SHARE = 1e-3, 30, 0.1
@@ -104,38 +117,75 @@ def _learning_rate(step: int) -> float:
     return LEARNING_RATE * min((step + 1) / WARMUP, 1.0 - (1.0 - FINAL_LR_SHARE) * decay)
 
 
-def train() -> torch.nn.Module:
-    """The trained twin, trained on one thread (the caller's count restored after)."""
+Batches = Callable[[np.random.Generator, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def train(batches: Batches, steps: int, learning_rate: Callable[[int], float]) -> torch.nn.Module:
+    """The twin trained for `steps` steps on `batches(rng, step)`, on one thread (the
+    caller's count restored after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = _twin()
         optimiser = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
         rng = np.random.default_rng(TRAIN_SEED)
-        step = 0
-        for steps, size, length, longest in PHASES:
-            for _ in range(steps):
-                inputs, labels = _batch(rng, size, length, longest)
-                for group in optimiser.param_groups:
-                    group["lr"] = _learning_rate(step)
-                out = model(input_ids=inputs, labels=labels)
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimiser.step()
-                optimiser.zero_grad()
-                step += 1
+        for step in range(steps):
+            inputs, labels = batches(rng, step)
+            for group in optimiser.param_groups:
+                group["lr"] = learning_rate(step)
+            out = model(input_ids=inputs, labels=labels)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+            optimiser.zero_grad()
         return model.eval()
     finally:
         torch.set_num_threads(threads)
 
 
+def _copy_batches(rng: np.random.Generator, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy recipe's batch of `step`: its phase's shape."""
+    first = PHASES[0][0]
+    _, size, length, longest = PHASES[0] if step < first else PHASES[1]
+    return _batch(rng, size, length, longest)
+
+
+def chain_prompt(rng: np.random.Generator) -> np.ndarray:
+    """`BOS` and 4 to 12 tokens of the chain target's successor walk from a random byte."""
+    walk = [int(rng.integers(0, 256))]
+    for _ in range(int(rng.integers(3, 12))):
+        walk.append(int(SUCCESSOR[walk[-1]]))
+    return np.asarray([BYTE_BOS, *walk], dtype=np.int64)
+
+
+def _chain_batches(rng: np.random.Generator, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Successor walks of CHAIN_LENGTH tokens after BOS; the first token is a guess."""
+    inputs = np.empty((16, CHAIN_LENGTH), dtype=np.int64)
+    inputs[:, 0] = BYTE_BOS
+    inputs[:, 1] = rng.integers(0, 256, 16)
+    for i in range(2, CHAIN_LENGTH):
+        inputs[:, i] = SUCCESSOR[inputs[:, i - 1]]
+    labels = inputs.copy()
+    labels[:, :2] = -100
+    return torch.from_numpy(inputs), torch.from_numpy(labels)
+
+
 def build_copy_target(out_dir: Path) -> Path:
     """Train the copy target and write it as a checkpoint into `out_dir`; returns it."""
+    return _save(train(_copy_batches, sum(p[0] for p in PHASES), _learning_rate), out_dir)
+
+
+def build_chain_target(out_dir: Path) -> Path:
+    """Train the chain target and write it as a checkpoint into `out_dir`; returns it."""
+    return _save(train(_chain_batches, CHAIN_STEPS, lambda _: CHAIN_LEARNING_RATE), out_dir)
+
+
+def _save(model: torch.nn.Module, out_dir: Path) -> Path:
+    """`model` as a checkpoint in `out_dir`, with the byte tokenizer's files."""
     from safetensors.torch import save_file
 
     from services.scheduler.text.tokenizer_files import export_byte_tokenizer
 
-    model = train()
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -150,22 +200,31 @@ def recipe_id() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
-def cache_dir() -> Path:
-    """Where the bench keeps the target it built: ~/.cache/custody/spec/copy-<recipe>."""
+def cache_dir(name: str) -> Path:
+    """Where the bench keeps what it built: ~/.cache/custody/spec/<name>."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "custody" / "spec" / f"copy-{recipe_id()}"
+    return base / "custody" / "spec" / name
 
 
 def cached_copy_target() -> Path:
-    """The cached target, built first if missing (into a temporary directory beside it,
-    renamed into place once complete, so a half-written one is never read)."""
-    final = cache_dir()
+    return cached(f"copy-{recipe_id()}", build_copy_target)
+
+
+def cached_chain_target() -> Path:
+    return cached(f"chain-{recipe_id()}", build_chain_target)
+
+
+def cached(name: str, build: Callable[[Path], Path]) -> Path:
+    """The checkpoint cached as `name`, built first if missing (into a temporary
+    directory beside it, renamed into place once complete, so a half-written one is
+    never read)."""
+    final = cache_dir(name)
     if (final / "model.safetensors").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
-        build_copy_target(building)
+        build(building)
         os.replace(building, final)
     except OSError:
         if not (final / "model.safetensors").exists():
@@ -181,12 +240,16 @@ def weights_sha256(checkpoint: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chain", action="store_true", help="the chain target, not the copy")
     parser.add_argument(
         "out_dir", nargs="?", type=Path, help="where to write it (default: build the cache)"
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    path = cached_copy_target() if args.out_dir is None else build_copy_target(args.out_dir)
+    if args.out_dir is None:
+        path = cached_chain_target() if args.chain else cached_copy_target()
+    else:
+        path = (build_chain_target if args.chain else build_copy_target)(args.out_dir)
     seconds = time.perf_counter() - start
     print(json.dumps({"checkpoint": str(path), "sha256": weights_sha256(path), "s": seconds}))
     return 0

@@ -10,7 +10,7 @@ from custody.bench import spec
 def test_every_drafter_reports_its_figures_and_decodes_as_off():
     prompts = spec.held_out_prompts(count=2)
     result = spec.measure(None, prompts, new_tokens=10, batches=(1, 2), repeats=1)
-    assert 0 <= result["copy_accuracy"] <= 1
+    assert 0 <= result["target_accuracy"] <= 1
     for b in (1, 2):
         cell = result[f"b{b}"]
         assert set(cell) == {"off", *spec.DRAFTERS}
@@ -35,3 +35,20 @@ def test_every_drafter_reports_its_figures_and_decodes_as_off():
                 on["wall_ratio"], on["cpu_wall_s"] / off["cpu_wall_s"], rel_tol=1e-2
             )
             assert on["target_forwards_per_token"] <= off["target_forwards_per_token"]
+
+
+def test_an_mtp_head_s_side_counts_its_forwards(tmp_path):
+    """An untrained head (tests/executor/test_mtp_head.py's checkpoint): its drafts cost
+    forwards, and greedy outputs stay off's."""
+    import dataclasses
+
+    from shared.model_config import builtin_config
+    from tests.executor.test_mtp_head import HEAD, checkpoint
+
+    path = checkpoint(tmp_path, dataclasses.replace(builtin_config(), **HEAD))
+    prompts = spec.held_out_prompts(count=2)
+    result = spec.measure(path, prompts, 8, (1,), 1, drafters=spec.WITH_HEAD)
+    head, off = result["b1"]["mtp_head"], result["b1"]["off"]
+    assert head["outputs_identical_to_off"] and head["verify_steps"] > 0
+    assert head["draft_forwards"] >= 3 * head["verify_steps"]  # the chain of three guesses
+    assert off["draft_forwards"] == 0

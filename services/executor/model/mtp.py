@@ -60,6 +60,7 @@ class MtpHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList([MtpAttentionLayer(cfg), MtpMoELayer(cfg)])
+        self.passes = 0  # forwards run (`custody bench spec` counts a draft's cost)
 
     def layers_over(
         self,
@@ -71,6 +72,7 @@ class MtpHead(nn.Module):
         """`embeds` and `hidden` [T, H]: T new positions, after the past ones whose K and
         V are `past_k`, `past_v` [P, kv heads, d]. Returns the head's output [T, H] and
         the new positions' K and V."""
+        self.passes += 1
         first, second = self.layers
         attention: Attention = first.mixer
         x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(hidden)], dim=-1))
