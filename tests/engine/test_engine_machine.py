@@ -33,6 +33,7 @@ from services.scheduler.records.sampling import InvalidRequest, SamplingParams
 from tests.engine.data_model import reference, state_of
 from tests.engine.driver import VOCAB, Driver
 from tests.engine.test_reply_starts import truncating_turn
+from tests.engine.test_speculation import ForcedDrafts
 
 # 4 machines x 250 = 1,000 sequences by default; CUSTODY_ENGINE_EXAMPLES overrides.
 EXAMPLES = int(os.environ.get("CUSTODY_ENGINE_EXAMPLES", "250"))
@@ -46,6 +47,7 @@ class EngineMachine(RuleBasedStateMachine):
     depth = 1
     checkpoint_every = 0  # periodic checkpoints, in pages; 0: none
     host_tier = False  # a host tier small enough that hibernations and drops both happen
+    speculating = False  # verify rows of drafts spoilt at every position in turn
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,7 +67,7 @@ class EngineMachine(RuleBasedStateMachine):
         d = Driver(
             page_size=ps,
             kv_pages=64 if ps == 1 else 8,  # one context: pressure is routine
-            mamba_slots=14,
+            mamba_slots=14 + 9 * self.speculating,  # three drafts: three slots a request
             rows=6,
             context=64 if ps == 1 else 128,
             chunk=8 * ps if ps > 1 else 8,
@@ -75,6 +77,7 @@ class EngineMachine(RuleBasedStateMachine):
             depth=self.depth,
             host_pages=(48 if ps == 1 else 6) if self.host_tier else 0,
             host_slots=3 if self.host_tier else 0,
+            drafter=ForcedDrafts() if self.speculating else None,
         )
         d.engine.sessions.clock = lambda: self.now
         return d
@@ -357,6 +360,14 @@ class EngineMachine(RuleBasedStateMachine):
                 assert held == state_of(s.history[: s.cached_len]), f"session {s.sid}"
 
     @invariant()
+    def speculating_rows_run_one_deep(self):
+        """A request that speculates never has two sampling rows in flight: where its
+        next row starts depends on what its verify row accepts (docs/speculative.md)."""
+        if self.speculating:
+            for req in self.d.engine.running:
+                assert sum(r.sample for r in req.inflight) <= 1, req.rid
+
+    @invariant()
     def busy_invariant(self):
         report = self.d.engine.check()
         assert report.ok, "\n".join(report.problems)
@@ -376,15 +387,18 @@ class EngineMachine(RuleBasedStateMachine):
         ), report.counts
 
 
-def _machine(page_size: int, depth: int, checkpoint_every: int, host_tier: bool) -> type:
+def _machine(
+    page_size: int, depth: int, checkpoint_every: int, host_tier: bool, speculating: bool = False
+) -> type:
     machine = type(
-        f"EngineMachinePage{page_size}Depth{depth}",
+        f"EngineMachinePage{page_size}Depth{depth}" + "Speculating" * speculating,
         (EngineMachine,),
         {
             "page_size": page_size,
             "depth": depth,
             "checkpoint_every": checkpoint_every,
             "host_tier": host_tier,
+            "speculating": speculating,
         },
     )
     machine.TestCase.settings = settings(
@@ -404,6 +418,10 @@ TestEnginePage1Pipelined = _machine(1, 1, checkpoint_every=0, host_tier=True).Te
 TestEnginePage16Pipelined = _machine(16, 1, checkpoint_every=2, host_tier=False).TestCase
 # two steps in flight: a request's rows step around three working slots
 TestEnginePage1TwoDeep = _machine(1, 2, checkpoint_every=5, host_tier=True).TestCase
+# and speculating: every acceptance pattern, its sampling rows one deep
+TestEnginePage16Speculating = _machine(
+    16, 2, checkpoint_every=2, host_tier=True, speculating=True
+).TestCase
 
 
 def test_a_turn_refused_after_its_restore_and_ops_ran_leaves_its_session_whole():

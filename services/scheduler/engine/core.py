@@ -82,7 +82,7 @@ class EngineCore:
             pools, self.cache, limit=config.max_sessions, idle_timeout=config.idle_timeout
         )
         self.queue = RequestQueue()
-        self.in_flight = InFlight(pools, self.cache)
+        self.in_flight = InFlight(pools, self.cache, self.sessions.records)
         self.room = Room(pools, self.cache, self.sessions)
         self.endings = Endings(
             pools, self.cache, self.sessions, self.in_flight, self.queue, self.room, config
@@ -305,8 +305,13 @@ class EngineCore:
         """Positions `req` computes this step (a verify row's drafts among them, put in
         `drafts`), after making KV room (evicting the cache, then
         retracting the newest unplanned requests with no step in flight); 0 if it cannot
-        run now. Then `req` is retracted too, unless a step of its own is in flight: it
-        waits for that step. A request with a step in flight is never the victim: that
+        run now. A request planning ahead of its own step in flight retracts no one: it
+        waits for that step. One without retracts victims, and if there are none it is
+        retracted too, unless another request's step is in flight (which may end it or
+        leave it a victim): it waits for that step. Two requests that each needed the
+        other's pages once gave way to each other in turn for ever: one, pipelining its
+        next chunk, retracted the other, re-admitted it took pages the first needed, and
+        so on. A request with a step in flight is never the victim: that
         step's work (often the one that ends it) would be thrown away only to admit it
         again where it stood, and pipelined, with pages locked by requests sharing a
         prefix, requests then retract each other in turn for ever. Waiting is safe: a step
@@ -323,13 +328,20 @@ class EngineCore:
         )
         if n <= 0 or awaits_track_slot(req, n):
             return 0
+        page_size = self.pools.config.page_size
         guesses = self._drafts(req, state.tokens - n) if speculating and n == 1 else []
+        if guesses and not self.room.make(
+            pages_to_grow(page_size, planned, n + len(guesses)) + state.pages, 0, 0
+        ):
+            guesses = []  # no room for the drafts' positions: a plain row, nobody retracted
         n += len(guesses)
-        need = pages_to_grow(self.pools.config.page_size, planned, n)
+        need = pages_to_grow(page_size, planned, n)
         running = self.queue.running
         # the pages taken so far fitted (rows only free room between): a row that grows
         # no page needs no check, the case of nearly every decoding row
         while need and not self.room.make(need + state.pages, 0, 0):
+            if req.inflight:
+                return 0  # planning ahead of its own step: it waits for it, retracting no one
             planned = {id(r) for r, _ in chosen}
             victims = [
                 r
@@ -337,7 +349,9 @@ class EngineCore:
                 if r is not req and id(r) not in planned and not r.inflight
             ]
             if not victims:
-                if not req.inflight:
+                # it waits while a step in flight (its own or another's) may free room or
+                # make a victim; only when none is in flight does it give way itself
+                if not any(r.inflight or id(r) in planned for r in running):
                     self.endings.retract(req)
                 return 0
             self.endings.retract(victims[0])

@@ -22,11 +22,13 @@ from services.scheduler.allocators.pools import Pools
 from services.scheduler.cache.radix_cache import RadixCache
 from services.scheduler.engine.step import StepPlan
 from services.scheduler.records.request import Request
+from services.scheduler.sessions.records import DurableRecords
 
 
 class InFlight:
-    def __init__(self, pools: Pools, cache: RadixCache) -> None:
-        self.pools, self.cache = pools, cache
+    def __init__(self, pools: Pools, cache: RadixCache, records: DurableRecords) -> None:
+        """`records`: told which Mamba slots the copies of steps in flight write."""
+        self.pools, self.cache, self.records = pools, cache, records
         self.plans: deque[StepPlan] = deque()
         self.dropped_rows = 0  # planned rows that will not count: pipelining's wasted work
 
@@ -52,6 +54,7 @@ class InFlight:
 
     def add(self, plan: StepPlan) -> None:
         self.plans.append(plan)
+        self.records.copying([dst for _, dst in plan.ops.copies])
 
     def check_oldest(self, plan: StepPlan) -> None:
         if not self.plans or plan is not self.plans[0]:
@@ -63,6 +66,7 @@ class InFlight:
         self.plans.popleft()
         for node in plan.copy_sources:
             self.cache.unlock_copy(node)
+        self.records.copied([dst for _, dst in plan.ops.copies])
 
     def unplan(self, req: Request) -> None:
         """Drop `req`'s rows still in flight: their snapshots are cancelled, the KV given
@@ -92,6 +96,7 @@ class InFlight:
         for plan in plans:
             for node in plan.copy_sources:
                 self.cache.unlock_copy(node)
+            self.records.copied([dst for _, dst in plan.ops.copies])
             for row in plan.rows:
                 if not row.dropped:
                     self.unplan(requests[row.rid])

@@ -4,12 +4,14 @@ from those records.
 
 A record carries the history always (and a chat session's conversation), the owner (a
 hash of the API key, never the key) and, only while the session itself holds them (not
-lent to a turn), its row, working Mamba slot and KV pages: only then can a restarted
-scheduler take them over. The first pages may be the prefix cache's, which the session
-borrows (`shared_pages`): a restarted scheduler, whose cache starts empty, gives them back
-to a cache path of their own, which every session that shared them borrows again
-(docs/ownership.md, "Shared prefixes"). A session closed, or closing during a turn, is
-recorded closed at once.
+lent to a turn) and no step in flight still copies its state into them (`unwritten`: an
+aborted turn's rollback copy), its row, working Mamba slot and KV pages: only then can a
+restarted scheduler take them over. (A restart with such a step in flight once gave the
+session a slot that step never wrote: its next turn ran on a state nothing had written.)
+The first pages may be the prefix cache's, which the session borrows (`shared_pages`): a
+restarted scheduler, whose cache starts empty, gives them back to a cache path of their
+own, which every session that shared them borrows again (docs/ownership.md, "Shared
+prefixes"). A session closed, or closing during a turn, is recorded closed at once.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ class DurableRecords:
         self.pools, self.cache = pools, cache
         self.sessions = sessions  # the manager's open sessions, by id
         self.dirty = dirty  # sessions whose record changed since the last `take_records`
+        # Mamba slots the deferred copies of steps in flight write, with how many steps
+        # (`in_flight.py` says when a step starts and stops writing them)
+        self.unwritten: dict[int, int] = defaultdict(int)
+
+    def copying(self, destinations: list[int]) -> None:
+        """A step that copies into `destinations` is in flight."""
+        for slot in destinations:
+            self.unwritten[slot] += 1
+
+    def copied(self, destinations: list[int]) -> None:
+        """That step ran, or never will: a session holding one of its destinations is
+        recorded again (with its slots if they are written, without if not: the caller
+        drops an unwritten state first, faults.py)."""
+        for slot in destinations:
+            self.unwritten[slot] -= 1
+            if not self.unwritten[slot]:
+                del self.unwritten[slot]
+        done = set(destinations)
+        for sid, s in self.sessions.items():
+            if s.slots is not None and s.slots.working.held in done:
+                self.dirty.add(sid)
 
     def take_records(self) -> list[SessionRecord]:
         """What changed since the last call, as records the session store persists."""
@@ -81,7 +104,7 @@ class DurableRecords:
         )
         if s.disk is not None and s.disk.ready:
             rec.disk, rec.cached_len = s.disk.blob.slot, s.disk.tokens
-        elif s.slots is not None:
+        elif s.slots is not None and int(s.slots.working.held) not in self.unwritten:
             rec.row = s.slots.row.slot
             rec.working = s.slots.working.slot
             rec.pages = array(self.pools.rows.row_pages(rec.row, 0, s.cached_len), I8)
