@@ -473,3 +473,54 @@ def test_a_fork_names_a_turn_of_the_life_before_a_restart():
     machine.fork_turn(Draws("s1", first), drop=False)
     machine.run_until_idle()
     machine.teardown()
+
+
+def test_a_restart_while_an_aborted_turn_s_rollback_copy_is_in_flight_keeps_no_unwritten_state():
+    """A sequence the machine found (this build's fault): a branch turn's first step,
+    copying the state it resumes from into the session's rollback slot, is in flight
+    when the turn is aborted, so the session takes that slot back; the scheduler then
+    restarts (same executor) before the step runs. The session's record named the slot,
+    so the new life took it as the session's state, which nothing had written. Now a
+    record names device slots only once no step in flight copies into them."""
+
+    class Draws:
+        def __init__(self, *values: object) -> None:
+            self.values = list(values)
+
+        def draw(self, strategy: object) -> object:
+            return self.values.pop(0)
+
+    machine = _machine(1, 2, checkpoint_every=5, host_tier=True)()
+    for _ in range(3):
+        machine.open_session()
+    machine.fork(system=PREFIXES[0], own=[1], max_new=0)
+    machine.plan_ahead()
+    machine.run_until_idle()
+    machine.persist_records()
+    first = machine.named["s4"][0]
+    machine.branch(Draws("s4", first, 0), new=[1], max_new=0, how=2)
+    machine.plan_ahead()
+    turn = next(iter(machine.d.engine.requests))
+    machine.abort(Draws(turn))
+    machine.persist_records()
+    machine.restart_scheduler(same_executor=True)
+    machine.sessions_hold_their_historys_state()
+    machine.run_until_idle()
+    machine.teardown()
+
+
+def test_two_requests_that_each_need_the_whole_pool_do_not_take_turns_for_ever():
+    """A sequence the speculating machine found (this build's fault, with or without
+    speculation): two prompts that each need nearly every KV page; each, pipelining its
+    next chunk, retracted the other, which re-admitted took the pages it needed, and so
+    on. Now a request planning ahead of its own step waits for it."""
+    machine = _machine(16, 2, checkpoint_every=2, host_tier=True, speculating=True)()
+    machine.lose_executor()
+    machine.crowd(seed=0)
+    machine.run_until_idle()
+    machine.crowd(seed=141)
+    machine.fork(system=PREFIXES[1], own=[218, 227, 193, 57, 5, 192, 110, 1], max_new=6)
+    for seed in (137, 0, 0):
+        machine.crowd(seed=seed)
+    machine.run_until_idle()
+    machine.teardown()
