@@ -424,6 +424,16 @@ TestEnginePage16Speculating = _machine(
 ).TestCase
 
 
+class Draws:
+    """Hypothesis's `data` for a rule called by hand: the values it draws, in order."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> object:
+        return self.values.pop(0)
+
+
 def test_a_turn_refused_after_its_restore_and_ops_ran_leaves_its_session_whole():
     """A sequence a CI run found: a session hibernated by a crowding prompt, then a turn
     whose step (restoring the session from the host tier) is refused after its ops ran.
@@ -452,13 +462,6 @@ def test_a_fork_names_a_turn_of_the_life_before_a_restart():
     reused the id of a turn of the old one, and a fork naming that id got the later turn
     while the machine expected the earlier."""
 
-    class Draws:
-        def __init__(self, *values: object) -> None:
-            self.values = list(values)
-
-        def draw(self, strategy: object) -> object:
-            return self.values.pop(0)
-
     machine = _machine(16, 0, checkpoint_every=0, host_tier=True)()
     for _ in range(2):
         machine.fork(system=PREFIXES[0], own=[1], max_new=0)
@@ -482,13 +485,6 @@ def test_a_restart_while_an_aborted_turn_s_rollback_copy_is_in_flight_keeps_no_u
     restarts (same executor) before the step runs. The session's record named the slot,
     so the new life took it as the session's state, which nothing had written. Now a
     record names device slots only once no step in flight copies into them."""
-
-    class Draws:
-        def __init__(self, *values: object) -> None:
-            self.values = list(values)
-
-        def draw(self, strategy: object) -> object:
-            return self.values.pop(0)
 
     machine = _machine(1, 2, checkpoint_every=5, host_tier=True)()
     for _ in range(3):
