@@ -317,7 +317,10 @@ def test_a_close_whose_record_was_held_while_its_session_moved_is_not_acknowledg
     def hold_until_moved() -> None:
         os.kill(scheduler.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 60
-        while placement(redis_client, sid) == before and time.monotonic() < deadline:
+        # until the move has committed: a move under way (moving_to set) is not re-homed
+        while placement(redis_client, sid).replica == before.replica and (
+            time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         moved.set()
 
